@@ -1,0 +1,106 @@
+"""Resolving beta and the weighting parameters of a job (its ``Calibration``).
+
+``random-inputs`` needs only the model (and is cached per model, precision, K and seed);
+``shuffled`` and ``gmm`` and the ``reference`` weighting need corpus data: the first
+``calibration_pairs`` ok pairs of the job in shard order, so that a resumed or repeated
+job freezes the same values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from numpy.typing import NDArray
+
+from . import osa
+from .job import Calibration, atomic_write_bytes
+
+__all__ = ["needs_corpus", "calibrate", "cache_dir", "cached_random_beta"]
+
+RandomBeta = Callable[[], float]
+
+
+def needs_corpus(beta_recipe: str, weighting: str) -> bool:
+    """Whether calibration must see corpus pairs before any shard can be written."""
+    return beta_recipe != "random-inputs" or weighting == "reference"
+
+
+def cache_dir() -> Path:
+    """``$PAIRCLEAN_CACHE_DIR``, else ``$XDG_CACHE_HOME/pairclean``, else ``~/.cache/pairclean``."""
+    explicit = os.environ.get("PAIRCLEAN_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pairclean"
+
+
+def cached_random_beta(identity: dict[str, object], compute: RandomBeta) -> float:
+    """beta of the random-inputs recipe, computed once per ``identity`` and cached on disk.
+
+    ``identity`` must hold everything beta depends on (model id, checkpoint sha256,
+    precision, K, seed).
+    """
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+    path = cache_dir() / "beta" / f"{key}.json"
+    if path.exists():
+        try:
+            return float(json.loads(path.read_text())["beta"])
+        except (ValueError, KeyError, json.JSONDecodeError):
+            pass  # a damaged cache entry is recomputed
+    beta = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, json.dumps({"beta": beta, "identity": identity}, sort_keys=True).encode())
+    return beta
+
+
+def calibrate(
+    *,
+    beta_recipe: str,
+    k: int,
+    seed: int,
+    weighting: str,
+    batch_size: int,
+    similarities: NDArray[np.float32],
+    image_emb: NDArray[np.float32] | None,
+    text_emb: NDArray[np.float32] | None,
+    random_beta: RandomBeta,
+) -> Calibration:
+    """Resolve beta and the weighting parameters from ok-pair arrays.
+
+    ``similarities``: (N,) of ok pairs; ``image_emb``/``text_emb``: (N, D), needed by
+    ``shuffled`` only. ``shuffled`` averages ``k * k`` random mismatched pairs so that both
+    recipes average the same number of cosines at the same K. The GMM noise-rate estimate
+    is reported for every recipe when there are enough pairs.
+    """
+    sims = np.asarray(similarities, dtype=np.float32)
+    gmm = osa.fit_gmm(sims, seed) if np.isfinite(sims).sum() >= 16 else None
+    if beta_recipe == "random-inputs":
+        beta = random_beta()
+    elif beta_recipe == "shuffled":
+        if image_emb is None or text_emb is None or len(image_emb) < 2:
+            raise ValueError("the shuffled recipe needs the embeddings of at least 2 ok pairs")
+        beta = osa.beta_shuffled(image_emb, text_emb, k * k, seed)
+    elif beta_recipe == "gmm":
+        if gmm is None:
+            raise ValueError("the gmm recipe needs at least 16 ok pairs")
+        beta = gmm.boundary
+    else:
+        raise ValueError(f"unknown beta recipe {beta_recipe!r}; choose one of {', '.join(osa.BETA_RECIPES)}")
+    params = osa.weighting_params(weighting, sims, beta, batch_size)
+    return Calibration(
+        beta=float(beta),
+        recipe=beta_recipe,
+        k=k,
+        seed=seed,
+        weighting=weighting,
+        d_ref=params.d_ref,
+        weighting_batch_size=params.batch_size,
+        noise_rate=gmm.noise_rate if gmm else None,
+        calibration_pairs=int(sims.size),
+        extra={"gmm_means": list(gmm.means), "gmm_boundary": gmm.boundary} if gmm else {},
+    )

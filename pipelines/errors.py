@@ -1,0 +1,64 @@
+"""The pairclean exception hierarchy, written out in one place.
+
+    PaircleanError
+    ├── InputError                 bad job-level input (names the URI or option)
+    │   ├── UnsupportedSchemeError  a URI scheme pairclean cannot read or write
+    │   ├── ShardNotFoundError      a shard URI that does not exist
+    │   └── ShardReadError          a shard that exists but is not a readable tar
+    ├── SpecMismatchError          an output folder written by a different job spec
+    ├── ModelLoadError             an estimator that cannot be built or loaded
+    └── NotImplementedFeatureError a documented option that is not implemented yet
+
+Per-sample problems (a corrupt image, a missing caption) are never exceptions: they
+become rows with a ``status``. Per-shard and per-job problems are these exceptions,
+translated from foreign exceptions at the boundary with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PaircleanError",
+    "InputError",
+    "UnsupportedSchemeError",
+    "ShardNotFoundError",
+    "ShardReadError",
+    "SpecMismatchError",
+    "ModelLoadError",
+    "NotImplementedFeatureError",
+]
+
+
+class PaircleanError(Exception):
+    """Base class of every error pairclean raises on purpose."""
+
+
+class InputError(PaircleanError):
+    """Job-level input that cannot be used; the message names the URI or option."""
+
+    def __init__(self, message: str, uri: str | None = None) -> None:
+        super().__init__(message)
+        self.uri = uri
+
+
+class UnsupportedSchemeError(InputError):
+    """A URI whose scheme pairclean does not read (or is not allowed to)."""
+
+
+class ShardNotFoundError(InputError):
+    """A shard URI that points at nothing."""
+
+
+class ShardReadError(InputError):
+    """A shard that exists but cannot be read as a tar archive (corrupt, truncated)."""
+
+
+class SpecMismatchError(PaircleanError):
+    """The output folder already holds a job with a different frozen spec."""
+
+
+class ModelLoadError(PaircleanError):
+    """The estimator could not be built or its weights could not be loaded."""
+
+
+class NotImplementedFeatureError(PaircleanError, NotImplementedError):
+    """A named option or method that exists in the interface but is not implemented."""

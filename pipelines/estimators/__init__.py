@@ -1,0 +1,218 @@
+"""Building estimators: pairclean-lite (default), any open_clip architecture, a tiny test model.
+
+``load_estimator(EstimatorSpec(...))`` is the one entry point. Loading never needs a
+network: a named pretrained tag is tried once and, when the hub cannot be reached,
+fails fast with a ``ModelLoadError`` that says how to point at a local checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from dataclasses import dataclass, replace
+from importlib import resources
+from typing import Any
+
+from ..errors import InputError, ModelLoadError
+from .base import BF16_MIN_COSINE, PRECISIONS, Estimator, ModelInfo, file_sha256
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "TINY_TEST_MODEL",
+    "EstimatorSpec",
+    "Estimator",
+    "ModelInfo",
+    "load_estimator",
+    "resolve_device",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "pairclean-lite"
+TINY_TEST_MODEL = "pairclean-tiny-test"
+
+#: Architectures whose bf16-weight path was measured faster than fp32 on this project's
+#: CPUs (benchmarks/precision.py), so ``precision="auto"`` tries bf16 for them on CPU.
+#: ViT-B/32: 3.6x (shared/docs/measured.md). Everything else stays fp32 until measured.
+BF16_FASTER_ON_CPU = frozenset({"ViT-B-32", "ViT-B-16", "ViT-L-14"})
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """Which estimator to build.
+
+    ``model``: ``pairclean-lite``, ``pairclean-tiny-test`` or an open_clip architecture.
+    ``checkpoint``: a local open_clip state dict (.bin/.pt/.safetensors); for
+    pairclean-lite, an alternative heads file. ``pretrained``: an open_clip tag, only
+    where the hub is reachable. ``precision``: auto | fp32 | bf16. ``device``: auto | cpu | cuda[:i].
+    """
+
+    model: str = DEFAULT_MODEL
+    checkpoint: str | None = None
+    pretrained: str | None = None
+    precision: str = "auto"
+    device: str = "auto"
+
+    def validate(self) -> None:
+        """Raise ``InputError`` for option combinations that cannot work."""
+        if self.precision not in PRECISIONS:
+            raise InputError(f"unknown precision {self.precision!r}; choose one of {PRECISIONS}")
+        if self.checkpoint and self.pretrained:
+            raise InputError("give either --checkpoint or --pretrained, not both")
+        if self.checkpoint and not os.path.isfile(self.checkpoint):
+            raise InputError(f"checkpoint file not found: {self.checkpoint!r}", uri=self.checkpoint)
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; other values pass through."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"device {device!r} requested but no CUDA device is visible")
+    return device
+
+
+def load_estimator(spec: EstimatorSpec) -> Estimator:
+    """Build the estimator of ``spec`` in eval mode on its device, precision resolved."""
+    spec.validate()
+    spec = replace(spec, device=resolve_device(spec.device))
+    if spec.model == DEFAULT_MODEL:
+        from .lite import build_lite
+
+        fp32 = build_lite(spec.checkpoint, spec.device)
+    else:
+        fp32 = _build_open_clip(spec)
+    return _choose_precision(fp32, spec.precision)
+
+
+def _register_config(name: str) -> None:
+    import open_clip
+
+    if name in open_clip.list_models():
+        return
+    path = resources.files("pairclean") / "data" / f"{name}.json"
+    open_clip.add_model_config(str(path))
+
+
+def _build_open_clip(spec: EstimatorSpec) -> Estimator:
+    import open_clip
+    import torch
+
+    if spec.model == TINY_TEST_MODEL:
+        _register_config(TINY_TEST_MODEL)
+    elif spec.model not in open_clip.list_models():
+        raise ModelLoadError(
+            f"unknown model {spec.model!r}: use pairclean-lite or an open_clip architecture "
+            "(python -c 'import open_clip; print(open_clip.list_models())')"
+        )
+    elif not spec.checkpoint and not spec.pretrained:
+        raise ModelLoadError(
+            f"model {spec.model!r} needs weights: pass --checkpoint /path/to/weights "
+            "or --pretrained TAG (random weights give meaningless scores)"
+        )
+    pretrained = spec.checkpoint or spec.pretrained
+    try:
+        # Seeded so that the random-weight test model is the same in every process.
+        torch.manual_seed(0)
+        model, _, preprocess = open_clip.create_model_and_transforms(
+            spec.model, pretrained=pretrained, device=spec.device
+        )
+    except Exception as exc:
+        raise _load_error(spec, exc) from exc
+    tokenizer = open_clip.get_tokenizer(spec.model)
+    sha = file_sha256(spec.checkpoint) if spec.checkpoint else None
+    pp = open_clip.get_model_preprocess_cfg(model)
+    info = ModelInfo(
+        model_id=spec.model if not spec.pretrained else f"{spec.model}/{spec.pretrained}",
+        arch=spec.model,
+        checkpoint=os.path.abspath(spec.checkpoint) if spec.checkpoint else spec.pretrained,
+        checkpoint_sha256=sha,
+        precision="fp32",
+        device=spec.device,
+        embed_dim=int(model.text_projection.shape[-1]) if hasattr(model, "text_projection") else _embed_dim(model),
+        preprocess=_jsonable(pp),
+        text_pooling="argmax (EOT token)",
+    )
+    context_length = int(getattr(tokenizer, "context_length", 77))
+    return Estimator(model, tokenizer, preprocess, info, context_length)
+
+
+def _embed_dim(model: Any) -> int:
+    import torch
+
+    with torch.inference_mode():
+        return int(model.encode_text(torch.zeros((1, 8), dtype=torch.long)).shape[-1])
+
+
+def _load_error(spec: EstimatorSpec, exc: Exception) -> ModelLoadError:
+    if spec.pretrained:
+        return ModelLoadError(
+            f"could not load pretrained weights {spec.pretrained!r} for {spec.model!r} "
+            f"({type(exc).__name__}: {exc}). Without network access, download the checkpoint "
+            "elsewhere and pass it with --checkpoint /path/to/open_clip_model.safetensors"
+        )
+    return ModelLoadError(f"could not build {spec.model!r} from {spec.checkpoint!r}: {exc}")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def _choose_precision(fp32: Estimator, requested: str) -> Estimator:
+    if requested == "fp32":
+        return fp32
+    cpu = fp32.info.device == "cpu"
+    if requested == "auto" and cpu and fp32.info.arch not in BF16_FASTER_ON_CPU:
+        return fp32
+    bf16 = _to_bf16(fp32)
+    agreement = _agreement(fp32, bf16)
+    if agreement >= BF16_MIN_COSINE:
+        return bf16
+    if requested == "bf16":
+        log.warning("bf16 embeddings agree with fp32 only to cosine %.5f", agreement)
+        return bf16
+    log.warning(
+        "bf16 embeddings agree with fp32 only to cosine %.5f < %.3f: staying with fp32",
+        agreement,
+        BF16_MIN_COSINE,
+    )
+    return fp32
+
+
+def _to_bf16(fp32: Estimator) -> Estimator:
+    import torch
+
+    model = copy.deepcopy(fp32.model).to(torch.bfloat16)
+    info = replace(fp32.info, precision="bf16")
+    return Estimator(model, fp32.tokenizer, fp32.preprocess, info, fp32.context_length)
+
+
+def _agreement(a: Estimator, b: Estimator) -> float:
+    """Smallest cosine between the fp32 and bf16 embeddings of a fixed probe."""
+    import numpy as np
+    import torch
+
+    gen = torch.Generator().manual_seed(1234)
+    size = a.image_size
+    # Smooth random images (upsampled noise) look more like photos than white noise.
+    coarse = torch.rand((8, 3, 8, 8), generator=gen)
+    pixels = torch.nn.functional.interpolate(coarse, size=(size, size), mode="bilinear")
+    pixels = (pixels - 0.5) / 0.25
+    texts = [
+        "a dog running on the grass",
+        "two children playing in the snow",
+        "a man riding a bicycle down a city street",
+        "a plate of food on a wooden table",
+    ]
+    cos_img = (a.encode_images(pixels) * b.encode_images(pixels)).sum(axis=1)
+    cos_txt = (a.encode_texts(texts) * b.encode_texts(texts)).sum(axis=1)
+    return float(np.minimum(cos_img.min(), cos_txt.min()))

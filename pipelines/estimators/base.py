@@ -1,0 +1,130 @@
+"""The estimator interface: a frozen CLIP-style model that embeds images and captions.
+
+Every estimator (any open_clip architecture, pairclean-lite, the tiny test model) is an
+``Estimator``: it owns an open_clip model, its tokenizer and its preprocessing, and
+returns L2-normalised float32 numpy embeddings. Nothing outside this package touches
+torch modules directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+from PIL import Image
+
+__all__ = ["ModelInfo", "Estimator", "file_sha256", "PRECISIONS"]
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = ("auto", "fp32", "bf16")
+#: Embeddings of the bf16 path must agree with fp32 at least this well to be trusted.
+BF16_MIN_COSINE = 0.999
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What identifies an estimator's outputs; written into every output's metadata."""
+
+    model_id: str
+    arch: str
+    checkpoint: str | None
+    checkpoint_sha256: str | None
+    precision: str
+    device: str
+    embed_dim: int
+    preprocess: dict[str, Any]
+    text_pooling: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable copy."""
+        return asdict(self)
+
+
+def file_sha256(path: str, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file, streamed."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class Estimator:
+    """An open_clip model in eval mode with its tokenizer and preprocessing.
+
+    ``encode_images``: (N, 3, H, W) float tensor from ``preprocess`` -> (N, D) float32,
+    L2-normalised. ``encode_texts``: N strings -> (N, D) float32, L2-normalised.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Callable[[Sequence[str]], torch.Tensor],
+        preprocess: Callable[[Image.Image], torch.Tensor],
+        info: ModelInfo,
+        context_length: int,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.preprocess = preprocess
+        self.info = info
+        self.context_length = context_length
+        self._dtype = torch.bfloat16 if info.precision == "bf16" else torch.float32
+        self._device = torch.device(info.device)
+
+    @property
+    def image_size(self) -> int:
+        """Side of the square model input."""
+        size = self.info.preprocess.get("size", 224)
+        return int(size[0] if isinstance(size, (list, tuple)) else size)
+
+    @torch.inference_mode()
+    def encode_images(self, pixels: torch.Tensor) -> NDArray[np.float32]:
+        """(N, 3, H, W) preprocessed pixels -> (N, D) float32 L2-normalised embeddings."""
+        if pixels.shape[0] == 0:
+            return np.zeros((0, self.info.embed_dim), dtype=np.float32)
+        x = pixels.to(self._device, self._dtype)
+        return _normalised(self.model.encode_image(x))
+
+    @torch.inference_mode()
+    def encode_token_ids(self, tokens: torch.Tensor) -> NDArray[np.float32]:
+        """(N, L) token ids -> (N, D) float32 L2-normalised embeddings."""
+        if tokens.shape[0] == 0:
+            return np.zeros((0, self.info.embed_dim), dtype=np.float32)
+        return _normalised(self.model.encode_text(tokens.to(self._device)))
+
+    def encode_texts(self, texts: Sequence[str]) -> NDArray[np.float32]:
+        """N captions -> (N, D) float32 L2-normalised embeddings (truncated to the context)."""
+        if not texts:
+            return np.zeros((0, self.info.embed_dim), dtype=np.float32)
+        return self.encode_token_ids(self.tokenizer(list(texts)))
+
+    def random_input_embeddings(
+        self, k: int, seed: int, batch_size: int = 64
+    ) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
+        """Embeddings of the reference beta recipe: (K, D) images, (K, D) texts.
+
+        Images are uniform [0, 1) tensors fed without mean/std normalisation; texts are
+        full-context sequences of token ids drawn from {0..99} without start/end tokens
+        (seed 004's released code). Deterministic for a given seed.
+        """
+        gen = torch.Generator().manual_seed(seed)
+        size = self.image_size
+        images = torch.rand((k, 3, size, size), generator=gen)
+        tokens = torch.randint(0, 100, (k, self.context_length), generator=gen)
+        img = [self.encode_images(images[i : i + batch_size]) for i in range(0, k, batch_size)]
+        txt = [self.encode_token_ids(tokens[i : i + batch_size]) for i in range(0, k, batch_size)]
+        return np.concatenate(img), np.concatenate(txt)
+
+
+def _normalised(emb: torch.Tensor) -> NDArray[np.float32]:
+    out = emb.float()
+    out = out / out.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    return np.ascontiguousarray(out.cpu().numpy(), dtype=np.float32)

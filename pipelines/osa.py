@@ -1,0 +1,226 @@
+"""OSA, one-step anti-noise scoring (seed 004), as pure functions over arrays.
+
+Notation: ``s`` is the cosine of an L2-normalised image embedding and text embedding;
+``beta`` the space shift; ``d = s - beta``. See ``shared/docs/methods.md``.
+
+Beta recipes (how ``beta`` is measured):
+
+- ``random-inputs`` (reference): mean cosine over the K x K cross matrix of embeddings of
+  random images (uniform [0, 1), no normalisation) and random token sequences. The
+  estimator adapter makes the embeddings; ``beta_from_cross`` reduces them.
+- ``shuffled``: mean cosine of K random mismatched pairs of the corpus itself.
+- ``gmm``: the decision boundary of a 2-component Gaussian mixture fitted on the corpus
+  similarities; its low-mean component's weight is the estimated noise rate.
+
+Weighting functions (``s``, ``beta`` -> weight in [0, 1]):
+
+- ``paper`` (default): eq. 5, ``d^2 (1 - d)`` for ``d > 0``, rescaled by 27/4.
+- ``reference``: ``x^2 (1 - x^2)`` with ``x = clamp(d / d_ref, 0, 1)`` and a dataset-level
+  ``d_ref`` (99.9th percentile of d), rescaled by 4. Batch-independent.
+- ``reference-batch``: the released code's semantics, batch maximum as normaliser
+  (a weight depends on its batch-mates), epsilon-guarded, not rescaled.
+
+A pair is noisy iff ``s <= beta``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = [
+    "BETA_RECIPES",
+    "WEIGHTINGS",
+    "DEFAULT_BETA_RECIPE",
+    "DEFAULT_WEIGHTING",
+    "DEFAULT_K",
+    "GmmFit",
+    "WeightingParams",
+    "cosine_rows",
+    "beta_from_cross",
+    "beta_shuffled",
+    "fit_gmm",
+    "weight_paper",
+    "weight_reference",
+    "weight_reference_batch",
+    "weighting_params",
+    "apply_weighting",
+    "noisy_flags",
+]
+
+BETA_RECIPES: Final = ("random-inputs", "shuffled", "gmm")
+WEIGHTINGS: Final = ("paper", "reference", "reference-batch")
+DEFAULT_BETA_RECIPE: Final = "random-inputs"
+DEFAULT_WEIGHTING: Final = "paper"
+#: K of the reference recipe: 256 random images x 256 random texts = 65,536 pairs.
+DEFAULT_K: Final = 256
+#: Percentile of d used as the dataset-level normaliser of the ``reference`` weighting.
+REFERENCE_PERCENTILE: Final = 99.9
+_EPS: Final = 1e-8
+
+FloatArray = NDArray[np.float32]
+
+
+def cosine_rows(image_emb: FloatArray, text_emb: FloatArray) -> FloatArray:
+    """Row-wise cosine of matched pairs: (N, D), (N, D) L2-normalised -> (N,) float32."""
+    if image_emb.shape != text_emb.shape:
+        raise ValueError(f"shape mismatch {image_emb.shape} vs {text_emb.shape}")
+    prod = image_emb.astype(np.float32) * text_emb.astype(np.float32)
+    return np.asarray(prod.sum(axis=1), dtype=np.float32)
+
+
+def beta_from_cross(image_emb: FloatArray, text_emb: FloatArray) -> float:
+    """Mean cosine over the full cross matrix: (K, D), (M, D) L2-normalised -> scalar.
+
+    Equal to the mean of ``image_emb @ text_emb.T`` but computed as a dot product of the
+    mean vectors (O((K + M) D) instead of O(K M D)).
+    """
+    mean_i = image_emb.astype(np.float64).mean(axis=0)
+    mean_t = text_emb.astype(np.float64).mean(axis=0)
+    return float(mean_i @ mean_t)
+
+
+def beta_shuffled(image_emb: FloatArray, text_emb: FloatArray, k: int, seed: int) -> float:
+    """Mean cosine of ``k`` random mismatched pairs (i, j), i != j, of a corpus sample.
+
+    (N, D), (N, D) L2-normalised, N >= 2 -> scalar. Deterministic for a given seed.
+    """
+    n = image_emb.shape[0]
+    if n < 2:
+        raise ValueError("the shuffled recipe needs at least 2 pairs")
+    rng = np.random.default_rng(seed)
+    i = rng.integers(0, n, size=k)
+    # An offset in [1, n) guarantees j != i while keeping j uniform over the others.
+    j = (i + rng.integers(1, n, size=k)) % n
+    return float(cosine_rows(image_emb[i], text_emb[j]).astype(np.float64).mean())
+
+
+@dataclass(frozen=True)
+class GmmFit:
+    """A 2-component Gaussian mixture on similarities.
+
+    ``boundary``: the similarity where both components are equally likely (between the
+    means); ``noise_rate``: the mixing weight of the low-mean (noisy) component.
+    """
+
+    boundary: float
+    noise_rate: float
+    means: tuple[float, float]
+    stds: tuple[float, float]
+
+
+def fit_gmm(similarities: FloatArray, seed: int, max_points: int = 1_000_000) -> GmmFit:
+    """Fit a 2-component GMM on (N,) similarities (N >= 4) and locate its decision boundary.
+
+    At most ``max_points`` values (a seeded subsample) are used, which bounds the cost.
+    """
+    from sklearn.mixture import GaussianMixture
+
+    sims = np.asarray(similarities, dtype=np.float32)
+    sims = sims[np.isfinite(sims)]
+    if sims.size < 4:
+        raise ValueError("the gmm recipe needs at least 4 finite similarities")
+    rng = np.random.default_rng(seed)
+    if sims.size > max_points:
+        sims = rng.choice(sims, size=max_points, replace=False)
+    gmm = GaussianMixture(n_components=2, max_iter=200, tol=1e-4, reg_covar=1e-6, random_state=seed)
+    gmm.fit(sims.reshape(-1, 1).astype(np.float64))
+    means = gmm.means_.ravel()
+    stds = np.sqrt(gmm.covariances_.ravel())
+    lo, hi = int(np.argmin(means)), int(np.argmax(means))
+    grid = np.linspace(means[lo], means[hi], 4001).reshape(-1, 1)
+    post = gmm.predict_proba(grid)[:, hi]
+    # The first grid point where the clean (high-mean) component takes over.
+    crossing = int(np.argmax(post >= 0.5)) if np.any(post >= 0.5) else len(grid) - 1
+    return GmmFit(
+        boundary=float(grid[crossing, 0]),
+        noise_rate=float(gmm.weights_[lo]),
+        means=(float(means[lo]), float(means[hi])),
+        stds=(float(stds[lo]), float(stds[hi])),
+    )
+
+
+def weight_paper(s: FloatArray, beta: float) -> FloatArray:
+    """Eq. 5 of seed 004 rescaled to [0, 1]: (N,) -> (N,) float32.
+
+    ``w = 27/4 d^2 (1 - d)`` for ``d > 0``, else 0; clipped to [0, 1] (d > 1 is only
+    possible for a negative beta, where the cubic would turn negative). NaN -> 0.
+    """
+    d = np.asarray(s, dtype=np.float64) - beta
+    w = np.where(d > 0, 6.75 * d * d * (1.0 - d), 0.0)
+    return np.nan_to_num(np.clip(w, 0.0, 1.0), nan=0.0).astype(np.float32)
+
+
+def weight_reference(s: FloatArray, beta: float, d_ref: float) -> FloatArray:
+    """``4 x^2 (1 - x^2)``, ``x = clamp(d / d_ref, 0, 1)``: (N,) -> (N,) float32 in [0, 1].
+
+    ``d_ref`` is dataset-level (see ``weighting_params``), so a pair's weight does not
+    depend on its batch-mates. Like the released code, the most similar pairs (x = 1)
+    get weight 0: this reproduces it, it is not an endorsement.
+    """
+    x = np.clip((np.asarray(s, dtype=np.float64) - beta) / max(d_ref, _EPS), 0.0, 1.0)
+    w = 4.0 * x * x * (1.0 - x * x)
+    return np.nan_to_num(w, nan=0.0).astype(np.float32)
+
+
+def weight_reference_batch(s: FloatArray, beta: float, batch_size: int) -> FloatArray:
+    """The released code: per consecutive batch, ``x = d+ / max(d+)``, ``w = x^2 (1 - x^2)``.
+
+    (N,) -> (N,) float32 in [0, 0.25]. Logit scaling (100 x cosine) cancels in the
+    division and is omitted. The epsilon guard turns the code's NaN (no pair above beta)
+    into weight 0 for the whole batch.
+    """
+    d = np.clip(np.nan_to_num(np.asarray(s, dtype=np.float64) - beta, nan=0.0), 0.0, None)
+    out = np.zeros_like(d)
+    for start in range(0, d.size, max(1, batch_size)):
+        chunk = d[start : start + batch_size]
+        x = chunk / max(float(chunk.max(initial=0.0)), _EPS)
+        out[start : start + batch_size] = x * x * (1.0 - x * x)
+    return out.astype(np.float32)
+
+
+@dataclass(frozen=True)
+class WeightingParams:
+    """Everything a weighting needs besides s and beta; recorded in the Parquet metadata."""
+
+    name: str
+    d_ref: float | None = None
+    batch_size: int | None = None
+
+
+def weighting_params(
+    name: str, similarities: FloatArray, beta: float, batch_size: int
+) -> WeightingParams:
+    """Resolve the dataset-level parameters of weighting ``name`` from (N,) similarities."""
+    if name == "paper":
+        return WeightingParams(name)
+    if name == "reference":
+        d = np.asarray(similarities, dtype=np.float64) - beta
+        d = d[np.isfinite(d)]
+        d_ref = float(np.percentile(d, REFERENCE_PERCENTILE)) if d.size else 1.0
+        return WeightingParams(name, d_ref=max(d_ref, _EPS))
+    if name == "reference-batch":
+        return WeightingParams(name, batch_size=batch_size)
+    raise ValueError(f"unknown weighting {name!r}; choose one of {', '.join(WEIGHTINGS)}")
+
+
+def apply_weighting(s: FloatArray, beta: float, params: WeightingParams) -> FloatArray:
+    """Weights for (N,) similarities under ``params``: (N,) -> (N,) float32."""
+    if params.name == "paper":
+        return weight_paper(s, beta)
+    if params.name == "reference":
+        assert params.d_ref is not None
+        return weight_reference(s, beta, params.d_ref)
+    if params.name == "reference-batch":
+        assert params.batch_size is not None
+        return weight_reference_batch(s, beta, params.batch_size)
+    raise ValueError(f"unknown weighting {params.name!r}; choose one of {', '.join(WEIGHTINGS)}")
+
+
+def noisy_flags(s: FloatArray, beta: float) -> NDArray[np.bool_]:
+    """The paper's noisy rule ``s <= beta`` (NaN similarities count as noisy): (N,) -> (N,) bool."""
+    sims = np.asarray(s, dtype=np.float64)
+    return np.asarray(~(sims > beta), dtype=np.bool_)

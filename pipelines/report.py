@@ -1,0 +1,98 @@
+"""Summaries of a job's output folder (what ``pairclean inspect`` prints)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from . import osa, schema
+from .job import OutputDir
+from .rescore import load_scores
+
+__all__ = ["Summary", "summarize", "format_summary"]
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Counts and distributions over every committed pair of a job."""
+
+    shards_total: int
+    shards_committed: int
+    pairs: int
+    statuses: dict[str, int]
+    beta: float | None
+    beta_recipe: str | None
+    weighting: str | None
+    model: dict[str, Any]
+    flagged_noisy: float
+    noise_rate_gmm: float | None
+    weight_histogram: list[tuple[float, float, int]]
+    lowest: list[dict[str, Any]]
+    first: list[dict[str, Any]]
+
+
+def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> Summary:
+    """Summarise ``out``: status counts, noisy fraction, GMM noise rate, weight histogram."""
+    spec = out.read_spec()
+    table = load_scores(out)
+    first_path = next(out.iter_committed_tables())[1]
+    meta = json.loads(pq.read_schema(first_path).metadata[schema.META_KEY])
+    status = np.asarray(table.column(schema.COL_STATUS).to_pylist())
+    ok = status == schema.STATUS_OK
+    sims = table.column(schema.COL_SIMILARITY).to_numpy()[ok]
+    weights = table.column(schema.COL_WEIGHT).to_numpy()[ok]
+    noisy = table.column(schema.COL_NOISY).to_numpy(zero_copy_only=False)[ok]
+    gmm = osa.fit_gmm(sims, seed).noise_rate if sims.size >= 16 else None
+    counts, edges = np.histogram(weights, bins=bins, range=(0.0, 1.0))
+    view = table.select([schema.COL_KEY, schema.COL_STATUS, schema.COL_SIMILARITY, schema.COL_WEIGHT, schema.COL_NOISY])
+    ok_view = view.filter(ok)
+    order = np.argsort(ok_view.column(schema.COL_WEIGHT).to_numpy(), kind="stable")[:rows]
+    values, occurrences = np.unique(status, return_counts=True)
+    return Summary(
+        shards_total=len(spec.shards) if spec else 0,
+        shards_committed=len(out.manifest()),
+        pairs=table.num_rows,
+        statuses={str(k): int(v) for k, v in zip(values, occurrences)},
+        beta=meta["beta"]["value"],
+        beta_recipe=meta["beta"]["recipe"],
+        weighting=meta["weighting"]["name"],
+        model=meta["model"],
+        flagged_noisy=float(noisy.mean()) if noisy.size else 0.0,
+        noise_rate_gmm=gmm,
+        weight_histogram=[(float(edges[i]), float(edges[i + 1]), int(counts[i])) for i in range(bins)],
+        lowest=ok_view.take(order).to_pylist(),
+        first=view.slice(0, rows).to_pylist(),
+    )
+
+
+def _row(r: dict[str, Any]) -> str:
+    sim = r[schema.COL_SIMILARITY]
+    sim_s = "   nan" if sim is None or np.isnan(sim) else f"{sim:+.3f}"
+    flag = "NOISY" if r[schema.COL_NOISY] else "clean"
+    return f"  {r[schema.COL_KEY]:<32} {r[schema.COL_STATUS]:<13} sim {sim_s}  weight {r[schema.COL_WEIGHT]:.3f}  {flag}"
+
+
+def format_summary(s: Summary) -> str:
+    """Human-readable text of a summary."""
+    lines = [
+        f"shards: {s.shards_committed}/{s.shards_total} committed, pairs: {s.pairs}",
+        f"model: {s.model.get('model_id')} ({s.model.get('precision')}, {s.model.get('device')})",
+        f"beta: {s.beta:+.4f} ({s.beta_recipe}), weighting: {s.weighting}",
+        "status: " + ", ".join(f"{k}={v}" for k, v in s.statuses.items()),
+        f"flagged noisy (similarity <= beta): {100 * s.flagged_noisy:.1f}% of ok pairs",
+        "noise-rate estimate (2-component GMM on similarities): "
+        + (f"{100 * s.noise_rate_gmm:.1f}%" if s.noise_rate_gmm is not None else "n/a (fewer than 16 pairs)"),
+        "weight histogram:",
+    ]
+    top = max((c for _, _, c in s.weight_histogram), default=1) or 1
+    for lo, hi, count in s.weight_histogram:
+        lines.append(f"  [{lo:.1f}, {hi:.1f}) {count:>8}  {'#' * int(round(40 * count / top))}")
+    lines.append("first pairs:")
+    lines.extend(_row(r) for r in s.first)
+    lines.append("lowest-weight pairs:")
+    lines.extend(_row(r) for r in s.lowest)
+    return "\n".join(lines)

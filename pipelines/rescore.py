@@ -1,0 +1,137 @@
+"""Recomputing weights and flags of a finished job from stored similarities and embeddings.
+
+No image is decoded and no pair is re-embedded. Calibration follows the same rule as a
+fresh ``score`` (the first ``calibration_pairs`` ok pairs in shard order), so rescoring to
+recipe X gives the same weights as scoring with recipe X from the start.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import osa, schema
+from .calibration import calibrate
+from .errors import InputError
+from .job import Calibration, JobSpec, OutputDir, atomic_write_bytes, sha256_file
+from .scoring import output_metadata, scores_table
+
+__all__ = ["load_scores", "rescore"]
+
+
+def load_scores(out: OutputDir) -> pa.Table:
+    """All committed scores of a job as one table, shards in spec order."""
+    tables = [pq.read_table(path) for _, path in out.iter_committed_tables()]
+    if not tables:
+        raise InputError(f"{out.path} holds no committed shard")
+    return pa.concat_tables(tables, promote_options="default")
+
+
+def _embeddings(out: OutputDir, stems: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    img_parts, txt_parts = [], []
+    for stem in stems:
+        path = out.embeddings_path(stem)
+        if not path.exists():
+            raise InputError(
+                f"{path} is missing: the shuffled recipe needs embeddings; score with --embeddings"
+            )
+        table = pq.read_table(path)
+        valid = table.column(schema.COL_IMAGE_EMB).is_valid().to_numpy(zero_copy_only=False)
+        for name, parts in ((schema.COL_IMAGE_EMB, img_parts), (schema.COL_TEXT_EMB, txt_parts)):
+            col = table.column(name).combine_chunks().filter(pa.array(valid))
+            dim = col.type.list_size
+            parts.append(col.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, dim))
+    return np.concatenate(img_parts), np.concatenate(txt_parts)
+
+
+def rescore(
+    out: OutputDir,
+    *,
+    beta_recipe: str,
+    weighting: str,
+    beta_k: int | None,
+    random_beta: Callable[[JobSpec], float] | None = None,
+) -> Calibration:
+    """Rewrite every committed scores file of ``out`` under a new recipe and weighting.
+
+    ``random_beta(spec)`` supplies the random-inputs beta (it needs the model; the CLI
+    passes a cached loader). Updates ``_job.json``, ``_calibration.json`` and the manifest's
+    checksums; each file is replaced atomically.
+    """
+    if beta_recipe not in osa.BETA_RECIPES:
+        raise InputError(f"unknown beta recipe {beta_recipe!r}; choose one of {', '.join(osa.BETA_RECIPES)}")
+    if weighting not in osa.WEIGHTINGS:
+        raise InputError(f"unknown weighting {weighting!r}; choose one of {', '.join(osa.WEIGHTINGS)}")
+    old_spec = out.read_spec()
+    if old_spec is None:
+        raise InputError(f"{out.path} is not a pairclean output folder (no {schema.JOB_FILE})")
+    spec = replace(old_spec, beta_recipe=beta_recipe, weighting=weighting, beta_k=beta_k or old_spec.beta_k)
+    committed = list(out.iter_committed_tables())
+    if not committed:
+        raise InputError(f"{out.path} holds no committed shard")
+    tables = [(entry, pq.read_table(path)) for entry, path in committed]
+    ok_sims = [
+        t.column(schema.COL_SIMILARITY).to_numpy()[
+            np.asarray(t.column(schema.COL_STATUS).to_pylist()) == schema.STATUS_OK
+        ]
+        for _, t in tables
+    ]
+    n = spec.calibration_pairs
+    sims = np.concatenate(ok_sims)[:n].astype(np.float32)
+    img = txt = None
+    if beta_recipe == "shuffled":
+        img, txt = _embeddings(out, [e.stem for e, _ in tables])
+        img, txt = img[:n], txt[:n]
+    calibration = calibrate(
+        beta_recipe=beta_recipe, k=spec.beta_k, seed=spec.seed, weighting=weighting,
+        batch_size=spec.batch_size, similarities=sims, image_emb=img, text_emb=txt,
+        random_beta=(lambda: random_beta(spec)) if random_beta else _no_model,
+    )
+    for entry, table in tables:
+        _rewrite(out, entry.output, table, calibration)
+    _rewrite_manifest(out)
+    doc = json.loads(out.job_file.read_text())
+    doc["spec"] = spec.to_json()
+    doc.setdefault("rescored_from", []).append({k: old_spec.to_json()[k] for k in ("beta_recipe", "weighting", "beta_k")})
+    atomic_write_bytes(out.job_file, json.dumps(doc, indent=2).encode())
+    out.write_calibration(calibration)
+    return calibration
+
+
+def _no_model() -> float:
+    raise InputError("the random-inputs recipe needs the estimator; none was given")
+
+
+def _rewrite(out: OutputDir, name: str, table: pa.Table, calibration: Calibration) -> None:
+    from .job import atomic_write_parquet
+
+    old_meta = json.loads(table.schema.metadata[schema.META_KEY])
+    extra = {k: old_meta[k] for k in ("shard", "recipe") if k in old_meta}
+    meta = output_metadata(old_meta["model"], calibration, extra)
+    cols = set(table.column_names)
+    new = scores_table(
+        shard=table.column(schema.COL_SHARD)[0].as_py() if table.num_rows else "",
+        keys=table.column(schema.COL_KEY).to_pylist(),
+        idx=table.column(schema.COL_IDX).to_numpy(),
+        status=table.column(schema.COL_STATUS).to_pylist(),
+        error=table.column(schema.COL_ERROR).to_pylist(),
+        similarity=table.column(schema.COL_SIMILARITY).to_numpy(),
+        calibration=calibration,
+        metadata=meta,
+        uid=table.column(schema.COL_UID).to_pylist() if schema.COL_UID in cols else None,
+        url=table.column(schema.COL_URL).to_pylist() if schema.COL_URL in cols else None,
+    )
+    atomic_write_parquet(out.path / name, new)
+
+
+def _rewrite_manifest(out: OutputDir) -> None:
+    lines = []
+    for entry in out.manifest().values():
+        fresh = replace(entry, sha256=sha256_file(out.path / entry.output))
+        lines.append(json.dumps(fresh.to_json(), sort_keys=True))
+    atomic_write_bytes(out.manifest_file, ("\n".join(lines) + "\n").encode())

@@ -1,0 +1,105 @@
+"""Column names, statuses and the Parquet schemas: spelled here and nowhere else."""
+
+from __future__ import annotations
+
+from typing import Final
+
+import pyarrow as pa
+
+__all__ = [
+    "STATUSES",
+    "STATUS_OK",
+    "STATUS_DECODE_ERROR",
+    "STATUS_MISSING_IMAGE",
+    "STATUS_MISSING_TEXT",
+    "STATUS_EMPTY_TEXT",
+    "STATUS_TOO_LARGE",
+    "COL_KEY",
+    "COL_SHARD",
+    "COL_IDX",
+    "COL_STATUS",
+    "COL_ERROR",
+    "COL_SIMILARITY",
+    "COL_WEIGHT",
+    "COL_NOISY",
+    "COL_UID",
+    "COL_URL",
+    "COL_IMAGE_EMB",
+    "COL_TEXT_EMB",
+    "META_KEY",
+    "scores_schema",
+    "embeddings_schema",
+    "JOB_FILE",
+    "MANIFEST_FILE",
+]
+
+STATUS_OK: Final = "ok"
+STATUS_DECODE_ERROR: Final = "decode_error"
+STATUS_MISSING_IMAGE: Final = "missing_image"
+STATUS_MISSING_TEXT: Final = "missing_text"
+STATUS_EMPTY_TEXT: Final = "empty_text"
+STATUS_TOO_LARGE: Final = "too_large"
+STATUSES: Final = (
+    STATUS_OK,
+    STATUS_DECODE_ERROR,
+    STATUS_MISSING_IMAGE,
+    STATUS_MISSING_TEXT,
+    STATUS_EMPTY_TEXT,
+    STATUS_TOO_LARGE,
+)
+
+COL_KEY: Final = "key"
+COL_SHARD: Final = "shard"
+COL_IDX: Final = "idx"
+COL_STATUS: Final = "status"
+COL_ERROR: Final = "error"
+COL_SIMILARITY: Final = "similarity"
+COL_WEIGHT: Final = "weight"
+COL_NOISY: Final = "noisy"
+COL_UID: Final = "uid"
+COL_URL: Final = "url"
+COL_IMAGE_EMB: Final = "image_emb"
+COL_TEXT_EMB: Final = "text_emb"
+
+#: The single Parquet key-value metadata key; its value is a JSON object (see
+#: ``pairclean.job.score_metadata``) so that readers need one ``json.loads``.
+META_KEY: Final = b"pairclean"
+
+JOB_FILE: Final = "_job.json"
+MANIFEST_FILE: Final = "_manifest.jsonl"
+
+
+def scores_schema(with_uid: bool, with_url: bool) -> pa.Schema:
+    """The schema of ``OUT/<stem>.parquet``; ``uid``/``url`` only when the shard has them.
+
+    ``similarity`` is NaN and ``weight`` 0 for rows whose status is not ``ok``.
+    """
+    fields = [
+        pa.field(COL_KEY, pa.string(), nullable=False),
+        pa.field(COL_SHARD, pa.string(), nullable=False),
+        pa.field(COL_IDX, pa.int64(), nullable=False),
+        pa.field(COL_STATUS, pa.string(), nullable=False),
+        pa.field(COL_ERROR, pa.string()),
+        pa.field(COL_SIMILARITY, pa.float32(), nullable=False),
+        pa.field(COL_WEIGHT, pa.float32(), nullable=False),
+        pa.field(COL_NOISY, pa.bool_(), nullable=False),
+    ]
+    if with_uid:
+        fields.append(pa.field(COL_UID, pa.string()))
+    if with_url:
+        fields.append(pa.field(COL_URL, pa.string()))
+    return pa.schema(fields)
+
+
+def embeddings_schema(dim: int) -> pa.Schema:
+    """The schema of the sidecar ``OUT/<stem>.emb.parquet``: float16 L2-normalised embeddings.
+
+    Rows whose status is not ``ok`` carry null embeddings.
+    """
+    return pa.schema(
+        [
+            pa.field(COL_KEY, pa.string(), nullable=False),
+            pa.field(COL_IMAGE_EMB, pa.list_(pa.float16(), dim)),
+            pa.field(COL_TEXT_EMB, pa.list_(pa.float16(), dim)),
+        ]
+    )

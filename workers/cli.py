@@ -1,0 +1,253 @@
+"""The ``pairclean`` command: score, rescore, inspect, demo, train-lite.
+
+Exit codes: 0 every shard committed; 1 a job-level error (bad input, spec mismatch,
+model that cannot load), with a one-line message; 2 the job ran but some shards could
+not be read (they are listed; rerunning the same command retries just those).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any
+
+from pairclean import __version__
+from pairclean.errors import PaircleanError
+
+__all__ = ["main", "build_parser"]
+
+log = logging.getLogger("pairclean")
+
+EXIT_OK, EXIT_ERROR, EXIT_PARTIAL = 0, 1, 2
+
+
+def _add_estimator_args(p: argparse.ArgumentParser) -> None:
+    from pairclean.estimators import DEFAULT_MODEL
+
+    g = p.add_argument_group("estimator")
+    g.add_argument("--model", default=DEFAULT_MODEL, help="pairclean-lite (default, offline) or an open_clip architecture")
+    g.add_argument("--checkpoint", help="local weights file (open_clip state dict; for pairclean-lite, a heads file)")
+    g.add_argument("--pretrained", help="open_clip pretrained tag (needs the model hub)")
+    g.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"))
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every sub-command."""
+    from pairclean import osa
+    from pairclean.decode import DEFAULT_MAX_PIXELS
+
+    parser = argparse.ArgumentParser(prog="pairclean", description="Score image-caption pairs in WebDataset shards for noisy correspondence.")
+    parser.add_argument("--version", action="version", version=f"pairclean {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    score = sub.add_parser("score", help="score shards into OUT/<shard>.parquet (resumable)")
+    score.add_argument("shards", nargs="+", help="shard URIs, brace ranges, globs or @list.txt")
+    score.add_argument("--out", required=True, help="output folder (local)")
+    _add_estimator_args(score)
+    score.add_argument("--beta-recipe", default=osa.DEFAULT_BETA_RECIPE, choices=osa.BETA_RECIPES)
+    score.add_argument("--beta-k", type=int, default=osa.DEFAULT_K)
+    score.add_argument("--weighting", default=osa.DEFAULT_WEIGHTING, choices=osa.WEIGHTINGS)
+    score.add_argument("--seed", type=int, default=0)
+    score.add_argument("--batch-size", type=int, default=64)
+    score.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS)
+    score.add_argument("--caption-field", default=None, help="take the caption from this json field")
+    score.add_argument("--calibration-pairs", type=int, default=4096, help="ok pairs that corpus recipes calibrate on")
+    score.add_argument("--embeddings", action=argparse.BooleanOptionalAction, default=True, help="write OUT/<shard>.emb.parquet")
+    score.add_argument("--overwrite", action="store_true", help="discard earlier outputs in --out and start over")
+    score.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", help="fsspec option for remote shards (repeatable)")
+    score.add_argument("--no-progress", action="store_true")
+
+    rescore = sub.add_parser("rescore", help="recompute weights and flags from stored similarities (no re-embedding)")
+    rescore.add_argument("out")
+    rescore.add_argument("--beta-recipe", required=True, choices=osa.BETA_RECIPES)
+    rescore.add_argument("--weighting", required=True, choices=osa.WEIGHTINGS)
+    rescore.add_argument("--beta-k", type=int, default=None)
+    rescore.add_argument("--device", default="auto")
+
+    inspect = sub.add_parser("inspect", help="print pairs, status counts, noise-rate estimate, weight histogram")
+    inspect.add_argument("out")
+    inspect.add_argument("--rows", type=int, default=10)
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+
+    demo = sub.add_parser("demo", help="score the bundled sample and show the swapped captions")
+    demo.add_argument("--out", default="demo-out")
+    demo.add_argument("--no-progress", action="store_true")
+
+    from pairclean_workers.train_cli import add_train_parser
+
+    add_train_parser(sub)
+    return parser
+
+
+def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise PaircleanError(f"--storage-option expects KEY=VALUE, got {pair!r}")
+        opts[key] = json.loads(value) if value[:1] in "[{" or value in ("true", "false") else value
+    return opts
+
+
+def _set_threads(threads: int | None) -> None:
+    import torch
+
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+
+
+class _Bar:
+    """A tqdm bar over shards with pairs/s in the postfix."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar: Any = None
+        self.pairs = 0
+        self.t0 = time.perf_counter()
+
+    def start(self, total_shards: int, already_done: int) -> None:
+        if already_done:
+            print(f"resuming: {already_done} of {total_shards} shards already committed", file=sys.stderr)
+        if self.enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_shards, initial=already_done, unit="shard", dynamic_ncols=True)
+        self.t0 = time.perf_counter()
+
+    def shard_done(self, stem: str, rows: int) -> None:
+        self.pairs += rows
+        if self.bar is not None:
+            rate = self.pairs / max(time.perf_counter() - self.t0, 1e-9)
+            self.bar.set_postfix_str(f"{rate:.1f} pairs/s, {self.pairs} pairs")
+            self.bar.update(1)
+
+    def shard_failed(self, uri: str, error: str) -> None:
+        if self.bar is not None:
+            self.bar.write(f"shard failed: {error}")
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    """Run (or resume) a scoring job in this process."""
+    from pairclean.estimators import EstimatorSpec, load_estimator
+    from pairclean.job import JobSpec, OutputDir
+    from pairclean.runner import run_job
+    from pairclean.uris import expand_shards
+
+    storage = _storage_options(args.storage_option)
+    est_spec = EstimatorSpec(args.model, args.checkpoint, args.pretrained, args.precision, args.device)
+    est_spec.validate()
+    shards = expand_shards(args.shards, storage)
+    spec = JobSpec(
+        shards=tuple(shards), model=args.model, checkpoint=os.path.abspath(args.checkpoint) if args.checkpoint else None,
+        pretrained=args.pretrained, precision=args.precision, beta_recipe=args.beta_recipe, beta_k=args.beta_k,
+        weighting=args.weighting, seed=args.seed, batch_size=args.batch_size, max_pixels=args.max_pixels,
+        caption_field=args.caption_field, embeddings=args.embeddings, calibration_pairs=args.calibration_pairs,
+    )
+    _set_threads(args.threads)
+    bar = _Bar(enabled=not args.no_progress)
+    try:
+        report = run_job(spec, OutputDir(args.out), lambda: load_estimator(est_spec), overwrite=args.overwrite, progress=bar, storage_options=storage)
+    finally:
+        bar.close()
+    return _print_report(report, args.out)
+
+
+def _print_report(report: Any, out: str) -> int:
+    rate = report.pairs / report.seconds if report.seconds else 0.0
+    cal = report.calibration
+    beta = f"beta {cal.beta:+.4f} ({cal.recipe}), weighting {cal.weighting}" if cal else "no calibration yet"
+    print(
+        f"{report.committed} shards scored, {report.skipped} already done, {len(report.failed)} failed; "
+        f"{report.pairs} pairs in {report.seconds:.1f} s ({rate:.1f} pairs/s); {beta}; output: {out}"
+    )
+    if report.statuses:
+        print("status: " + ", ".join(f"{k}={v}" for k, v in sorted(report.statuses.items())))
+    for uri, error in report.failed:
+        print(f"FAILED {uri}: {error}", file=sys.stderr)
+    return EXIT_OK if report.complete else EXIT_PARTIAL
+
+
+def cmd_rescore(args: argparse.Namespace) -> int:
+    """Recompute weights in place from stored similarities / embeddings."""
+    from pairclean.estimators import EstimatorSpec, load_estimator
+    from pairclean.job import JobSpec, OutputDir
+    from pairclean.rescore import rescore
+    from pairclean.runner import random_beta_fn
+
+    def random_beta(spec: JobSpec) -> float:
+        est = load_estimator(EstimatorSpec(spec.model, spec.checkpoint, spec.pretrained, spec.precision, args.device))
+        return random_beta_fn(est, spec.beta_k, spec.seed)()
+
+    cal = rescore(OutputDir(args.out), beta_recipe=args.beta_recipe, weighting=args.weighting, beta_k=args.beta_k, random_beta=random_beta)
+    print(f"rescored {args.out}: beta {cal.beta:+.4f} ({cal.recipe}), weighting {cal.weighting}")
+    return EXIT_OK
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Print a summary of an output folder."""
+    from dataclasses import asdict
+
+    from pairclean.job import OutputDir
+    from pairclean.report import format_summary, summarize
+
+    summary = summarize(OutputDir(args.out), rows=args.rows)
+    print(json.dumps(asdict(summary), default=str) if args.json else format_summary(summary))
+    return EXIT_OK
+
+
+def sample_shard() -> str:
+    """Path of the bundled demo shard."""
+    return str(resources.files("pairclean") / "data" / "sample" / "demo-000000.tar")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Score the bundled sample with the defaults, then show which captions were swapped."""
+    from pairclean.job import OutputDir
+    from pairclean.report import format_summary, summarize
+
+    score_args = build_parser().parse_args(["score", sample_shard(), "--out", args.out] + (["--no-progress"] if args.no_progress else []))
+    code = cmd_score(score_args)
+    if code != EXIT_OK:
+        return code
+    print()
+    print(format_summary(summarize(OutputDir(args.out), rows=12)))
+    print("\n(the sample's captions for keys marked 'swapped' in its README were exchanged on purpose)")
+    return EXIT_OK
+
+
+COMMANDS = {"score": cmd_score, "rescore": cmd_rescore, "inspect": cmd_inspect, "demo": cmd_demo}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``pairclean`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from pairclean_workers.train_cli import cmd_train_lite
+
+    handler = {**COMMANDS, "train-lite": cmd_train_lite}[args.command]
+    try:
+        return handler(args)
+    except PaircleanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("interrupted: committed shards are kept; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
