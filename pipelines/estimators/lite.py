@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 LITE_MODEL = "pairclean-lite"
 HEADS_FILE = "pairclean-lite-heads.safetensors"
 HEAD_PREFIXES = ("visual.head.", "text.proj.")
+#: The TF-Lite normalisation the EfficientNet-Lite0 weights were trained with.
+LITE_PREPROCESS = {"mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "interpolation": "bicubic", "resize_mode": "shortest"}
 
 
 def tower_paths() -> tuple[str, str]:
@@ -89,6 +91,7 @@ def build_lite_model(config: dict[str, Any], device: str = "cpu") -> Any:
     ``config`` is an open_clip model config (see ``data/pairclean-lite.json``).
     """
     import open_clip
+    from open_clip.transform import PreprocessCfg, image_transform_v2
     import torch
 
     _quiet_transformers()
@@ -100,7 +103,9 @@ def build_lite_model(config: dict[str, Any], device: str = "cpu") -> Any:
         open_clip.add_model_config(str(cfg_path))
     torch.manual_seed(0)
     # pretrained_text=True loads MiniLM from the local directory, never the hub.
-    model = open_clip.create_model(LITE_MODEL, pretrained=None, pretrained_text=True, device="cpu")
+    model = open_clip.create_model(
+        LITE_MODEL, pretrained=None, pretrained_text=True, device="cpu", force_preprocess_cfg=LITE_PREPROCESS
+    )
     _load_image_tower(model.visual.trunk, image_path)
     return model.to(device).eval()
 
@@ -127,6 +132,7 @@ def _load_image_tower(trunk: Any, path: str) -> None:
 def build_lite(heads_path: str | None, device: str) -> Estimator:
     """The pairclean-lite estimator (fp32) with trained heads from ``heads_path`` (default: shipped)."""
     import open_clip
+    from open_clip.transform import PreprocessCfg, image_transform_v2
     from safetensors.torch import load_file
 
     path = heads_path or default_heads_path()
@@ -152,7 +158,7 @@ def build_lite(heads_path: str | None, device: str) -> Estimator:
     context_length = int(config["text_cfg"].get("context_length", 64))
     tokenizer = open_clip.tokenizer.HFTokenizer(text_dir, context_length=context_length)
     pp_cfg = open_clip.get_model_preprocess_cfg(model)
-    preprocess = open_clip.image_transform_v2(open_clip.PreprocessCfg(**pp_cfg), is_train=False)
+    preprocess = image_transform_v2(PreprocessCfg(**pp_cfg), is_train=False)
     info = ModelInfo(
         model_id=LITE_MODEL,
         arch=LITE_MODEL,

@@ -1,0 +1,66 @@
+"""Shared fixtures: real Flickr8k shards (skipped without ../shared), a tiny real open_clip model."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pairclean.evaldata import find_flickr8k, load_flickr8k, noisy_pairing, write_shard
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = "pairclean-tiny-test"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # beta caches and features must not leak between test sessions or into ~/.cache
+    os.environ["PAIRCLEAN_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def flickr_root() -> Path:
+    root = find_flickr8k(REPO)
+    if root is None:
+        pytest.skip("Flickr8k not found: tests on real photos need ../shared/data/flickr8k beside the repository")
+    return root
+
+
+@pytest.fixture(scope="session")
+def dev_images(flickr_root: Path) -> list[Any]:
+    return load_flickr8k(flickr_root, "dev")
+
+
+ShardMaker = Callable[..., list[Path]]
+
+
+@pytest.fixture
+def make_shards(tmp_path: Path, dev_images: list[Any]) -> ShardMaker:
+    """Write ``n_shards`` shards of ``per_shard`` real dev pairs (a fraction shuffled)."""
+
+    def make(n_shards: int = 2, per_shard: int = 8, noise: float = 0.25, prefix: str = "part", folder: Path | None = None, extra: dict[int, dict[str, Any]] | None = None, offset: int = 0) -> list[Path]:
+        total = n_shards * per_shard
+        pairs = noisy_pairing(dev_images[offset : offset + total], noise, seed=0)
+        out = folder or tmp_path / "shards"
+        paths = []
+        for s in range(n_shards):
+            samples = []
+            for i in range(s * per_shard, (s + 1) * per_shard):
+                sample: dict[str, Any] = {
+                    "__key__": f"{prefix}{s:03d}/{pairs.images[i].image[:-4]}",
+                    "jpg": pairs.images[i].path.read_bytes(),
+                    "txt": pairs.captions[i],
+                    "json": {"uid": f"uid-{i}", "url": f"https://example.org/{i}.jpg", "noisy": bool(pairs.noisy[i])},
+                }
+                if extra and i in extra:
+                    sample.update(extra[i])
+                    sample = {k: v for k, v in sample.items() if v is not None}
+                samples.append(sample)
+            paths.append(write_shard(out / f"{prefix}-{s:05d}.tar", samples))
+        return paths
+
+    return make

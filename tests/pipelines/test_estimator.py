@@ -1,0 +1,72 @@
+"""Estimators: the tiny real open_clip model, checkpoints, offline failures, precision."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pairclean.errors import InputError, ModelLoadError
+from pairclean.estimators import EstimatorSpec, load_estimator
+
+TINY = "pairclean-tiny-test"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_estimator(EstimatorSpec(TINY, precision="fp32", device="cpu"))
+
+
+def test_tiny_model_embeds_deterministically_and_normalised(tiny) -> None:
+    again = load_estimator(EstimatorSpec(TINY, precision="fp32", device="cpu"))
+    texts = ["a dog on the beach", "two people riding bikes"]
+    a, b = tiny.encode_texts(texts), again.encode_texts(texts)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(np.linalg.norm(a, axis=1), 1.0, rtol=1e-5)
+    pixels = torch.rand((3, 3, tiny.image_size, tiny.image_size), generator=torch.Generator().manual_seed(0))
+    img = tiny.encode_images(pixels)
+    assert img.shape == (3, tiny.info.embed_dim) and img.dtype == np.float32
+    assert tiny.encode_texts([]).shape == (0, tiny.info.embed_dim)
+
+
+def test_random_input_embeddings_are_seeded(tiny) -> None:
+    i1, t1 = tiny.random_input_embeddings(8, seed=5)
+    i2, t2 = tiny.random_input_embeddings(8, seed=5)
+    i3, _ = tiny.random_input_embeddings(8, seed=6)
+    np.testing.assert_array_equal(i1, i2)
+    np.testing.assert_array_equal(t1, t2)
+    assert not np.array_equal(i1, i3)
+
+
+def test_local_checkpoint_loads_and_is_identified_by_sha256(tiny, tmp_path: Path) -> None:
+    ckpt = tmp_path / "tiny.pt"
+    state = {k: v * 0.5 if v.is_floating_point() else v for k, v in tiny.model.state_dict().items()}
+    torch.save(state, ckpt)
+    est = load_estimator(EstimatorSpec(TINY, checkpoint=str(ckpt), precision="fp32", device="cpu"))
+    assert est.info.checkpoint_sha256 and len(est.info.checkpoint_sha256) == 64
+    assert not np.allclose(est.encode_texts(["a cat"]), tiny.encode_texts(["a cat"]))
+
+
+def test_named_pretrained_tag_fails_fast_offline_with_a_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match="--checkpoint"):
+        load_estimator(EstimatorSpec("ViT-B-32", pretrained="laion2b_s34b_b79k", precision="fp32", device="cpu"))
+
+
+def test_bad_estimator_options_are_clear_errors() -> None:
+    with pytest.raises(InputError, match="checkpoint file not found"):
+        load_estimator(EstimatorSpec(TINY, checkpoint="/nonexistent/file.pt"))
+    with pytest.raises(ModelLoadError, match="unknown model"):
+        load_estimator(EstimatorSpec("NoSuchArch-1", device="cpu"))
+    with pytest.raises(ModelLoadError, match="needs weights"):
+        load_estimator(EstimatorSpec("ViT-B-32", device="cpu"))
+
+
+def test_bf16_path_agrees_with_fp32(tiny) -> None:
+    bf16 = load_estimator(EstimatorSpec(TINY, precision="bf16", device="cpu"))
+    assert bf16.info.precision == "bf16"
+    texts = ["a dog on the beach", "a red car"]
+    cos = (bf16.encode_texts(texts) * tiny.encode_texts(texts)).sum(1)
+    assert cos.min() > 0.99

@@ -1,0 +1,154 @@
+"""`pairclean score / rescore / inspect` end to end on real shards with the tiny real model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pairclean import schema
+from pairclean_workers.cli import main
+
+TINY = ["--model", "pairclean-tiny-test", "--no-progress", "--batch-size", "4"]
+
+
+def _score(shards: list[str], out: Path, *extra: str) -> int:
+    return main(["score", *shards, "--out", str(out), *TINY, *extra])
+
+
+def _rows(out: Path, stem: str) -> list[dict]:
+    return pq.read_table(out / f"{stem}.parquet").to_pylist()
+
+
+def _manifest(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / schema.MANIFEST_FILE).read_text().splitlines()]
+
+
+def test_score_writes_one_keyed_parquet_per_shard_with_metadata(make_shards, tmp_path: Path) -> None:
+    bad = {1: {"jpg": b"not an image"}, 2: {"txt": " "}, 3: {"jpg": None}}
+    shards = make_shards(n_shards=2, per_shard=6, extra=bad)
+    out = tmp_path / "out"
+    assert _score([str(s) for s in shards], out) == 0
+    for shard in shards:
+        stem = shard.name[: -len(".tar")]
+        rows = _rows(out, stem)
+        keys = [r["key"] for r in rows]
+        assert len(rows) == 6 and keys == sorted(keys)  # tar order, the shard's own keys
+        assert all(r["shard"] == str(shard) for r in rows)
+        assert [r["idx"] for r in rows] == list(range(6))
+        assert all(r["uid"].startswith("uid-") and r["url"].startswith("https://") for r in rows)
+        for r in rows:
+            if r["status"] == "ok":
+                assert -1 <= r["similarity"] <= 1 and 0 <= r["weight"] <= 1
+            else:
+                assert np.isnan(r["similarity"]) and r["weight"] == 0 and r["noisy"] and r["error"]
+    first = _rows(out, "part-00000")
+    assert [r["status"] for r in first[:4]] == ["ok", "decode_error", "empty_text", "missing_image"]
+    meta = json.loads(pq.read_schema(out / "part-00000.parquet").metadata[schema.META_KEY])
+    assert meta["model"]["model_id"] == "pairclean-tiny-test"
+    assert meta["beta"]["recipe"] == "random-inputs" and meta["beta"]["k"] == 256
+    assert meta["weighting"]["name"] == "paper" and meta["pairclean_version"]
+    emb = pq.read_table(out / "part-00000.emb.parquet")
+    assert emb.column("key").to_pylist() == [r["key"] for r in first]
+    assert emb.column("image_emb").null_count == 3
+    manifest = _manifest(out)
+    assert [m["stem"] for m in manifest] == ["part-00000", "part-00001"]
+    assert manifest[0]["statuses"] == {"decode_error": 1, "empty_text": 1, "missing_image": 1, "ok": 3}
+    job = json.loads((out / schema.JOB_FILE).read_text())
+    assert job["spec"]["shards"] == [str(s) for s in shards]
+
+
+def test_rerun_resumes_and_a_different_spec_is_refused(make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shards = [str(s) for s in make_shards(n_shards=3, per_shard=4)]
+    out = tmp_path / "out"
+    assert _score(shards[:2] + shards[2:], out) == 0
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.parquet")}
+    assert _score(shards, out) == 0
+    assert "3 already done" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.parquet")} == before
+    assert _score(shards, out, "--weighting", "reference") == 1
+    assert "different spec" in capsys.readouterr().err
+    assert _score(shards, out, "--weighting", "reference", "--overwrite") == 0
+    assert len(_manifest(out)) == 3
+
+
+def test_scores_are_reproducible_byte_for_byte(make_shards, tmp_path: Path) -> None:
+    shards = [str(s) for s in make_shards(n_shards=1, per_shard=6)]
+    _score(shards, tmp_path / "a")
+    _score(shards, tmp_path / "b")
+    assert (tmp_path / "a/part-00000.parquet").read_bytes() == (tmp_path / "b/part-00000.parquet").read_bytes()
+
+
+def test_rescore_agrees_with_a_fresh_score(make_shards, tmp_path: Path) -> None:
+    shards = [str(s) for s in make_shards(n_shards=2, per_shard=10)]
+    for recipe, weighting in (("shuffled", "reference"), ("gmm", "reference-batch"), ("random-inputs", "paper")):
+        fresh, redo = tmp_path / f"fresh-{recipe}", tmp_path / f"redo-{recipe}"
+        assert _score(shards, fresh, "--beta-recipe", recipe, "--weighting", weighting, "--beta-k", "16") == 0
+        assert _score(shards, redo, "--beta-k", "16") == 0
+        assert main(["rescore", str(redo), "--beta-recipe", recipe, "--weighting", weighting, "--device", "cpu"]) == 0
+        for stem in ("part-00000", "part-00001"):
+            a, b = _rows(fresh, stem), _rows(redo, stem)
+            assert [r["key"] for r in a] == [r["key"] for r in b]
+            np.testing.assert_allclose([r["weight"] for r in a], [r["weight"] for r in b], atol=1e-6)
+            assert [r["noisy"] for r in a] == [r["noisy"] for r in b]
+        meta = json.loads(pq.read_schema(redo / "part-00000.parquet").metadata[schema.META_KEY])
+        assert meta["beta"]["recipe"] == recipe and meta["weighting"]["name"] == weighting
+        # rerunning `score` with the rescored options resumes instead of refusing
+        assert _score(shards, redo, "--beta-recipe", recipe, "--weighting", weighting, "--beta-k", "16") == 0
+
+
+def test_inspect_prints_counts_noise_rate_and_histogram(make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shards = [str(s) for s in make_shards(n_shards=1, per_shard=20)]
+    _score(shards, tmp_path / "o")
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "o")]) == 0
+    text = capsys.readouterr().out
+    assert "status: ok=20" in text and "noise-rate estimate" in text and "weight histogram" in text
+    assert main(["inspect", str(tmp_path / "o"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pairs"] == 20
+
+
+def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _score([str(tmp_path / "missing.tar")], tmp_path / "o1") == 1
+    assert "shard not found" in capsys.readouterr().err
+    assert _score(["ftp://host/x.tar"], tmp_path / "o2") == 1
+    assert "unsupported URI scheme" in capsys.readouterr().err
+    good = [str(s) for s in make_shards(n_shards=1, per_shard=3)]
+    junk = tmp_path / "junk.tar"
+    junk.write_bytes(b"garbage" * 500)
+    assert _score(good + [str(junk)], tmp_path / "o3") == 2  # the good shard is committed
+    captured = capsys.readouterr()
+    assert "junk.tar" in captured.err
+    assert [m["stem"] for m in _manifest(tmp_path / "o3")] == ["part-00000"]
+
+
+@pytest.mark.slow
+def test_kill_9_mid_job_then_rerun_commits_every_shard_exactly_once(make_shards, tmp_path: Path) -> None:
+    shards = make_shards(n_shards=8, per_shard=8)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "pairclean_workers.cli", "score", str(shards[0].parent / "part-{00000..00007}.tar"), "--out", str(out), *TINY]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    manifest = out / schema.MANIFEST_FILE
+    deadline = time.time() + 120
+    while time.time() < deadline and not (manifest.exists() and manifest.read_text().count("\n") >= 2):
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = manifest.read_text().count("\n")
+    assert 2 <= done_before < 8, "the kill should land in the middle of the job"
+    assert subprocess.run(cmd, capture_output=True, timeout=300).returncode == 0
+    stems = [m["stem"] for m in _manifest(out)]
+    assert sorted(stems) == [f"part-{i:05d}" for i in range(8)] and len(set(stems)) == 8
+    visible = sorted(p.name for p in out.iterdir() if not p.name.startswith("_"))
+    assert visible == sorted([f"part-{i:05d}.parquet" for i in range(8)] + [f"part-{i:05d}.emb.parquet" for i in range(8)])
+    assert not list(out.glob(".*"))  # no temporary left behind
+    for m in _manifest(out):
+        assert pq.read_table(out / m["output"]).num_rows == m["rows"] == 8
