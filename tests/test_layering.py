@@ -1,0 +1,75 @@
+"""Architecture rules: service -> workers -> pipelines, and what each layer may import.
+
+Read from the source with ``ast`` (imports inside functions count too), so a lazy import
+cannot slip past the rule.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Installed package name of each top-level folder.
+PACKAGES = {"pipelines": "pairclean", "workers": "pairclean_workers", "service": "pairclean_service"}
+FORBIDDEN = {
+    "pipelines": {"pairclean_workers", "pairclean_service", "workers", "service", "ray", "fastapi", "starlette", "uvicorn", "prometheus_client", "sqlalchemy"},
+    "workers": {"pairclean_service", "service", "fastapi", "starlette", "uvicorn"},
+    "service": {"torch", "open_clip", "timm", "transformers", "pipelines", "workers"},
+}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_layer_imports_only_what_it_may(layer: str) -> None:
+    offenders = []
+    for path in sorted((REPO / layer).rglob("*.py")):
+        bad = _imports(path) & FORBIDDEN[layer]
+        if bad:
+            offenders.append(f"{path.relative_to(REPO)} imports {sorted(bad)}")
+    assert not offenders, "layering broken:\n" + "\n".join(offenders)
+
+
+def test_relative_imports_stay_inside_their_package() -> None:
+    # `from .. import x` inside a top-level folder would reach outside the installed package
+    for layer in PACKAGES:
+        for path in (REPO / layer).rglob("*.py"):
+            depth = len(path.relative_to(REPO / layer).parts) - 1
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level > depth + 1:
+                    pytest.fail(f"{path.relative_to(REPO)}: relative import leaves the package")
+
+
+def test_pyproject_maps_folders_to_prefixed_names() -> None:
+    import tomllib
+
+    cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert cfg["package-dir"] == {v: k for k, v in PACKAGES.items()}
+    top_level = {p.split(".")[0] for p in cfg["packages"]}
+    assert top_level == set(PACKAGES.values())
+    # every sub-package of a folder is listed, or it would be missing from a wheel
+    for folder, name in PACKAGES.items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / folder).parts
+            assert ".".join((name, *rel)) in cfg["packages"]
+
+
+def test_trainer_import_is_light() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, pairclean, pairclean.osa; print(sorted(m for m in ('torch', 'ray', 'fastapi', 'open_clip') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
