@@ -154,9 +154,9 @@ def run_job(
     committed = out.manifest()
     todo = [uri for uri in spec.shards if stems[uri] not in committed]
     report = JobReport(total_shards=len(spec.shards), skipped=len(spec.shards) - len(todo))
-    if progress:
-        progress.start(len(spec.shards), report.skipped)
     if not todo:
+        if progress:
+            progress.start(len(spec.shards), report.skipped)
         report.calibration = out.read_calibration()
         return report
     estimator = load_estimator()
@@ -170,6 +170,9 @@ def run_job(
     if calibration is None and not needs_corpus(spec.beta_recipe, spec.weighting):
         calibration = _calibrate_from([], spec, estimator)
         out.write_calibration(calibration)
+    if progress:
+        # after the model load and beta, so that pairs/s and ETA describe the scoring
+        progress.start(len(spec.shards), report.skipped)
     pending: list[ShardResult] = []
 
     def commit(result: ShardResult) -> None:

@@ -16,19 +16,20 @@ SAMPLE = Path(__file__).resolve().parents[1] / "pipelines" / "data" / "sample" /
 
 # (skimage.data function, caption, licence note)
 PHOTOS = [
-    ("astronaut", "an astronaut in a white space suit smiling in front of a flag", "public domain (NASA)"),
-    ("chelsea", "a ginger tabby cat sitting and looking to the side", "CC0 (Stefan van der Walt)"),
-    ("coffee", "a cup of coffee with a spoon on a saucer", "CC0 (Rachel Michetti)"),
-    ("rocket", "a rocket standing on the launch pad ready for lift off", "public domain (SpaceX)"),
-    ("camera", "a black and white photo of a man looking through a camera on a tripod", "CC0 (Lav Varshney)"),
-    ("coins", "a collection of old coins laid out in rows", "no known copyright restrictions"),
-    ("hubble_deep_field", "a deep space picture full of distant galaxies and stars", "public domain (NASA)"),
-    ("horse", "the black silhouette of a horse on a white background", "CC0 (Andreas Preuss)"),
-    ("retina", "a medical photograph of the retina of a human eye", "CC0 (Mikael Haggstrom)"),
-    ("immunohistochemistry", "a microscope image of stained tissue", "no known copyright restrictions"),
+    ("astronaut", "A smiling woman in a white suit stands in front of a flag .", "public domain (NASA)"),
+    ("chelsea", "An orange cat sits on the floor and looks to the side .", "CC0 (Stefan van der Walt)"),
+    ("coffee", "A cup of coffee on a saucer with a spoon .", "CC0 (Rachel Michetti)"),
+    ("rocket", "A tall white rocket stands on a launch pad under a blue sky .", "public domain (SpaceX)"),
+    ("camera", "A man in a black coat looks through a camera on a tripod .", "CC0 (Lav Varshney)"),
+    ("coins", "Many old coins laid out in rows on a table .", "no known copyright restrictions"),
+    ("hubble_deep_field", "Bright stars and galaxies in the dark night sky .", "public domain (NASA)"),
+    ("horse", "The black silhouette of a horse .", "CC0 (Andreas Preuss)"),
+    ("retina", "A close up of a red human eye .", "CC0 (Mikael Haggstrom)"),
+    ("clock", "A clock on a wall .", "public domain (Stefan van der Walt)"),
 ]
-# Caption swaps: each key gets the other's caption.
-SWAPS = [("chelsea", "rocket"), ("coffee", "hubble_deep_field")]
+# Caption swaps: each key gets the other's caption. Captions are written in the style of
+# the human captions pairclean-lite was trained on (Flickr8k).
+SWAPS = [("astronaut", "chelsea"), ("camera", "horse")]
 
 
 def _jpeg(name: str) -> bytes:

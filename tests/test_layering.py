@@ -73,3 +73,21 @@ def test_trainer_import_is_light() -> None:
     code = "import sys, pairclean, pairclean.osa; print(sorted(m for m in ('torch', 'ray', 'fastapi', 'open_clip') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.slow
+def test_wheel_installs_only_prefixed_top_level_names(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import zipfile
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
+        check=True, capture_output=True,
+    )
+    wheel = next(tmp_path.glob("pairclean-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
+    assert top == set(PACKAGES.values())
+    # the trainer-facing package ships its data and typing marker
+    assert "pairclean/py.typed" in names and "pairclean/data/sample/demo-000000.tar" in names

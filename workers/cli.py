@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("shards", nargs="+", help="shard URIs, brace ranges, globs or @list.txt")
     score.add_argument("--out", required=True, help="output folder (local)")
     _add_estimator_args(score)
-    score.add_argument("--beta-recipe", default=osa.DEFAULT_BETA_RECIPE, choices=osa.BETA_RECIPES)
+    score.add_argument("--beta-recipe", default="auto", choices=("auto", *osa.BETA_RECIPES), help="auto: the estimator's measured default")
     score.add_argument("--beta-k", type=int, default=osa.DEFAULT_K)
     score.add_argument("--weighting", default=osa.DEFAULT_WEIGHTING, choices=osa.WEIGHTINGS)
     score.add_argument("--seed", type=int, default=0)
@@ -141,7 +141,7 @@ class _Bar:
 
 def cmd_score(args: argparse.Namespace) -> int:
     """Run (or resume) a scoring job in this process."""
-    from pairclean.estimators import EstimatorSpec, load_estimator
+    from pairclean.estimators import EstimatorSpec, default_beta_recipe, load_estimator
     from pairclean.job import JobSpec, OutputDir
     from pairclean.runner import run_job
     from pairclean.uris import expand_shards
@@ -152,7 +152,8 @@ def cmd_score(args: argparse.Namespace) -> int:
     shards = expand_shards(args.shards, storage)
     spec = JobSpec(
         shards=tuple(shards), model=args.model, checkpoint=os.path.abspath(args.checkpoint) if args.checkpoint else None,
-        pretrained=args.pretrained, precision=args.precision, beta_recipe=args.beta_recipe, beta_k=args.beta_k,
+        pretrained=args.pretrained, precision=args.precision,
+        beta_recipe=default_beta_recipe(args.model) if args.beta_recipe == "auto" else args.beta_recipe, beta_k=args.beta_k,
         weighting=args.weighting, seed=args.seed, batch_size=args.batch_size, max_pixels=args.max_pixels,
         caption_field=args.caption_field, embeddings=args.embeddings, calibration_pairs=args.calibration_pairs,
     )
@@ -224,8 +225,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return code
     print()
     print(format_summary(summarize(OutputDir(args.out), rows=12)))
-    print("\n(the sample's captions for keys marked 'swapped' in its README were exchanged on purpose)")
+    swapped, flagged = _demo_truth(args.out)
+    hits = len(swapped & flagged)
+    print(
+        f"\nswapped on purpose: {', '.join(sorted(swapped))}\n"
+        f"flagged noisy: {hits}/{len(swapped)} swapped pairs, {len(flagged - swapped)} of the clean ones"
+    )
     return EXIT_OK
+
+
+def _demo_truth(out: str) -> tuple[set[str], set[str]]:
+    """(keys swapped on purpose per the sample's json, keys the job flagged noisy)."""
+    import pyarrow.parquet as pq
+
+    from pairclean.shards import iter_raw_samples
+
+    swapped = {s.key for s in iter_raw_samples(sample_shard()) if json.loads(s.files["json"]).get("swapped")}
+    rows = pq.read_table(os.path.join(out, "demo-000000.parquet"), columns=["key", "noisy"]).to_pylist()
+    return swapped, {r["key"] for r in rows if r["noisy"]}
 
 
 COMMANDS = {"score": cmd_score, "rescore": cmd_rescore, "inspect": cmd_inspect, "demo": cmd_demo}

@@ -1,9 +1,10 @@
 """``pairclean train-lite``: train and select pairclean-lite's projection heads.
 
-Runs a one-factor-at-a-time comparison around a baseline recipe (heads, temperature,
-epochs, same-image masking, captions per image, width), then combines every change that
-beat the baseline, and writes the best heads (by dev ROC-AUC, then R@1) with their recipe
-and metrics in the file's metadata. The comparison table goes to ``--report``.
+Runs a one-factor-at-a-time comparison around the baseline recipe (heads, width,
+temperature, epochs, same-image masking, captions per image) and writes the best heads
+(by dev ROC-AUC, then R@1) with their recipe and metrics in the file's metadata. The
+comparison table goes to ``--report``. The baseline itself came out of a wider search
+recorded in ``pipelines/data/MODEL_CARD.md``.
 """
 
 from __future__ import annotations
@@ -42,12 +43,12 @@ def candidate_recipes() -> tuple[Any, list[tuple[str, Any]]]:
     base = HeadRecipe()
     variants = [
         ("mlp heads", replace(base, proj="mlp")),
-        ("width 512", replace(base, embed_dim=512)),
-        ("fixed T=0.05", replace(base, learn_temperature=False)),
-        ("fixed T=0.1", replace(base, temperature=0.1, learn_temperature=False)),
-        ("learnable T from 0.07", replace(base, temperature=0.07)),
-        ("3 epochs", replace(base, epochs=3)),
-        ("30 epochs", replace(base, epochs=30)),
+        ("width 256", replace(base, embed_dim=256)),
+        ("learnable T from 0.1", replace(base, learn_temperature=True)),
+        ("fixed T=0.05", replace(base, temperature=0.05)),
+        ("fixed T=0.2", replace(base, temperature=0.2)),
+        ("1 epoch", replace(base, epochs=1)),
+        ("10 epochs", replace(base, epochs=10)),
         ("no same-image masking", replace(base, mask_same_image=False)),
         ("first caption only", replace(base, all_captions=False)),
     ]
@@ -88,13 +89,6 @@ def cmd_train_lite(args: argparse.Namespace) -> int:
     rows = [_run("baseline", base, feats)]
     if not args.quick:
         rows += [_run(label, recipe, feats) for label, recipe in variants]
-        baseline_score = _score(rows[0]["dev"])
-        better = [(lab, rec) for (lab, rec), row in zip(variants, rows[1:]) if _score(row["dev"]) > baseline_score]
-        if len(better) > 1:
-            combined = base
-            for _, rec in better:
-                combined = replace(combined, **{k: v for k, v in asdict(rec).items() if v != getattr(base, k)})
-            rows.append(_run("combined: " + " + ".join(lab for lab, _ in better), combined, feats))
     best = max(rows, key=lambda r: _score(r["dev"]))
     from pairclean.lite_train import HeadRecipe
 

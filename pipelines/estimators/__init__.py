@@ -15,7 +15,7 @@ from importlib import resources
 from typing import Any
 
 from ..errors import InputError, ModelLoadError
-from .base import BF16_MIN_COSINE, PRECISIONS, Estimator, ModelInfo, file_sha256
+from .base import BF16_MIN_COSINE, PRECISIONS, Estimator, ModelInfo, file_sha256, quiet_open_clip
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -25,6 +25,7 @@ __all__ = [
     "ModelInfo",
     "load_estimator",
     "resolve_device",
+    "default_beta_recipe",
 ]
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,17 @@ TINY_TEST_MODEL = "pairclean-tiny-test"
 #: CPUs (benchmarks/precision.py), so ``precision="auto"`` tries bf16 for them on CPU.
 #: ViT-B/32: 3.6x (shared/docs/measured.md). Everything else stays fp32 until measured.
 BF16_FASTER_ON_CPU = frozenset({"ViT-B-32", "ViT-B-16", "ViT-L-14"})
+
+
+#: Default beta recipe per estimator, chosen by measurement (benchmarks/detection.py on the
+#: Flickr8k dev split; see pipelines/data/MODEL_CARD.md). The paper's random-inputs recipe
+#: relies on CLIP's cone effect and stays the default for open_clip models.
+DEFAULT_BETA_RECIPES = {DEFAULT_MODEL: "random-inputs"}
+
+
+def default_beta_recipe(model: str) -> str:
+    """The measured default beta recipe of ``model`` (``random-inputs`` when unmeasured)."""
+    return DEFAULT_BETA_RECIPES.get(model, "random-inputs")
 
 
 @dataclass(frozen=True)
@@ -117,9 +129,10 @@ def _build_open_clip(spec: EstimatorSpec) -> Estimator:
     try:
         # Seeded so that the random-weight test model is the same in every process.
         torch.manual_seed(0)
-        model, _, preprocess = open_clip.create_model_and_transforms(
-            spec.model, pretrained=pretrained, device=spec.device
-        )
+        with quiet_open_clip():
+            model, _, preprocess = open_clip.create_model_and_transforms(
+                spec.model, pretrained=pretrained, device=spec.device
+            )
     except Exception as exc:
         raise _load_error(spec, exc) from exc
     tokenizer = open_clip.get_tokenizer(spec.model)

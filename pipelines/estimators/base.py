@@ -19,7 +19,7 @@ import torch
 from numpy.typing import NDArray
 from PIL import Image
 
-__all__ = ["ModelInfo", "Estimator", "file_sha256", "PRECISIONS"]
+__all__ = ["ModelInfo", "Estimator", "file_sha256", "PRECISIONS", "quiet_open_clip"]
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,27 @@ class Estimator:
         img = [self.encode_images(images[i : i + batch_size]) for i in range(0, k, batch_size)]
         txt = [self.encode_token_ids(tokens[i : i + batch_size]) for i in range(0, k, batch_size)]
         return np.concatenate(img), np.concatenate(txt)
+
+
+class _DropExpectedWarnings(logging.Filter):
+    """open_clip warns through the root logger when towers are loaded separately from a
+    full checkpoint, which is exactly what pairclean-lite and the random test model do."""
+
+    EXPECTED = ("initialized partially", "No pretrained weights loaded", "Model initialized randomly")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(text in record.getMessage() for text in self.EXPECTED)
+
+
+class quiet_open_clip:  # noqa: N801 - used as a context manager
+    """Within the block, drop open_clip's expected warnings about partial weights."""
+
+    def __enter__(self) -> None:
+        self._filter = _DropExpectedWarnings()
+        logging.getLogger().addFilter(self._filter)
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger().removeFilter(self._filter)
 
 
 def _normalised(emb: torch.Tensor) -> NDArray[np.float32]:
