@@ -9,7 +9,7 @@ recipe (no re-embedding), and prints one JSON line per (noise rate, recipe) with
 - ``noise_recall`` / ``clean_accuracy``: of the noisy flag (similarity <= beta);
 - ``mean_noise_rank_ratio``: mean rank of noisy pairs with weights sorted descending,
   divided by the optimal one (all noisy pairs last), seed 004 Table 9;
-- ``noise_rate_estimate`` (2-component GMM) against ``noise_rate_true``;
+- ``noise_rate_estimate`` (as `pairclean inspect` reports it) against ``noise_rate_true``;
 - ``pairs_per_s`` of the score command (wall clock, model load included).
 
     python benchmarks/detection.py [--noise 0 0.2 0.5] [--model pairclean-lite] [--limit 1000]
@@ -65,8 +65,9 @@ def metrics(out: Path, truth: dict[str, bool]) -> dict[str, float]:
     """Detection metrics of a scored output folder against the ground truth."""
     import pyarrow.parquet as pq
 
-    from pairclean import osa
+    from pairclean.job import OutputDir
     from pairclean.lite_train import roc_auc
+    from pairclean.report import summarize
 
     rows = []
     for path in sorted(out.glob("dev-*.parquet")):
@@ -88,7 +89,8 @@ def metrics(out: Path, truth: dict[str, bool]) -> dict[str, float]:
         "flag_accuracy": float((flagged == noisy).mean()),
         "mean_noise_rank_ratio": mean_noise_rank_ratio(weights, noisy),
         "noise_rate_true": float(noisy.mean()),
-        "noise_rate_estimate": osa.fit_gmm(sims.astype(np.float32), seed=0).noise_rate,
+        # what `pairclean inspect` reports: mixture with the noise side pinned to mismatched pairs
+        "noise_rate_estimate": summarize(OutputDir(str(out))).noise_rate_gmm,
     }
 
 

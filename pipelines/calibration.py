@@ -74,11 +74,16 @@ def calibrate(
 
     ``similarities``: (N,) of ok pairs; ``image_emb``/``text_emb``: (N, D), needed by
     ``shuffled`` only. ``shuffled`` averages ``k * k`` random mismatched pairs so that both
-    recipes average the same number of cosines at the same K. The GMM noise-rate estimate
-    is reported for every recipe when there are enough pairs.
+    recipes average the same number of cosines at the same K. The mixture (``gmm`` recipe,
+    noise-rate estimate) pins its noise component to those mismatched pairs when embeddings
+    are given. The noise-rate estimate is reported whenever there are 16 or more pairs.
     """
     sims = np.asarray(similarities, dtype=np.float32)
-    gmm = osa.fit_gmm(sims, seed) if np.isfinite(sims).sum() >= 16 else None
+    noise = None
+    if image_emb is not None and text_emb is not None and len(image_emb) >= 2:
+        # what random mispairing looks like in this corpus: pins the mixture's noise side
+        noise = osa.shuffled_similarities(image_emb, text_emb, k * k, seed)
+    gmm = osa.fit_gmm(sims, seed, noise_sims=noise) if np.isfinite(sims).sum() >= 16 else None
     if beta_recipe == "random-inputs":
         beta = random_beta()
     elif beta_recipe == "shuffled":

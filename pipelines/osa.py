@@ -43,6 +43,7 @@ __all__ = [
     "beta_from_cross",
     "beta_shuffled",
     "fit_gmm",
+    "shuffled_similarities",
     "weight_paper",
     "weight_reference",
     "weight_reference_batch",
@@ -88,14 +89,9 @@ def beta_shuffled(image_emb: FloatArray, text_emb: FloatArray, k: int, seed: int
 
     (N, D), (N, D) L2-normalised, N >= 2 -> scalar. Deterministic for a given seed.
     """
-    n = image_emb.shape[0]
-    if n < 2:
+    if image_emb.shape[0] < 2:
         raise ValueError("the shuffled recipe needs at least 2 pairs")
-    rng = np.random.default_rng(seed)
-    i = rng.integers(0, n, size=k)
-    # An offset in [1, n) guarantees j != i while keeping j uniform over the others.
-    j = (i + rng.integers(1, n, size=k)) % n
-    return float(cosine_rows(image_emb[i], text_emb[j]).astype(np.float64).mean())
+    return float(shuffled_similarities(image_emb, text_emb, k, seed).astype(np.float64).mean())
 
 
 @dataclass(frozen=True)
@@ -112,35 +108,94 @@ class GmmFit:
     stds: tuple[float, float]
 
 
-def fit_gmm(similarities: FloatArray, seed: int, max_points: int = 1_000_000) -> GmmFit:
-    """Fit a 2-component GMM on (N,) similarities (N >= 4) and locate its decision boundary.
+def fit_gmm(
+    similarities: FloatArray,
+    seed: int,
+    max_points: int = 1_000_000,
+    noise_sims: FloatArray | None = None,
+) -> GmmFit:
+    """Fit a 2-component Gaussian mixture on (N,) similarities (N >= 4); locate its boundary.
 
-    At most ``max_points`` values (a seeded subsample) are used, which bounds the cost.
+    Without ``noise_sims``: a free mixture (sklearn). A free mixture always splits the data
+    in two, so on clean data it still reports a large "noise" component. With
+    ``noise_sims`` (similarities of random mismatched pairs of the same corpus, e.g. from
+    ``shuffled_similarities``) the noise component is pinned to their mean and spread, and
+    EM fits only the mixing weight and the clean component: noise is what random pairing
+    looks like. At most ``max_points`` values (a seeded subsample) are used.
     """
-    from sklearn.mixture import GaussianMixture
-
-    sims = np.asarray(similarities, dtype=np.float32)
+    sims = np.asarray(similarities, dtype=np.float64)
     sims = sims[np.isfinite(sims)]
     if sims.size < 4:
         raise ValueError("the gmm recipe needs at least 4 finite similarities")
     rng = np.random.default_rng(seed)
     if sims.size > max_points:
         sims = rng.choice(sims, size=max_points, replace=False)
+    if noise_sims is not None and np.isfinite(noise_sims).sum() >= 4:
+        return _pinned_mixture(sims, np.asarray(noise_sims, dtype=np.float64))
+    return _free_mixture(sims, seed)
+
+
+def _free_mixture(sims: NDArray[np.float64], seed: int) -> GmmFit:
+    from sklearn.mixture import GaussianMixture
+
     gmm = GaussianMixture(n_components=2, max_iter=200, tol=1e-4, reg_covar=1e-6, random_state=seed)
-    gmm.fit(sims.reshape(-1, 1).astype(np.float64))
+    gmm.fit(sims.reshape(-1, 1))
     means = gmm.means_.ravel()
     stds = np.sqrt(gmm.covariances_.ravel())
+    weights = gmm.weights_.ravel()
     lo, hi = int(np.argmin(means)), int(np.argmax(means))
-    grid = np.linspace(means[lo], means[hi], 4001).reshape(-1, 1)
-    post = gmm.predict_proba(grid)[:, hi]
-    # The first grid point where the clean (high-mean) component takes over.
-    crossing = int(np.argmax(post >= 0.5)) if np.any(post >= 0.5) else len(grid) - 1
+    return _with_boundary(float(weights[lo]), (means[lo], stds[lo]), (means[hi], stds[hi]))
+
+
+def _normal_pdf(x: NDArray[np.float64], mean: float, std: float) -> NDArray[np.float64]:
+    return np.exp(-0.5 * ((x - mean) / std) ** 2) / (std * np.sqrt(2 * np.pi))
+
+
+def _pinned_mixture(sims: NDArray[np.float64], noise: NDArray[np.float64], iters: int = 300) -> GmmFit:
+    noise = noise[np.isfinite(noise)]
+    mu_n, sd_n = float(noise.mean()), max(float(noise.std()), 1e-4)
+    upper = sims[sims > np.median(sims)]
+    pi, mu_c, sd_c = 0.5, float(upper.mean()), max(float(upper.std()), 1e-3)
+    for _ in range(iters):
+        pn = pi * _normal_pdf(sims, mu_n, sd_n)
+        pc = (1 - pi) * _normal_pdf(sims, mu_c, sd_c)
+        r = pn / np.maximum(pn + pc, 1e-300)
+        new_pi = float(r.mean())
+        wc = 1 - r
+        mu_c = float((wc * sims).sum() / max(wc.sum(), 1e-12))
+        sd_c = max(float(np.sqrt((wc * (sims - mu_c) ** 2).sum() / max(wc.sum(), 1e-12))), 1e-3)
+        if abs(new_pi - pi) < 1e-7:
+            pi = new_pi
+            break
+        pi = new_pi
+    return _with_boundary(pi, (mu_n, sd_n), (mu_c, sd_c))
+
+
+def _with_boundary(noise_rate: float, low: tuple[float, float], high: tuple[float, float]) -> GmmFit:
+    """The first point between the means where the high (clean) component takes over."""
+    grid = np.linspace(low[0], high[0], 4001)
+    p_low = noise_rate * _normal_pdf(grid, *low)
+    p_high = (1 - noise_rate) * _normal_pdf(grid, *high)
+    over = p_high >= p_low
+    boundary = float(grid[int(np.argmax(over))]) if over.any() else float(grid[-1])
     return GmmFit(
-        boundary=float(grid[crossing, 0]),
-        noise_rate=float(gmm.weights_[lo]),
-        means=(float(means[lo]), float(means[hi])),
-        stds=(float(stds[lo]), float(stds[hi])),
+        boundary=boundary,
+        noise_rate=float(noise_rate),
+        means=(float(low[0]), float(high[0])),
+        stds=(float(low[1]), float(high[1])),
     )
+
+
+def shuffled_similarities(image_emb: FloatArray, text_emb: FloatArray, k: int, seed: int) -> FloatArray:
+    """Cosines of ``k`` random mismatched pairs (i, j), i != j: (N, D), (N, D) -> (k,) float32."""
+    n = image_emb.shape[0]
+    if n < 2:
+        raise ValueError("mismatched pairs need at least 2 pairs")
+    rng = np.random.default_rng(seed)
+    i = rng.integers(0, n, size=k)
+    # An offset in [1, n) guarantees j != i while keeping j uniform over the others.
+    j = (i + rng.integers(1, n, size=k)) % n
+    return cosine_rows(image_emb[i], text_emb[j])
 
 
 def weight_paper(s: FloatArray, beta: float) -> FloatArray:

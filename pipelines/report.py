@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 
 from . import osa, schema
 from .job import OutputDir
-from .rescore import load_scores
+from .rescore import load_scores, read_embeddings
 
 __all__ = ["Summary", "summarize", "format_summary"]
 
@@ -46,7 +46,8 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
     sims = table.column(schema.COL_SIMILARITY).to_numpy()[ok]
     weights = table.column(schema.COL_WEIGHT).to_numpy()[ok]
     noisy = table.column(schema.COL_NOISY).to_numpy(zero_copy_only=False)[ok]
-    gmm = osa.fit_gmm(sims, seed).noise_rate if sims.size >= 16 else None
+    noise = _noise_similarities(out, seed)
+    gmm = osa.fit_gmm(sims, seed, noise_sims=noise).noise_rate if sims.size >= 16 else None
     counts, edges = np.histogram(weights, bins=bins, range=(0.0, 1.0))
     view = table.select([schema.COL_KEY, schema.COL_STATUS, schema.COL_SIMILARITY, schema.COL_WEIGHT, schema.COL_NOISY])
     ok_view = view.filter(ok)
@@ -69,6 +70,25 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
     )
 
 
+def _noise_similarities(out: OutputDir, seed: int, limit: int = 200_000) -> np.ndarray | None:
+    """Similarities of random mismatched pairs from the embedding sidecars (None without them)."""
+    img_parts, txt_parts, rows = [], [], 0
+    for entry, _ in out.iter_committed_tables():
+        path = out.embeddings_path(entry.stem)
+        if not path.exists():
+            return None
+        img, txt = read_embeddings(path)
+        img_parts.append(img)
+        txt_parts.append(txt)
+        rows += len(img)
+        if rows >= limit:
+            break
+    if rows < 2:
+        return None
+    img, txt = np.concatenate(img_parts)[:limit], np.concatenate(txt_parts)[:limit]
+    return osa.shuffled_similarities(img, txt, min(65_536, 16 * rows), seed)
+
+
 def _row(r: dict[str, Any]) -> str:
     sim = r[schema.COL_SIMILARITY]
     sim_s = "   nan" if sim is None or np.isnan(sim) else f"{sim:+.3f}"
@@ -84,7 +104,7 @@ def format_summary(s: Summary) -> str:
         f"beta: {s.beta:+.4f} ({s.beta_recipe}), weighting: {s.weighting}",
         "status: " + ", ".join(f"{k}={v}" for k, v in s.statuses.items()),
         f"flagged noisy (similarity <= beta): {100 * s.flagged_noisy:.1f}% of ok pairs",
-        "noise-rate estimate (2-component GMM on similarities): "
+        "noise-rate estimate (2-component mixture, noise pinned to mismatched pairs when embeddings exist): "
         + (f"{100 * s.noise_rate_gmm:.1f}%" if s.noise_rate_gmm is not None else "n/a (fewer than 16 pairs)"),
         "weight histogram:",
     ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -32,20 +33,29 @@ def load_scores(out: OutputDir) -> pa.Table:
     return pa.concat_tables(tables, promote_options="default")
 
 
+def read_embeddings(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(image, text) float32 embeddings of the ok rows of one sidecar file: (n, D) each."""
+    table = pq.read_table(path)
+    valid = pa.array(table.column(schema.COL_IMAGE_EMB).is_valid().to_numpy(zero_copy_only=False))
+    out = []
+    for name in (schema.COL_IMAGE_EMB, schema.COL_TEXT_EMB):
+        col = table.column(name).combine_chunks().filter(valid)
+        dim = col.type.list_size
+        out.append(col.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, dim))
+    return out[0], out[1]
+
+
 def _embeddings(out: OutputDir, stems: list[str]) -> tuple[np.ndarray, np.ndarray]:
     img_parts, txt_parts = [], []
     for stem in stems:
         path = out.embeddings_path(stem)
         if not path.exists():
             raise InputError(
-                f"{path} is missing: the shuffled recipe needs embeddings; score with --embeddings"
+                f"{path} is missing: the shuffled and gmm recipes need embeddings; score with --embeddings"
             )
-        table = pq.read_table(path)
-        valid = table.column(schema.COL_IMAGE_EMB).is_valid().to_numpy(zero_copy_only=False)
-        for name, parts in ((schema.COL_IMAGE_EMB, img_parts), (schema.COL_TEXT_EMB, txt_parts)):
-            col = table.column(name).combine_chunks().filter(pa.array(valid))
-            dim = col.type.list_size
-            parts.append(col.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, dim))
+        img, txt = read_embeddings(path)
+        img_parts.append(img)
+        txt_parts.append(txt)
     return np.concatenate(img_parts), np.concatenate(txt_parts)
 
 
@@ -84,7 +94,7 @@ def rescore(
     n = spec.calibration_pairs
     sims = np.concatenate(ok_sims)[:n].astype(np.float32)
     img = txt = None
-    if beta_recipe == "shuffled":
+    if beta_recipe in ("shuffled", "gmm") or spec.embeddings:
         img, txt = _embeddings(out, [e.stem for e, _ in tables])
         img, txt = img[:n], txt[:n]
     calibration = calibrate(

@@ -82,3 +82,22 @@ def test_noisy_flag_is_similarity_at_or_below_beta() -> None:
 def test_unknown_weighting_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown weighting"):
         osa.weighting_params("nope", np.zeros(3, np.float32), 0.0, 4)
+
+
+def test_pinned_mixture_finds_no_noise_in_clean_data_and_the_true_rate_in_noisy_data() -> None:
+    rng = np.random.default_rng(4)
+    mismatched = rng.normal(0.0, 0.08, size=20_000)  # what random pairing looks like
+    clean = rng.normal(0.35, 0.08, size=5000)
+    free = osa.fit_gmm(clean.astype(np.float32), seed=0)
+    assert free.noise_rate > 0.2  # a free mixture always splits unimodal data
+    pinned = osa.fit_gmm(clean.astype(np.float32), seed=0, noise_sims=mismatched.astype(np.float32))
+    assert pinned.noise_rate < 0.01
+    noisy = np.concatenate([clean[:4000], rng.normal(0.0, 0.08, size=1000)])
+    fit = osa.fit_gmm(noisy.astype(np.float32), seed=0, noise_sims=mismatched.astype(np.float32))
+    assert fit.noise_rate == pytest.approx(0.2, abs=0.015)
+    assert 0.0 < fit.boundary < 0.35
+
+
+def test_shuffled_similarities_are_mismatched_pairs_only() -> None:
+    eye = np.eye(6, dtype=np.float32)
+    assert np.all(osa.shuffled_similarities(eye, eye, 1000, seed=0) == 0)
