@@ -94,7 +94,7 @@ def main() -> None:
 
     from pairclean.estimators import EstimatorSpec, load_estimator
     from pairclean.job import JobSpec, OutputDir
-    from pairclean.runner import random_beta_fn, run_job
+    from pairclean.runner import LocalSource, random_beta_fn, run_job, score_options
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -106,7 +106,7 @@ def main() -> None:
         estimator.encode_images(torch.zeros((2, 3, estimator.image_size, estimator.image_size)))
         timer = _Timer()
         t_loop = time.perf_counter()
-        report = run_job(spec, OutputDir(str(Path(tmp) / "out")), lambda: estimator, progress=timer)
+        report = run_job(spec, OutputDir(str(Path(tmp) / "out")), lambda: LocalSource(estimator, score_options(spec)), progress=timer)
         loop_s = timer.last_done - t_loop
         wall_s = time.perf_counter() - t_wall
         bare = _bare(estimator, shards, args.batch_size)

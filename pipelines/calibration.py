@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,12 @@ from .job import Calibration, atomic_write_bytes
 __all__ = ["needs_corpus", "calibrate", "cache_dir", "cached_random_beta"]
 
 RandomBeta = Callable[[], float]
+
+log = logging.getLogger(__name__)
+
+
+#: Fewer ok pairs than this and no mixture is fitted (no gmm beta, no noise-rate estimate).
+MIN_MIXTURE_PAIRS = 16
 
 
 def needs_corpus(beta_recipe: str, weighting: str) -> bool:
@@ -79,11 +86,12 @@ def calibrate(
     are given. The noise-rate estimate is reported whenever there are 16 or more pairs.
     """
     sims = np.asarray(similarities, dtype=np.float32)
+    fallback: dict[str, str] = {}
     noise = None
     if image_emb is not None and text_emb is not None and len(image_emb) >= 2:
         # what random mispairing looks like in this corpus: pins the mixture's noise side
         noise = osa.shuffled_similarities(image_emb, text_emb, k * k, seed)
-    gmm = osa.fit_gmm(sims, seed, noise_sims=noise) if np.isfinite(sims).sum() >= 16 else None
+    gmm = osa.fit_gmm(sims, seed, noise_sims=noise) if np.isfinite(sims).sum() >= MIN_MIXTURE_PAIRS else None
     if beta_recipe == "random-inputs":
         beta = random_beta()
     elif beta_recipe == "shuffled":
@@ -92,8 +100,13 @@ def calibrate(
         beta = osa.beta_shuffled(image_emb, text_emb, k * k, seed)
     elif beta_recipe == "gmm":
         if gmm is None:
-            raise ValueError("the gmm recipe needs at least 16 ok pairs")
-        beta = gmm.boundary
+            # Too few pairs for a mixture (a tiny job): fall back to the reference recipe
+            # and say so in the calibration, rather than fail the job.
+            log.warning("only %d ok pairs: the gmm recipe needs 16; using random-inputs", sims.size)
+            beta, fallback = random_beta(), {"requested_recipe": "gmm", "fallback": "fewer than 16 ok pairs"}
+            beta_recipe = "random-inputs"
+        else:
+            beta = gmm.boundary
     else:
         raise ValueError(f"unknown beta recipe {beta_recipe!r}; choose one of {', '.join(osa.BETA_RECIPES)}")
     params = osa.weighting_params(weighting, sims, beta, batch_size)
@@ -105,7 +118,7 @@ def calibrate(
         weighting=weighting,
         d_ref=params.d_ref,
         weighting_batch_size=params.batch_size,
-        noise_rate=gmm.noise_rate if gmm else None,
+        noise_rate=osa.estimate_noise_rate(sims, seed, noise) if gmm else None,
         calibration_pairs=int(sims.size),
-        extra={"gmm_means": list(gmm.means), "gmm_boundary": gmm.boundary} if gmm else {},
+        extra={**fallback, **({"gmm_means": list(gmm.means), "gmm_boundary": gmm.boundary} if gmm else {})},
     )

@@ -255,16 +255,42 @@ class OutputDir:
         atomic_write_bytes(self.calibration_file, json.dumps(calibration.to_json(), indent=2).encode())
 
     # -- the manifest ---------------------------------------------------------------------
-    def manifest(self) -> dict[str, ManifestEntry]:
-        """Committed shards by stem. A torn last line (crash mid-append) is ignored."""
+    def _manifest_records(self) -> Iterator[dict[str, Any]]:
         if not self.manifest_file.exists():
-            return {}
-        entries: dict[str, ManifestEntry] = {}
+            return
         for line in self.manifest_file.read_text().splitlines():
-            with contextlib.suppress(json.JSONDecodeError, TypeError):
-                entry = ManifestEntry(**json.loads(line))
+            # A torn last line (crash mid-append) is skipped.
+            with contextlib.suppress(json.JSONDecodeError):
+                record = json.loads(line)
+                if isinstance(record, dict):
+                    yield record
+
+    def manifest(self) -> dict[str, ManifestEntry]:
+        """Committed shards by stem (quarantine lines are not commits)."""
+        entries: dict[str, ManifestEntry] = {}
+        for record in self._manifest_records():
+            if record.get("state", "committed") != "committed":
+                continue
+            with contextlib.suppress(TypeError):
+                record.pop("state", None)
+                entry = ManifestEntry(**record)
                 entries[entry.stem] = entry
         return entries
+
+    def quarantined(self) -> dict[str, dict[str, Any]]:
+        """Shards that kept failing, by stem, with their error; a later commit clears one."""
+        out: dict[str, dict[str, Any]] = {}
+        for record in self._manifest_records():
+            stem = record.get("stem")
+            if record.get("state") == "quarantined":
+                out[stem] = record
+            elif stem in out:
+                del out[stem]
+        return out
+
+    def quarantine(self, shard: str, stem: str, error: str, attempts: int) -> None:
+        """Record that ``shard`` failed ``attempts`` times; it stays uncommitted (a rerun retries it)."""
+        self._append_line({"state": "quarantined", "shard": shard, "stem": stem, "error": error, "attempts": attempts})
 
     def commit(self, entry_fields: Mapping[str, Any], tables: Mapping[str, pa.Table]) -> ManifestEntry:
         """Write each ``tables[file_name]`` atomically, then append the manifest line.
@@ -280,7 +306,10 @@ class OutputDir:
         return entry
 
     def _append_manifest(self, entry: ManifestEntry) -> None:
-        line = json.dumps(entry.to_json(), sort_keys=True) + "\n"
+        self._append_line(entry.to_json())
+
+    def _append_line(self, record: Mapping[str, Any]) -> None:
+        line = json.dumps(record, sort_keys=True) + "\n"
         # A torn tail from an earlier crash must not swallow this line: start on a new one.
         prefix = ""
         if self.manifest_file.exists() and self.manifest_file.stat().st_size > 0:

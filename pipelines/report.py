@@ -47,7 +47,7 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
     weights = table.column(schema.COL_WEIGHT).to_numpy()[ok]
     noisy = table.column(schema.COL_NOISY).to_numpy(zero_copy_only=False)[ok]
     noise = _noise_similarities(out, seed)
-    gmm = osa.fit_gmm(sims, seed, noise_sims=noise).noise_rate if sims.size >= 16 else None
+    gmm = osa.estimate_noise_rate(sims, seed, noise) if sims.size >= 16 else None
     counts, edges = np.histogram(weights, bins=bins, range=(0.0, 1.0))
     view = table.select([schema.COL_KEY, schema.COL_STATUS, schema.COL_SIMILARITY, schema.COL_WEIGHT, schema.COL_NOISY])
     ok_view = view.filter(ok)
@@ -104,7 +104,7 @@ def format_summary(s: Summary) -> str:
         f"beta: {s.beta:+.4f} ({s.beta_recipe}), weighting: {s.weighting}",
         "status: " + ", ".join(f"{k}={v}" for k, v in s.statuses.items()),
         f"flagged noisy (similarity <= beta): {100 * s.flagged_noisy:.1f}% of ok pairs",
-        "noise-rate estimate (2-component mixture, noise pinned to mismatched pairs when embeddings exist): "
+        "noise-rate estimate (pairs below the median of random mismatched pairs x 2; GMM without embeddings): "
         + (f"{100 * s.noise_rate_gmm:.1f}%" if s.noise_rate_gmm is not None else "n/a (fewer than 16 pairs)"),
         "weight histogram:",
     ]

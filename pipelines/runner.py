@@ -1,8 +1,14 @@
-"""The single-process job loop: plan, resume, calibrate, score, commit.
+"""The job loop: plan, resume, calibrate, commit, whatever executes the scoring.
 
-``run_job`` is what ``pairclean score`` runs without Ray. Shards already in the manifest
-are skipped; a shard that cannot be read is reported and left uncommitted (a rerun
-retries it) while the others go on.
+``run_job`` owns the output folder; a ``ShardSource`` produces scored shards. The local
+source below scores in this process; ``pairclean_workers`` provides a Ray source with
+the same interface, so both paths share planning, calibration and the atomic commit
+(the driver is the only writer: a shard is committed exactly once).
+
+Shards already in the manifest are skipped. A shard that cannot be read (or keeps failing
+on workers) is quarantined in the manifest with its error and left uncommitted; a rerun
+retries it. The job ends SUCCEEDED, PARTIAL (failed fraction within the allowed one) or
+FAILED.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -22,12 +28,26 @@ from .errors import InputError
 from .estimators import Estimator
 from .job import Calibration, JobSpec, OutputDir
 from .scoring import ScoreOptions, ShardResult, embeddings_table, output_metadata, score_shard, scores_table
-from .shards import ReadOptions
 from .uris import shard_size
 
-__all__ = ["Progress", "JobReport", "run_job", "commit_result", "random_beta_fn"]
+__all__ = [
+    "SUCCEEDED",
+    "PARTIAL",
+    "FAILED",
+    "Progress",
+    "ShardOutcome",
+    "ShardSource",
+    "LocalSource",
+    "JobReport",
+    "run_job",
+    "commit_result",
+    "random_beta_fn",
+    "score_options",
+]
 
 log = logging.getLogger(__name__)
+
+SUCCEEDED, PARTIAL, FAILED = "SUCCEEDED", "PARTIAL", "FAILED"
 
 
 class Progress(Protocol):
@@ -40,22 +60,24 @@ class Progress(Protocol):
     def shard_failed(self, uri: str, error: str) -> None: ...
 
 
-@dataclass
-class JobReport:
-    """What a run did."""
+@dataclass(frozen=True)
+class ShardOutcome:
+    """What became of one shard: a result, or an error after ``attempts`` tries."""
 
-    total_shards: int
-    skipped: int = 0
-    committed: int = 0
-    pairs: int = 0
-    seconds: float = 0.0
-    statuses: dict[str, int] = field(default_factory=dict)
-    failed: list[tuple[str, str]] = field(default_factory=list)
-    calibration: Calibration | None = None
+    uri: str
+    result: ShardResult | None
+    error: str | None = None
+    attempts: int = 1
 
-    @property
-    def complete(self) -> bool:
-        return not self.failed
+
+class ShardSource(Protocol):
+    """Scores shards. ``results`` may yield in any order, one outcome per given URI."""
+
+    def model_info(self) -> dict[str, Any]: ...
+
+    def random_beta(self, k: int, seed: int) -> float: ...
+
+    def results(self, uris: Sequence[str]) -> Iterator[ShardOutcome]: ...
 
 
 def random_beta_fn(estimator: Estimator, k: int, seed: int) -> Callable[[], float]:
@@ -79,6 +101,65 @@ def random_beta_fn(estimator: Estimator, k: int, seed: int) -> Callable[[], floa
     return lambda: cached_random_beta(identity, compute)
 
 
+def score_options(spec: JobSpec, storage_options: dict[str, Any] | None = None) -> ScoreOptions:
+    """The per-shard reading and batching options a job spec implies."""
+    from .shards import ReadOptions
+
+    return ScoreOptions(
+        batch_size=spec.batch_size,
+        max_pixels=spec.max_pixels,
+        read=ReadOptions(caption_field=spec.caption_field, storage_options=storage_options or {}),
+    )
+
+
+class LocalSource:
+    """Scores shards one after another in this process with one estimator."""
+
+    def __init__(self, estimator: Estimator, options: ScoreOptions) -> None:
+        self.estimator = estimator
+        self.options = options
+
+    def model_info(self) -> dict[str, Any]:
+        return self.estimator.info.as_dict()
+
+    def random_beta(self, k: int, seed: int) -> float:
+        return random_beta_fn(self.estimator, k, seed)()
+
+    def results(self, uris: Sequence[str]) -> Iterator[ShardOutcome]:
+        for uri in uris:
+            try:
+                yield ShardOutcome(uri, score_shard(uri, self.estimator, self.options))
+            except InputError as exc:
+                yield ShardOutcome(uri, None, str(exc))
+
+
+@dataclass
+class JobReport:
+    """What a run did. ``state`` follows from failures and ``max_failed_fraction``."""
+
+    total_shards: int
+    skipped: int = 0
+    committed: int = 0
+    pairs: int = 0
+    seconds: float = 0.0
+    statuses: dict[str, int] = field(default_factory=dict)
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    calibration: Calibration | None = None
+    max_failed_fraction: float = 0.0
+
+    @property
+    def complete(self) -> bool:
+        return not self.failed
+
+    @property
+    def state(self) -> str:
+        if not self.failed:
+            return SUCCEEDED
+        if self.total_shards and len(self.failed) / self.total_shards <= self.max_failed_fraction:
+            return PARTIAL
+        return FAILED
+
+
 def commit_result(out: OutputDir, spec: JobSpec, result: ShardResult, stem: str, calibration: Calibration, model_info: dict[str, Any]) -> None:
     """Write the scores (and embeddings) of one shard and append its manifest line."""
     meta = output_metadata(model_info, calibration, {"shard": result.uri, "recipe": _recipe(spec)})
@@ -93,13 +174,7 @@ def commit_result(out: OutputDir, spec: JobSpec, result: ShardResult, stem: str,
         emb_meta = {schema.META_KEY: json.dumps({"pairclean_version": __version__, "model": model_info}, sort_keys=True).encode()}
         tables[f"{stem}.emb.parquet"] = embeddings_table(result.keys, result.image_emb, result.text_emb, result.ok_mask, emb_meta)
     out.commit(
-        {
-            "shard": result.uri,
-            "stem": stem,
-            "size": shard_size(result.uri),
-            "rows": len(result),
-            "statuses": result.status_counts(),
-        },
+        {"shard": result.uri, "stem": stem, "size": shard_size(result.uri), "rows": len(result), "statuses": result.status_counts()},
         tables,
     )
 
@@ -113,9 +188,8 @@ def _recipe(spec: JobSpec) -> dict[str, Any]:
     }
 
 
-def _calibrate_from(results: list[ShardResult], spec: JobSpec, estimator: Estimator) -> Calibration:
+def _calibrate_from(results: list[ShardResult], spec: JobSpec, source: ShardSource, dim: int) -> Calibration:
     """Calibrate on the first ``spec.calibration_pairs`` ok pairs of ``results`` (may be empty)."""
-    dim = estimator.info.embed_dim
     masks = [r.ok_mask for r in results]
     n = spec.calibration_pairs
     sims = np.concatenate([np.zeros(0, np.float32)] + [r.similarity[m] for r, m in zip(results, masks)])[:n]
@@ -128,88 +202,118 @@ def _calibrate_from(results: list[ShardResult], spec: JobSpec, estimator: Estima
         return calibrate(
             beta_recipe=spec.beta_recipe, k=spec.beta_k, seed=spec.seed, weighting=spec.weighting,
             batch_size=spec.batch_size, similarities=sims, image_emb=img, text_emb=txt,
-            random_beta=random_beta_fn(estimator, spec.beta_k, spec.seed),
+            random_beta=lambda: source.random_beta(spec.beta_k, spec.seed),
         )
     except ValueError as exc:
         raise InputError(f"cannot calibrate beta recipe {spec.beta_recipe!r} on this job: {exc}") from exc
 
 
+class _Committer:
+    """Commits outcomes; until the calibration is frozen, holds them and calibrates on the
+    first ``calibration_pairs`` ok pairs *in shard order*, whatever order results arrive in,
+    so every executor freezes the same beta."""
+
+    def __init__(self, spec: JobSpec, out: OutputDir, source: ShardSource, order: list[str], report: JobReport, progress: Progress | None) -> None:
+        self.spec, self.out, self.source, self.report, self.progress = spec, out, source, report, progress
+        self.stems = spec.stems()
+        self.model_info = source.model_info()
+        self.calibration = out.read_calibration()
+        self.order = order
+        self.held: dict[str, ShardOutcome] = {}
+        self.cursor = 0  # shards of `order` before it have arrived
+        self.prefix_ok = 0
+
+    def add(self, outcome: ShardOutcome) -> None:
+        if outcome.result is None:
+            self._fail(outcome)
+            if self.calibration is None:
+                self.held[outcome.uri] = outcome
+                self._try_calibrate(final=False)
+            return
+        if self.calibration is not None:
+            self._commit(outcome.result)
+            return
+        self.held[outcome.uri] = outcome
+        self._try_calibrate(final=False)
+
+    def finish(self) -> None:
+        if self.calibration is None and self.held:
+            self._try_calibrate(final=True)
+
+    def _try_calibrate(self, final: bool) -> None:
+        while self.cursor < len(self.order) and self.order[self.cursor] in self.held:
+            result = self.held[self.order[self.cursor]].result
+            self.prefix_ok += int(result.ok_mask.sum()) if result is not None else 0
+            self.cursor += 1
+        if not final and self.prefix_ok < self.spec.calibration_pairs and self.cursor < len(self.order):
+            return
+        prefix = [self.held[u].result for u in self.order[: self.cursor] if u in self.held and self.held[u].result is not None]
+        if not prefix and not any(o.result is not None for o in self.held.values()):
+            return  # every shard so far failed: nothing to calibrate on or commit yet
+        dim = int(self.model_info["embed_dim"])
+        self.calibration = _calibrate_from(prefix, self.spec, self.source, dim)  # type: ignore[arg-type]
+        self.out.write_calibration(self.calibration)
+        held, self.held = self.held, {}
+        for outcome in held.values():
+            if outcome.result is not None:
+                self._commit(outcome.result)
+
+    def _commit(self, result: ShardResult) -> None:
+        assert self.calibration is not None
+        commit_result(self.out, self.spec, result, self.stems[result.uri], self.calibration, self.model_info)
+        self.report.committed += 1
+        self.report.pairs += len(result)
+        for status, count in result.status_counts().items():
+            self.report.statuses[status] = self.report.statuses.get(status, 0) + count
+        if self.progress:
+            self.progress.shard_done(self.stems[result.uri], len(result))
+
+    def _fail(self, outcome: ShardOutcome) -> None:
+        error = outcome.error or "unknown error"
+        log.error("shard failed: %s", error)
+        self.out.quarantine(outcome.uri, self.stems[outcome.uri], error, outcome.attempts)
+        self.report.failed.append((outcome.uri, error))
+        if self.progress:
+            self.progress.shard_failed(outcome.uri, error)
+
+
 def run_job(
     spec: JobSpec,
     out: OutputDir,
-    load_estimator: Callable[[], Estimator],
+    make_source: Callable[[], ShardSource],
     *,
     overwrite: bool = False,
     progress: Progress | None = None,
-    storage_options: dict[str, Any] | None = None,
+    max_failed_fraction: float = 0.0,
 ) -> JobReport:
-    """Score every shard of ``spec`` not yet committed in ``out``.
+    """Score every shard of ``spec`` not yet committed in ``out`` with the source ``make_source``
+    builds (only built when there is work).
 
     Raises ``SpecMismatchError`` if ``out`` belongs to another spec, ``InputError`` for
-    job-level input problems. Shard-level read failures are collected in the report.
+    job-level input problems. Shard failures are quarantined and reported.
     """
     started = time.perf_counter()
     stems = spec.stems()
     out.prepare(spec, overwrite)
     committed = out.manifest()
     todo = [uri for uri in spec.shards if stems[uri] not in committed]
-    report = JobReport(total_shards=len(spec.shards), skipped=len(spec.shards) - len(todo))
+    report = JobReport(total_shards=len(spec.shards), skipped=len(spec.shards) - len(todo), max_failed_fraction=max_failed_fraction)
     if not todo:
         if progress:
             progress.start(len(spec.shards), report.skipped)
         report.calibration = out.read_calibration()
         return report
-    estimator = load_estimator()
-    model_info = estimator.info.as_dict()
-    options = ScoreOptions(
-        batch_size=spec.batch_size,
-        max_pixels=spec.max_pixels,
-        read=ReadOptions(caption_field=spec.caption_field, storage_options=storage_options or {}),
-    )
-    calibration = out.read_calibration()
-    if calibration is None and not needs_corpus(spec.beta_recipe, spec.weighting):
-        calibration = _calibrate_from([], spec, estimator)
-        out.write_calibration(calibration)
+    source = make_source()
+    committer = _Committer(spec, out, source, todo, report, progress)
+    if committer.calibration is None and not needs_corpus(spec.beta_recipe, spec.weighting):
+        committer.calibration = _calibrate_from([], spec, source, int(committer.model_info["embed_dim"]))
+        out.write_calibration(committer.calibration)
     if progress:
         # after the model load and beta, so that pairs/s and ETA describe the scoring
         progress.start(len(spec.shards), report.skipped)
-    pending: list[ShardResult] = []
-
-    def commit(result: ShardResult) -> None:
-        assert calibration is not None
-        commit_result(out, spec, result, stems[result.uri], calibration, model_info)
-        report.committed += 1
-        report.pairs += len(result)
-        for status, count in result.status_counts().items():
-            report.statuses[status] = report.statuses.get(status, 0) + count
-        if progress:
-            progress.shard_done(stems[result.uri], len(result))
-
-    for uri in todo:
-        try:
-            result = score_shard(uri, estimator, options)
-        except InputError as exc:
-            log.error("shard failed: %s", exc)
-            report.failed.append((uri, str(exc)))
-            if progress:
-                progress.shard_failed(uri, str(exc))
-            continue
-        if calibration is not None:
-            commit(result)
-            continue
-        # Corpus calibration: hold results until enough ok pairs are seen, then freeze it.
-        pending.append(result)
-        if sum(int(r.ok_mask.sum()) for r in pending) >= spec.calibration_pairs:
-            calibration = _calibrate_from(pending, spec, estimator)
-            out.write_calibration(calibration)
-            for held in pending:
-                commit(held)
-            pending = []
-    if pending:
-        calibration = _calibrate_from(pending, spec, estimator)
-        out.write_calibration(calibration)
-        for held in pending:
-            commit(held)
-    report.calibration = calibration or out.read_calibration()
+    for outcome in source.results(todo):
+        committer.add(outcome)
+    committer.finish()
+    report.calibration = committer.calibration or out.read_calibration()
     report.seconds = time.perf_counter() - started
     return report

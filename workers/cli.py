@@ -1,8 +1,9 @@
 """The ``pairclean`` command: score, rescore, inspect, demo, train-lite.
 
-Exit codes: 0 every shard committed; 1 a job-level error (bad input, spec mismatch,
-model that cannot load), with a one-line message; 2 the job ran but some shards could
-not be read (they are listed; rerunning the same command retries just those).
+Exit codes: 0 SUCCEEDED (every shard committed); 1 a job-level error (bad input, spec
+mismatch, model that cannot load), with a one-line message; 2 PARTIAL (some shards
+failed, within --max-failed-fraction); 3 FAILED (more shards failed than that). Failed
+shards are quarantined in the manifest with their error; rerunning retries just those.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ __all__ = ["main", "build_parser"]
 
 log = logging.getLogger("pairclean")
 
-EXIT_OK, EXIT_ERROR, EXIT_PARTIAL = 0, 1, 2
+EXIT_OK, EXIT_ERROR, EXIT_PARTIAL, EXIT_FAILED = 0, 1, 2, 3
 
 
 def _add_estimator_args(p: argparse.ArgumentParser) -> None:
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--calibration-pairs", type=int, default=4096, help="ok pairs that corpus recipes calibrate on")
     score.add_argument("--embeddings", action=argparse.BooleanOptionalAction, default=True, help="write OUT/<shard>.emb.parquet")
     score.add_argument("--overwrite", action="store_true", help="discard earlier outputs in --out and start over")
+    score.add_argument("--max-failed-fraction", type=float, default=0.05, help="a job with at most this fraction of failed shards ends PARTIAL, not FAILED")
     score.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", help="fsspec option for remote shards (repeatable)")
     score.add_argument("--no-progress", action="store_true")
 
@@ -143,7 +145,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     """Run (or resume) a scoring job in this process."""
     from pairclean.estimators import EstimatorSpec, default_beta_recipe, load_estimator
     from pairclean.job import JobSpec, OutputDir
-    from pairclean.runner import run_job
+    from pairclean.runner import LocalSource, run_job, score_options
     from pairclean.uris import expand_shards
 
     storage = _storage_options(args.storage_option)
@@ -160,7 +162,10 @@ def cmd_score(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     bar = _Bar(enabled=not args.no_progress)
     try:
-        report = run_job(spec, OutputDir(args.out), lambda: load_estimator(est_spec), overwrite=args.overwrite, progress=bar, storage_options=storage)
+        report = run_job(
+            spec, OutputDir(args.out), lambda: LocalSource(load_estimator(est_spec), score_options(spec, storage)),
+            overwrite=args.overwrite, progress=bar, max_failed_fraction=args.max_failed_fraction,
+        )
     finally:
         bar.close()
     return _print_report(report, args.out)
@@ -170,15 +175,17 @@ def _print_report(report: Any, out: str) -> int:
     rate = report.pairs / report.seconds if report.seconds else 0.0
     cal = report.calibration
     beta = f"beta {cal.beta:+.4f} ({cal.recipe}), weighting {cal.weighting}" if cal else "no calibration yet"
+    if cal and cal.extra.get("fallback"):
+        beta += f" [{cal.extra['requested_recipe']} not used: {cal.extra['fallback']}]"
     print(
-        f"{report.committed} shards scored, {report.skipped} already done, {len(report.failed)} failed; "
+        f"{report.state}: {report.committed} shards scored, {report.skipped} already done, {len(report.failed)} failed; "
         f"{report.pairs} pairs in {report.seconds:.1f} s ({rate:.1f} pairs/s); {beta}; output: {out}"
     )
     if report.statuses:
         print("status: " + ", ".join(f"{k}={v}" for k, v in sorted(report.statuses.items())))
     for uri, error in report.failed:
         print(f"FAILED {uri}: {error}", file=sys.stderr)
-    return EXIT_OK if report.complete else EXIT_PARTIAL
+    return {"SUCCEEDED": EXIT_OK, "PARTIAL": EXIT_PARTIAL}.get(report.state, EXIT_FAILED)
 
 
 def cmd_rescore(args: argparse.Namespace) -> int:

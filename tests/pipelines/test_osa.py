@@ -101,3 +101,12 @@ def test_pinned_mixture_finds_no_noise_in_clean_data_and_the_true_rate_in_noisy_
 def test_shuffled_similarities_are_mismatched_pairs_only() -> None:
     eye = np.eye(6, dtype=np.float32)
     assert np.all(osa.shuffled_similarities(eye, eye, 1000, seed=0) == 0)
+
+
+def test_noise_rate_estimate_from_mismatched_pairs() -> None:
+    rng = np.random.default_rng(5)
+    mismatched = rng.normal(0.0, 0.08, size=20_000).astype(np.float32)
+    for rate in (0.0, 0.2, 0.5):
+        n_noisy = int(rate * 10_000)
+        sims = np.concatenate([rng.normal(0.35, 0.08, 10_000 - n_noisy), rng.normal(0.0, 0.08, n_noisy)]).astype(np.float32)
+        assert osa.estimate_noise_rate(sims, 0, mismatched) == pytest.approx(rate, abs=0.02)

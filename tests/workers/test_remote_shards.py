@@ -66,7 +66,7 @@ def test_http_shards_stream_and_score(make_shards, http_root: tuple[str, Path], 
 
 def test_http_missing_shard_is_reported_by_uri(http_root: tuple[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base, _ = http_root
-    assert main(["score", f"{base}/nope.tar", "--out", str(tmp_path / "o"), *TINY]) == 2
+    assert main(["score", f"{base}/nope.tar", "--out", str(tmp_path / "o"), *TINY]) == 3
     assert f"{base}/nope.tar" in capsys.readouterr().err
 
 

@@ -29,7 +29,9 @@ def _rows(out: Path, stem: str) -> list[dict]:
 
 
 def _manifest(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / schema.MANIFEST_FILE).read_text().splitlines()]
+    """Committed lines of the manifest (quarantine lines have state 'quarantined')."""
+    lines = [json.loads(line) for line in (out / schema.MANIFEST_FILE).read_text().splitlines()]
+    return [m for m in lines if m.get("state", "committed") == "committed"]
 
 
 def test_score_writes_one_keyed_parquet_per_shard_with_metadata(make_shards, tmp_path: Path) -> None:
@@ -124,10 +126,14 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
     good = [str(s) for s in make_shards(n_shards=1, per_shard=3)]
     junk = tmp_path / "junk.tar"
     junk.write_bytes(b"garbage" * 500)
-    assert _score(good + [str(junk)], tmp_path / "o3") == 2  # the good shard is committed
+    assert _score(good + [str(junk)], tmp_path / "o3") == 3  # FAILED: 1 of 2 shards > 5%
     captured = capsys.readouterr()
-    assert "junk.tar" in captured.err
-    assert [m["stem"] for m in _manifest(tmp_path / "o3")] == ["part-00000"]
+    assert "junk.tar" in captured.err and "FAILED" in captured.out
+    assert [m["stem"] for m in _manifest(tmp_path / "o3")] == ["part-00000"]  # the good one
+    lines = [json.loads(x) for x in (tmp_path / "o3" / schema.MANIFEST_FILE).read_text().splitlines()]
+    assert [(m["stem"], m["state"]) for m in lines if "state" in m] == [("junk", "quarantined")]
+    assert _score(good + [str(junk)], tmp_path / "o3", "--max-failed-fraction", "0.5") == 2  # PARTIAL
+    assert "PARTIAL" in capsys.readouterr().out
 
 
 @pytest.mark.slow
