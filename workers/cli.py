@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--max-failed-fraction", type=float, default=0.05, help="a job with at most this fraction of failed shards ends PARTIAL, not FAILED")
     score.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", help="fsspec option for remote shards (repeatable)")
     score.add_argument("--no-progress", action="store_true")
+    ray_group = score.add_argument_group("execution")
+    ray_group.add_argument("--executor", choices=("ray", "local"), default="ray", help="ray (default: a local Ray, or --ray-address) or local (this process only)")
+    ray_group.add_argument("--ray-address", default=None, help="existing Ray cluster (default: $RAY_ADDRESS, else start one here)")
+    ray_group.add_argument("--num-actors", type=int, default=None, help="scoring actors (default: one per GPU, else one per 2 CPUs)")
+    ray_group.add_argument("--max-retries", type=int, default=3, help="retries of a shard whose worker died or timed out")
+    ray_group.add_argument("--shard-timeout", type=float, default=None, help="seconds before a shard's worker is killed and the shard retried")
 
     rescore = sub.add_parser("rescore", help="recompute weights and flags from stored similarities (no re-embedding)")
     rescore.add_argument("out")
@@ -83,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="score the bundled sample and show the swapped captions")
     demo.add_argument("--out", default="demo-out")
     demo.add_argument("--no-progress", action="store_true")
+    demo.add_argument("--executor", choices=("ray", "local"), default="ray")
 
     from pairclean_workers.train_cli import add_train_parser
 
@@ -145,7 +152,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     """Run (or resume) a scoring job in this process."""
     from pairclean.estimators import EstimatorSpec, default_beta_recipe, load_estimator
     from pairclean.job import JobSpec, OutputDir
-    from pairclean.runner import LocalSource, run_job, score_options
+    from pairclean.runner import run_job, score_options
     from pairclean.uris import expand_shards
 
     storage = _storage_options(args.storage_option)
@@ -159,16 +166,33 @@ def cmd_score(args: argparse.Namespace) -> int:
         weighting=args.weighting, seed=args.seed, batch_size=args.batch_size, max_pixels=args.max_pixels,
         caption_field=args.caption_field, embeddings=args.embeddings, calibration_pairs=args.calibration_pairs,
     )
-    _set_threads(args.threads)
+    if args.executor == "local":
+        _set_threads(args.threads)
     bar = _Bar(enabled=not args.no_progress)
     try:
         report = run_job(
-            spec, OutputDir(args.out), lambda: LocalSource(load_estimator(est_spec), score_options(spec, storage)),
+            spec, OutputDir(args.out), lambda: _make_source(args, est_spec, score_options(spec, storage)),
             overwrite=args.overwrite, progress=bar, max_failed_fraction=args.max_failed_fraction,
         )
     finally:
         bar.close()
     return _print_report(report, args.out)
+
+
+def _make_source(args: argparse.Namespace, est_spec: Any, options: Any) -> Any:
+    """The shard source the options ask for: a Ray actor pool (default) or this process."""
+    from pairclean.estimators import load_estimator
+    from pairclean.runner import LocalSource
+
+    if args.executor == "local":
+        return LocalSource(load_estimator(est_spec), options)
+    from pairclean_workers.ray_exec import RayOptions, RaySource
+
+    ray_opts = RayOptions(
+        address=args.ray_address, num_actors=args.num_actors, threads_per_actor=args.threads,
+        max_retries=args.max_retries, shard_timeout_s=args.shard_timeout,
+    )
+    return RaySource(est_spec, options, ray_opts)
 
 
 def _print_report(report: Any, out: str) -> int:
@@ -226,7 +250,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from pairclean.job import OutputDir
     from pairclean.report import format_summary, summarize
 
-    score_args = build_parser().parse_args(["score", sample_shard(), "--out", args.out] + (["--no-progress"] if args.no_progress else []))
+    extra = (["--no-progress"] if args.no_progress else []) + ["--executor", args.executor]
+    score_args = build_parser().parse_args(["score", sample_shard(), "--out", args.out, *extra])
     code = cmd_score(score_args)
     if code != EXIT_OK:
         return code

@@ -19,7 +19,7 @@ import pytest
 from pairclean.shards import iter_pairs
 from pairclean_workers.cli import main
 
-TINY = ["--model", "pairclean-tiny-test", "--no-progress", "--batch-size", "4"]
+TINY = ["--model", "pairclean-tiny-test", "--no-progress", "--batch-size", "4", "--executor", "local"]
 
 
 class _NoRangeHandler(http.server.SimpleHTTPRequestHandler):

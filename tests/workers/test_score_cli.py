@@ -17,7 +17,7 @@ import pytest
 from pairclean import schema
 from pairclean_workers.cli import main
 
-TINY = ["--model", "pairclean-tiny-test", "--no-progress", "--batch-size", "4"]
+TINY = ["--model", "pairclean-tiny-test", "--no-progress", "--batch-size", "4", "--executor", "local"]
 
 
 def _score(shards: list[str], out: Path, *extra: str) -> int:

@@ -1,0 +1,137 @@
+"""Scoring on a real local Ray (num_cpus=2): equality with the single-process path, lost
+workers, timeouts and quarantine, and a killed driver that resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pairclean import schema
+from pairclean.estimators import EstimatorSpec
+from pairclean.job import JobSpec, OutputDir
+from pairclean.runner import run_job, score_options
+from pairclean_workers.cli import main
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+TINY = ["--model", "pairclean-tiny-test", "--no-progress", "--batch-size", "4", "--threads", "2"]
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _committed(out: Path) -> list[str]:
+    lines = [json.loads(x) for x in (out / schema.MANIFEST_FILE).read_text().splitlines()]
+    return [m["stem"] for m in lines if m.get("state", "committed") == "committed"]
+
+
+def test_ray_path_equals_single_process_path(ray_local, make_shards, tmp_path: Path) -> None:
+    shards = [str(s) for s in make_shards(n_shards=3, per_shard=6, extra={4: {"jpg": b"broken"}})]
+    for recipe in ("random-inputs", "gmm"):
+        local, viaray = tmp_path / f"local-{recipe}", tmp_path / f"ray-{recipe}"
+        assert main(["score", *shards, "--out", str(local), *TINY, "--executor", "local", "--beta-recipe", recipe]) == 0
+        assert main(["score", *shards, "--out", str(viaray), *TINY, "--executor", "ray", "--beta-recipe", recipe]) == 0
+        for stem in ("part-00000", "part-00001", "part-00002"):
+            a = pq.read_table(local / f"{stem}.parquet", columns=["key", "status", "similarity", "weight", "noisy"]).to_pylist()
+            b = pq.read_table(viaray / f"{stem}.parquet", columns=["key", "status", "similarity", "weight", "noisy"]).to_pylist()
+            assert a == b or all(
+                x["key"] == y["key"] and x["noisy"] == y["noisy"] and abs(x["weight"] - y["weight"]) < 1e-6
+                for x, y in zip(a, b)
+            )
+        assert json.loads((local / "_calibration.json").read_text())["beta"] == pytest.approx(
+            json.loads((viaray / "_calibration.json").read_text())["beta"], abs=1e-6
+        )
+
+
+def _spec(shards: list[str], **kw) -> JobSpec:
+    base = dict(shards=tuple(shards), model="pairclean-tiny-test", checkpoint=None, pretrained=None, precision="fp32",
+                beta_recipe="random-inputs", beta_k=16, weighting="paper", seed=0, batch_size=2, max_pixels=64_000_000,
+                caption_field=None, embeddings=True, calibration_pairs=64)
+    base.update(kw)
+    return JobSpec(**base)
+
+
+class _KillAfterFirst:
+    """Progress sink that SIGKILLs every scoring actor's process at the first commit: with two
+    actors, one is in the middle of a shard then, the other idle."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids, self.done = pids, 0
+
+    def start(self, total_shards: int, already_done: int) -> None:
+        pass
+
+    def shard_done(self, stem: str, rows: int) -> None:
+        self.done += 1
+        if self.done == 1:
+            for pid in self.pids:
+                os.kill(pid, signal.SIGKILL)
+
+    def shard_failed(self, uri: str, error: str) -> None:
+        pass
+
+
+def test_a_killed_worker_is_replaced_and_every_shard_committed_once(ray_local, make_shards, tmp_path: Path) -> None:
+    from pairclean_workers.ray_exec import RayOptions, RaySource
+
+    shards = [str(s) for s in make_shards(n_shards=4, per_shard=24)]
+    spec = _spec(shards)
+    source = RaySource(EstimatorSpec("pairclean-tiny-test", precision="fp32", device="cpu"), score_options(spec), RayOptions(num_actors=2, threads_per_actor=1, backoff_s=0.1))
+    victims = source.actor_pids()
+    out = OutputDir(str(tmp_path / "out"))
+    report = run_job(spec, out, lambda: source, progress=_KillAfterFirst(victims))
+    assert report.state == "SUCCEEDED" and report.committed == 4
+    assert source.retries >= 1 and not set(victims) & set(source.actor_pids())
+    stems = _committed(tmp_path / "out")
+    assert sorted(stems) == [f"part-{i:05d}" for i in range(4)] and len(stems) == 4
+    for stem in stems:
+        assert pq.read_table(tmp_path / "out" / f"{stem}.parquet").num_rows == 24
+
+
+def test_stragglers_time_out_and_end_quarantined(ray_local, make_shards, tmp_path: Path) -> None:
+    from pairclean_workers.ray_exec import RayOptions, RaySource
+
+    shards = [str(s) for s in make_shards(n_shards=2, per_shard=24)]
+    spec = _spec(shards)
+    opts = RayOptions(num_actors=1, threads_per_actor=1, shard_timeout_s=0.05, max_retries=1, backoff_s=0.05)
+    source = RaySource(EstimatorSpec("pairclean-tiny-test", precision="fp32", device="cpu"), score_options(spec), opts)
+    out = OutputDir(str(tmp_path / "out"))
+    report = run_job(spec, out, lambda: source, max_failed_fraction=0.5)
+    assert report.state == "FAILED" and report.committed == 0
+    quarantined = out.quarantined()
+    assert sorted(quarantined) == ["part-00000", "part-00001"]
+    assert all("timed out" in q["error"] and q["attempts"] == 2 for q in quarantined.values())
+
+
+def test_killed_driver_resumes_without_redoing_shards(make_shards, tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    shards = make_shards(n_shards=6, per_shard=16)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "pairclean_workers.cli", "score", str(shards[0].parent / "part-{00000..00005}.tar"),
+           "--out", str(out), *TINY, "--executor", "ray"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    manifest = out / schema.MANIFEST_FILE
+    deadline = time.time() + 180
+    while time.time() < deadline and not (manifest.exists() and manifest.read_text().count("\n") >= 1):
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = {m: (out / f"{m}.parquet").stat().st_mtime_ns for m in _committed(out)}
+    assert 1 <= len(before) < 6
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert f"{len(before)} already done" in rerun.stdout
+    assert sorted(_committed(out)) == [f"part-{i:05d}" for i in range(6)]
+    assert {m: (out / f"{m}.parquet").stat().st_mtime_ns for m in before} == before  # not redone

@@ -1,0 +1,230 @@
+"""Scoring on Ray: a pool of actors that each load the estimator once; the driver commits.
+
+The shard is the unit of work. Each actor reads, decodes (in a background thread) and
+embeds whole shards with ``pairclean.scoring.score_shard``; the driver (``run_job``)
+calibrates and commits, so the atomic commit and manifest are the single-process ones
+and every shard is committed exactly once.
+
+Fault tolerance: an actor that dies (or overruns ``shard_timeout_s`` and is killed) is
+replaced and its shard retried after an exponential backoff, up to ``max_retries``
+times; then the shard is quarantined with its last error. A shard that is unreadable
+(an ``InputError`` raised by the reader) is quarantined at once: retrying cannot help.
+At most ``max_in_flight`` shards are in flight, which bounds memory whatever the corpus.
+
+All Ray-specific options live in ``RayOptions``; ``ShardScorer`` is a plain class, so the
+actor's logic is testable without Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pairclean.errors import InputError, ModelLoadError
+from pairclean.estimators import EstimatorSpec, load_estimator
+from pairclean.runner import ShardOutcome, random_beta_fn
+from pairclean.scoring import ScoreOptions, ShardResult, score_shard
+
+__all__ = ["RayOptions", "ShardScorer", "RaySource", "init_ray"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """Where and how to run on Ray.
+
+    ``address``: an existing cluster (``ray://`` or ``host:port``); None starts a local Ray
+    sized to this machine (or joins ``$RAY_ADDRESS``). ``num_actors``: scoring actors
+    (default: one per GPU, else one per 2 CPUs, at least 1). ``threads_per_actor``: torch
+    threads in each actor (Ray sets OMP_NUM_THREADS=1, which would starve the model).
+    """
+
+    address: str | None = None
+    num_actors: int | None = None
+    threads_per_actor: int | None = None
+    cpus_per_actor: float = 1.0
+    max_retries: int = 3
+    backoff_s: float = 1.0
+    shard_timeout_s: float | None = None
+    max_in_flight: int | None = None
+    runtime_env: dict[str, Any] = field(default_factory=dict)
+
+
+class ShardScorer:
+    """What one actor does: load the estimator once, then score shards on request."""
+
+    def __init__(self, estimator_spec: EstimatorSpec, options: ScoreOptions, threads: int | None) -> None:
+        import torch
+
+        torch.set_num_threads(threads or os.cpu_count() or 1)
+        self.estimator = load_estimator(estimator_spec)
+        self.options = options
+
+    def model_info(self) -> dict[str, Any]:
+        return self.estimator.info.as_dict()
+
+    def random_beta(self, k: int, seed: int) -> float:
+        return random_beta_fn(self.estimator, k, seed)()
+
+    def score(self, uri: str) -> ShardResult:
+        return score_shard(uri, self.estimator, self.options)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def init_ray(options: RayOptions) -> None:
+    """Connect to ``options.address`` / ``$RAY_ADDRESS``, or start a local Ray in-process."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = options.address or os.environ.get("RAY_ADDRESS") or None
+    kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": False}
+    if options.runtime_env:
+        kwargs["runtime_env"] = options.runtime_env
+    ray.init(address=address, **kwargs)
+
+
+@dataclass
+class _Task:
+    uri: str
+    attempt: int
+    actor: Any
+    ref: Any
+    started: float
+
+
+class RaySource:
+    """A ``pairclean.runner.ShardSource`` backed by a pool of Ray actors."""
+
+    def __init__(self, estimator_spec: EstimatorSpec, score_opts: ScoreOptions, options: RayOptions) -> None:
+        import ray
+
+        init_ray(options)
+        self.ray = ray
+        self.options = options
+        self.estimator_spec = estimator_spec
+        self.score_opts = score_opts
+        resources = ray.cluster_resources()
+        gpus = int(resources.get("GPU", 0))
+        cpus = int(resources.get("CPU", 1))
+        self.use_gpu = gpus > 0 and estimator_spec.device in ("auto", "cuda")
+        # Leave a CPU for the driver and the readers' threads on small machines.
+        default_actors = gpus if self.use_gpu else max(1, cpus // 2)
+        self.num_actors = options.num_actors or default_actors
+        self.threads = options.threads_per_actor or max(1, min(os.cpu_count() or 1, cpus // self.num_actors))
+        self.max_in_flight = options.max_in_flight or self.num_actors
+        self.actor_cls = ray.remote(ShardScorer)
+        self.retries = 0  # shard retries so far (workers lost, timeouts, unexpected errors)
+        self.idle: deque[Any] = deque(self._new_actor() for _ in range(self.num_actors))
+        try:
+            self._info = ray.get(self.idle[0].model_info.remote())
+        except ray.exceptions.RayActorError as exc:
+            # The actor's __init__ (the model load) failed: that is a job-level error.
+            raise ModelLoadError(f"the scoring actor could not load the estimator: {exc}") from exc
+
+    def _new_actor(self) -> Any:
+        opts: dict[str, Any] = {"num_cpus": self.options.cpus_per_actor, "max_restarts": 0, "max_concurrency": 1}
+        if self.use_gpu:
+            opts["num_gpus"] = 1
+        return self.actor_cls.options(**opts).remote(self.estimator_spec, self.score_opts, self.threads)
+
+    def model_info(self) -> dict[str, Any]:
+        return self._info
+
+    def random_beta(self, k: int, seed: int) -> float:
+        actor = self.idle[0]
+        return float(self.ray.get(actor.random_beta.remote(k, seed)))
+
+    def actor_pids(self) -> list[int]:
+        """PIDs of the idle actors' processes (for fault-injection tests)."""
+        return [self.ray.get(a.pid.remote()) for a in self.idle]
+
+    def results(self, uris: Sequence[str]) -> Iterator[ShardOutcome]:
+        """Score ``uris`` on the pool; yields one outcome per URI as shards finish."""
+        ray = self.ray
+        queue: deque[tuple[str, int, float]] = deque((u, 1, 0.0) for u in uris)  # uri, attempt, not-before
+        running: dict[Any, _Task] = {}
+        while queue or running:
+            self._submit_ready(queue, running)
+            if not running:
+                time.sleep(0.05)  # everything queued is backing off
+                continue
+            done, _ = ray.wait(list(running), num_returns=1, timeout=self._wait_timeout(running))
+            for ref in done:
+                task = running.pop(ref)
+                outcome = self._collect(task, queue)
+                if outcome is not None:
+                    yield outcome
+            yield from self._expire(running, queue)
+
+    def _wait_timeout(self, running: dict[Any, _Task]) -> float:
+        """Wake up no later than the nearest shard deadline, so stragglers are caught on time."""
+        limit = self.options.shard_timeout_s
+        if limit is None:
+            return 0.5
+        nearest = min(task.started for task in running.values()) + limit
+        return max(0.005, min(0.5, nearest - time.monotonic()))
+
+    def _submit_ready(self, queue: deque[tuple[str, int, float]], running: dict[Any, _Task]) -> None:
+        now = time.monotonic()
+        for _ in range(len(queue)):
+            if not self.idle or len(running) >= self.max_in_flight:
+                return
+            uri, attempt, not_before = queue.popleft()
+            if not_before > now:
+                queue.append((uri, attempt, not_before))
+                continue
+            actor = self.idle.popleft()
+            ref = actor.score.remote(uri)
+            running[ref] = _Task(uri, attempt, actor, ref, now)
+
+    def _collect(self, task: _Task, queue: deque[tuple[str, int, float]]) -> ShardOutcome | None:
+        ray = self.ray
+        try:
+            result = ray.get(task.ref)
+        except ray.exceptions.RayTaskError as exc:
+            self.idle.append(task.actor)
+            cause = exc.cause if hasattr(exc, "cause") else exc
+            if isinstance(cause, InputError):
+                return ShardOutcome(task.uri, None, str(cause), task.attempt)
+            return self._retry(task, queue, f"{type(cause).__name__}: {cause}")
+        except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError) as exc:
+            log.warning("worker lost while scoring %s (attempt %d): %s", task.uri, task.attempt, exc)
+            self.idle.append(self._new_actor())
+            return self._retry(task, queue, f"worker died: {type(exc).__name__}")
+        self.idle.append(task.actor)
+        return ShardOutcome(task.uri, result, None, task.attempt)
+
+    def _retry(self, task: _Task, queue: deque[tuple[str, int, float]], error: str) -> ShardOutcome | None:
+        if task.attempt > self.options.max_retries:
+            return ShardOutcome(task.uri, None, f"{error} (after {task.attempt} attempts)", task.attempt)
+        self.retries += 1
+        delay = self.options.backoff_s * 2 ** (task.attempt - 1)
+        queue.append((task.uri, task.attempt + 1, time.monotonic() + delay))
+        return None
+
+    def _expire(self, running: dict[Any, _Task], queue: deque[tuple[str, int, float]]) -> list[ShardOutcome]:
+        """Kill the workers of shards running longer than the timeout; retry or give up."""
+        limit = self.options.shard_timeout_s
+        if limit is None:
+            return []
+        now, given_up = time.monotonic(), []
+        for ref, task in list(running.items()):
+            if now - task.started <= limit:
+                continue
+            log.warning("shard %s exceeded %.0f s: killing its worker", task.uri, limit)
+            running.pop(ref)
+            self.ray.kill(task.actor, no_restart=True)
+            self.idle.append(self._new_actor())
+            outcome = self._retry(task, queue, f"timed out after {limit:.0f} s")
+            if outcome is not None:
+                given_up.append(outcome)
+        return given_up
