@@ -1,0 +1,191 @@
+"""Ray execution against the single-process path, in one run; and memory against corpus size.
+
+Prints JSON lines:
+
+- ``ray_vs_local``: pairs/s of the Ray path (local Ray, actor pool) and of the in-process
+  path on the same shards and estimator, their ratio (goal >= 0.9 on 2 cores), Ray start-up
+  seconds and the peak RSS of the whole process tree (driver, raylet, actors).
+- ``memory``: peak RSS of the Ray path for a small and a 20x larger job (tiny model, so the
+  run stays short; streaming does not depend on the model): flat means bounded.
+- ``gpu``: pairs/s per GPU, model alone and end to end, when a CUDA device is present.
+
+    python benchmarks/ray_bench.py [--pairs 512] [--model pairclean-lite]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+
+class PeakRss:
+    """Samples the summed RSS of this process and all its descendants."""
+
+    def __init__(self, interval: float = 0.2) -> None:
+        import psutil
+
+        self.proc = psutil.Process()
+        self.peak = 0
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> int:
+        total = 0
+        for p in [self.proc, *self.proc.children(recursive=True)]:
+            try:
+                total += p.memory_info().rss
+            except Exception:  # noqa: BLE001 - processes come and go
+                pass
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._sample())
+            time.sleep(self.interval)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def build_shards(folder: Path, pairs: int, per_shard: int) -> list[str]:
+    """Shards of Flickr8k dev photos (repeated under new keys past 1,000 pairs)."""
+    from pairclean.evaldata import find_flickr8k, load_flickr8k, write_shard
+
+    root = find_flickr8k(Path(__file__))
+    if root is None:
+        sys.exit("Flickr8k not found: set PAIRCLEAN_FLICKR8K or keep ../shared beside the repo")
+    images = load_flickr8k(root, "dev")
+    blobs = [(i.path.read_bytes(), i.captions[0]) for i in images]
+    paths = []
+    for s in range(0, pairs, per_shard):
+        samples = [{"__key__": f"{i:08d}", "jpg": blobs[i % len(blobs)][0], "txt": blobs[i % len(blobs)][1]} for i in range(s, min(s + per_shard, pairs))]
+        paths.append(str(write_shard(folder / f"b-{s // per_shard:05d}.tar", samples)))
+    return paths
+
+
+def _spec(shards: list[str], model: str, batch: int):
+    from pairclean.job import JobSpec
+
+    return JobSpec(tuple(shards), model, None, None, "auto", "random-inputs", 256, "paper", 0, batch, 64_000_000, None, True, 4096)
+
+
+def _timed_run(spec, out: Path, make_source) -> tuple[float, int]:
+    from pairclean.job import OutputDir
+    from pairclean.runner import run_job
+
+    class Timer:
+        first = last = 0.0
+
+        def start(self, total: int, done: int) -> None:
+            self.first = time.perf_counter()
+
+        def shard_done(self, stem: str, rows: int) -> None:
+            self.last = time.perf_counter()
+
+        def shard_failed(self, uri: str, error: str) -> None:
+            raise RuntimeError(error)
+
+    timer = Timer()
+    report = run_job(spec, OutputDir(str(out)), make_source, progress=timer)
+    return report.pairs / (timer.last - timer.first), report.pairs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=512)
+    parser.add_argument("--per-shard", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--model", default="pairclean-lite")
+    parser.add_argument("--memory-pairs", type=int, nargs=2, default=[1000, 20000])
+    args = parser.parse_args()
+
+    import ray
+    import torch
+
+    from pairclean.estimators import EstimatorSpec, load_estimator
+    from pairclean.runner import LocalSource, random_beta_fn, score_options
+    from pairclean_workers.ray_exec import RayOptions, RaySource
+
+    threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    est_spec = EstimatorSpec(args.model, precision="auto", device="cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        shards = build_shards(Path(tmp) / "s", args.pairs, args.per_shard)
+        spec = _spec(shards, args.model, args.batch_size)
+        estimator = load_estimator(est_spec)
+        random_beta_fn(estimator, 256, 0)()  # cached for both paths
+        local_rate, pairs = _timed_run(spec, Path(tmp) / "local", lambda: LocalSource(estimator, score_options(spec)))
+        del estimator
+        t0 = time.perf_counter()
+        ray.init(include_dashboard=False, log_to_driver=False)
+        startup = time.perf_counter() - t0
+        with PeakRss() as rss:
+            ray_rate, _ = _timed_run(spec, Path(tmp) / "ray", lambda: RaySource(est_spec, score_options(spec), RayOptions()))
+        print(json.dumps({
+            "benchmark": "ray_vs_local", "model": args.model, "pairs": pairs, "cpus": threads,
+            "local_pairs_per_s": round(local_rate, 2), "ray_pairs_per_s": round(ray_rate, 2),
+            "ratio": round(ray_rate / local_rate, 3), "ray_startup_s": round(startup, 2),
+            "peak_rss_gb": round(rss.peak / 2**30, 2),
+        }), flush=True)
+        tiny = EstimatorSpec("pairclean-tiny-test", precision="fp32", device="cpu")
+        peaks = []
+        for n in args.memory_pairs:
+            mem_shards = build_shards(Path(tmp) / f"m{n}", n, 500)
+            mspec = _spec(mem_shards, "pairclean-tiny-test", args.batch_size)
+            with PeakRss() as rss:
+                _timed_run(mspec, Path(tmp) / f"mo{n}", lambda: RaySource(tiny, score_options(mspec), RayOptions()))
+            peaks.append(rss.peak / 2**30)
+        print(json.dumps({
+            "benchmark": "memory", "pairs": args.memory_pairs, "peak_rss_gb": [round(p, 2) for p in peaks],
+            "ratio_large_to_small": round(peaks[1] / peaks[0], 3),
+        }), flush=True)
+        ray.shutdown()
+        if torch.cuda.is_available():
+            print(json.dumps(_gpu(est_spec, shards, spec)), flush=True)
+        else:
+            print(json.dumps({"benchmark": "gpu", "skipped": "no CUDA device on this machine"}), flush=True)
+
+
+def _gpu(est_spec, shards: list[str], spec) -> dict:
+    """pairs/s on one GPU: the model on pre-decoded tensors, and the whole scoring path."""
+    import torch
+
+    from pairclean.decode import decode_image
+    from pairclean.estimators import EstimatorSpec, load_estimator
+    from pairclean.runner import LocalSource, score_options
+    from pairclean.shards import iter_pairs
+
+    est = load_estimator(EstimatorSpec(est_spec.model, precision="auto", device="cuda"))
+    pixels, texts = [], []
+    for uri in shards:
+        for p in iter_pairs(uri):
+            pixels.append(est.preprocess(decode_image(p.image)))
+            texts.append(p.text)
+    x = torch.stack(pixels)
+    est.encode_images(x[:64])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(0, len(texts), spec.batch_size):
+        est.encode_images(x[i : i + spec.batch_size])
+        est.encode_texts(texts[i : i + spec.batch_size])
+    torch.cuda.synchronize()
+    model_rate = len(texts) / (time.perf_counter() - t0)
+    with tempfile.TemporaryDirectory() as tmp:
+        e2e, _ = _timed_run(spec, Path(tmp), lambda: LocalSource(est, score_options(spec)))
+    return {"benchmark": "gpu", "device": torch.cuda.get_device_name(0), "model_pairs_per_s": round(model_rate, 1), "end_to_end_pairs_per_s": round(e2e, 1)}
+
+
+if __name__ == "__main__":
+    main()

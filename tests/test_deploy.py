@@ -1,0 +1,60 @@
+"""deploy/: the KubeRay manifests parse and carry what KubeRay needs; the images install the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+
+
+def _load(name: str) -> dict:
+    docs = list(yaml.safe_load_all((DEPLOY / "kuberay" / name).read_text()))
+    assert len(docs) == 1
+    return docs[0]
+
+
+def _check_cluster_spec(spec: dict) -> None:
+    assert spec["rayVersion"] == "2.60.0"
+    head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert head["image"].startswith("pairclean:")
+    groups = spec["workerGroupSpecs"]
+    assert groups, "at least one worker group"
+    gpu = [g for g in groups if g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu")]
+    assert gpu, "a GPU worker group"
+    for group in groups:
+        assert group["groupName"] and group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+        assert "rayStartParams" in group
+
+
+def test_raycluster_manifest() -> None:
+    doc = _load("raycluster.yaml")
+    assert (doc["apiVersion"], doc["kind"]) == ("ray.io/v1", "RayCluster")
+    assert doc["metadata"]["name"]
+    _check_cluster_spec(doc["spec"])
+
+
+def test_rayjob_manifest_runs_the_score_command() -> None:
+    doc = _load("rayjob.yaml")
+    assert (doc["apiVersion"], doc["kind"]) == ("ray.io/v1", "RayJob")
+    entry = doc["spec"]["entrypoint"]
+    assert entry.startswith("pairclean score ") and "--out" in entry
+    # every option in the entrypoint is one the CLI knows
+    from pairclean_workers.cli import build_parser
+
+    opts = {t for t in entry.split() if t.startswith("--")}
+    known = {o for a in build_parser()._subparsers._group_actions[0].choices["score"]._actions for o in a.option_strings}
+    assert opts <= known, opts - known
+    _check_cluster_spec(doc["spec"]["rayClusterSpec"])
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_images_install_the_cli_on_the_matching_ray(name: str) -> None:
+    text = (DEPLOY / "docker" / name).read_text()
+    assert "FROM rayproject/ray:2.60.0-py311" in text
+    for folder in ("pipelines", "workers", "service"):
+        assert f"COPY --chown=ray:users {folder}" in text
+    assert "pip install" in text and "score" in text and "ray" in text
+    assert "HF_HUB_OFFLINE=1" in text
