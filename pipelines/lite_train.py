@@ -167,9 +167,12 @@ def _heads(recipe: HeadRecipe) -> tuple[Any, Any]:
     return model.visual.head, model.text.proj
 
 
-def train_heads(train: Features, recipe: HeadRecipe) -> dict[str, Any]:
+def train_heads(train: Features, recipe: HeadRecipe, weights: NDArray[np.float32] | None = None) -> dict[str, Any]:
     """Train both heads on ``train`` with symmetric InfoNCE; returns the heads' state dict.
 
+    ``weights``: optional (C,) per-caption weights (pairclean weights, 0 drops a pair):
+    each pair's loss in both directions is multiplied by its weight and the batch mean is
+    over the batch size, as OSA trains (see ``pairclean.losses.weighted_clip_loss``).
     Keys are prefixed ``visual.head.`` and ``text.proj.`` (the open_clip model's names).
     """
     import torch
@@ -180,9 +183,10 @@ def train_heads(train: Features, recipe: HeadRecipe) -> dict[str, Any]:
     img = torch.from_numpy(train.image)
     txt = torch.from_numpy(train.text)
     owner = torch.from_numpy(train.caption_image)
+    w_all = torch.from_numpy(np.asarray(weights, dtype=np.float32)) if weights is not None else torch.ones(len(txt))
     if not recipe.all_captions:
         first = np.unique(train.caption_image, return_index=True)[1]
-        txt, owner = txt[first], owner[first]
+        txt, owner, w_all = txt[first], owner[first], w_all[first]
     log_t = torch.nn.Parameter(torch.tensor(float(np.log(recipe.temperature))), requires_grad=recipe.learn_temperature)
     params = list(vhead.parameters()) + list(tproj.parameters()) + ([log_t] if recipe.learn_temperature else [])
     opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=recipe.weight_decay)
@@ -202,7 +206,8 @@ def train_heads(train: Features, recipe: HeadRecipe) -> dict[str, Any]:
                 same = owners[:, None] == owners[None, :]
                 logits = logits.masked_fill(same & ~torch.eye(len(idx), dtype=torch.bool), float("-inf"))
             target = torch.arange(len(idx))
-            loss = (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+            per_pair = F.cross_entropy(logits, target, reduction="none") + F.cross_entropy(logits.T, target, reduction="none")
+            loss = (w_all[idx] * per_pair).sum() / (2 * len(idx))
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -254,13 +259,11 @@ def evaluate(state: dict[str, Any], recipe: HeadRecipe, dev: Features, seed: int
     sims = zi @ t1.T
     rank_i2t = (sims > np.diag(sims)[:, None]).sum(1)
     rank_t2i = (sims > np.diag(sims)[None, :]).sum(0)
-    return {
-        "auc_true_vs_shuffled": auc,
-        "i2t_r1": float((rank_i2t < 1).mean()),
-        "i2t_r5": float((rank_i2t < 5).mean()),
-        "t2i_r1": float((rank_t2i < 1).mean()),
-        "t2i_r5": float((rank_t2i < 5).mean()),
-    }
+    metrics = {"auc_true_vs_shuffled": auc}
+    for k in (1, 5, 10):
+        metrics[f"i2t_r{k}"] = float((rank_i2t < k).mean())
+        metrics[f"t2i_r{k}"] = float((rank_t2i < k).mean())
+    return metrics
 
 
 def save_heads(path: Path, state: dict[str, Any], recipe: HeadRecipe, metrics: dict[str, Any]) -> str:

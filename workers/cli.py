@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--rows", type=int, default=10)
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
 
+    export = sub.add_parser("export", help="write sizes.json, shard_weights.json and datacomp_keep.npy beside the output")
+    export.add_argument("out")
+
     demo = sub.add_parser("demo", help="score the bundled sample and show the swapped captions")
     demo.add_argument("--out", default="demo-out")
     demo.add_argument("--no-progress", action="store_true")
@@ -240,6 +243,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write the trainer-facing export files into the output folder."""
+    from pairclean.exports import write_exports
+    from pairclean.job import OutputDir
+
+    for name, path in write_exports(OutputDir(args.out)).items():
+        print(f"wrote {name}: {path}")
+    return EXIT_OK
+
+
 def sample_shard() -> str:
     """Path of the bundled demo shard."""
     return str(resources.files("pairclean") / "data" / "sample" / "demo-000000.tar")
@@ -277,7 +290,7 @@ def _demo_truth(out: str) -> tuple[set[str], set[str]]:
     return swapped, {r["key"] for r in rows if r["noisy"]}
 
 
-COMMANDS = {"score": cmd_score, "rescore": cmd_rescore, "inspect": cmd_inspect, "demo": cmd_demo}
+COMMANDS = {"score": cmd_score, "rescore": cmd_rescore, "inspect": cmd_inspect, "export": cmd_export, "demo": cmd_demo}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

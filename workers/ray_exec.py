@@ -9,7 +9,8 @@ Fault tolerance: an actor that dies (or overruns ``shard_timeout_s`` and is kill
 replaced and its shard retried after an exponential backoff, up to ``max_retries``
 times; then the shard is quarantined with its last error. A shard that is unreadable
 (an ``InputError`` raised by the reader) is quarantined at once: retrying cannot help.
-At most ``max_in_flight`` shards are in flight, which bounds memory whatever the corpus.
+At most ``num_actors * tasks_per_actor`` shards are in flight, which bounds memory
+whatever the corpus size.
 
 All Ray-specific options live in ``RayOptions``; ``ShardScorer`` is a plain class, so the
 actor's logic is testable without Ray.
@@ -43,6 +44,8 @@ class RayOptions:
     sized to this machine (or joins ``$RAY_ADDRESS``). ``num_actors``: scoring actors
     (default: one per GPU, else one per 2 CPUs, at least 1). ``threads_per_actor``: torch
     threads in each actor (Ray sets OMP_NUM_THREADS=1, which would starve the model).
+    ``tasks_per_actor``: shards handed to an actor at once (one running, the rest queued),
+    which with the actor count bounds the shards in flight, and so memory.
     """
 
     address: str | None = None
@@ -52,7 +55,7 @@ class RayOptions:
     max_retries: int = 3
     backoff_s: float = 1.0
     shard_timeout_s: float | None = None
-    max_in_flight: int | None = None
+    tasks_per_actor: int = 2
     runtime_env: dict[str, Any] = field(default_factory=dict)
 
 
@@ -65,6 +68,15 @@ class ShardScorer:
         torch.set_num_threads(threads or os.cpu_count() or 1)
         self.estimator = load_estimator(estimator_spec)
         self.options = options
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One small forward pass, so the first shard does not pay for kernel set-up."""
+        import torch
+
+        size = self.estimator.image_size
+        self.estimator.encode_images(torch.zeros((2, 3, size, size)))
+        self.estimator.encode_texts(["warm up", "a photo"])
 
     def model_info(self) -> dict[str, Any]:
         return self.estimator.info.as_dict()
@@ -96,13 +108,19 @@ def init_ray(options: RayOptions) -> None:
 class _Task:
     uri: str
     attempt: int
-    actor: Any
+    slot: int  # index of the actor in the pool
+    actor: Any  # the handle it was sent to (the slot may have been refilled since)
     ref: Any
-    started: float
+    started: float  # when it began running (or was queued behind nothing)
 
 
 class RaySource:
-    """A ``pairclean.runner.ShardSource`` backed by a pool of Ray actors."""
+    """A ``pairclean.runner.ShardSource`` backed by a pool of Ray actors.
+
+    Each actor holds up to ``tasks_per_actor`` shards: one running and the next queued in
+    its mailbox, so it never idles while the driver commits. A queued shard's timeout
+    clock starts when the shard before it finishes.
+    """
 
     def __init__(self, estimator_spec: EstimatorSpec, score_opts: ScoreOptions, options: RayOptions) -> None:
         import ray
@@ -120,12 +138,13 @@ class RaySource:
         default_actors = gpus if self.use_gpu else max(1, cpus // 2)
         self.num_actors = options.num_actors or default_actors
         self.threads = options.threads_per_actor or max(1, min(os.cpu_count() or 1, cpus // self.num_actors))
-        self.max_in_flight = options.max_in_flight or self.num_actors
+        self.tasks_per_actor = max(1, options.tasks_per_actor)
         self.actor_cls = ray.remote(ShardScorer)
         self.retries = 0  # shard retries so far (workers lost, timeouts, unexpected errors)
-        self.idle: deque[Any] = deque(self._new_actor() for _ in range(self.num_actors))
+        self.actors: list[Any] = [self._new_actor() for _ in range(self.num_actors)]
+        self.load: list[int] = [0] * self.num_actors
         try:
-            self._info = ray.get(self.idle[0].model_info.remote())
+            self._info = ray.get(self.actors[0].model_info.remote())
         except ray.exceptions.RayActorError as exc:
             # The actor's __init__ (the model load) failed: that is a job-level error.
             raise ModelLoadError(f"the scoring actor could not load the estimator: {exc}") from exc
@@ -136,16 +155,20 @@ class RaySource:
             opts["num_gpus"] = 1
         return self.actor_cls.options(**opts).remote(self.estimator_spec, self.score_opts, self.threads)
 
+    def _replace(self, task: _Task) -> None:
+        """Refill the slot of a lost actor, once (its other tasks fail the same way)."""
+        if self.actors[task.slot] is task.actor:
+            self.actors[task.slot] = self._new_actor()
+
     def model_info(self) -> dict[str, Any]:
         return self._info
 
     def random_beta(self, k: int, seed: int) -> float:
-        actor = self.idle[0]
-        return float(self.ray.get(actor.random_beta.remote(k, seed)))
+        return float(self.ray.get(self.actors[0].random_beta.remote(k, seed)))
 
     def actor_pids(self) -> list[int]:
-        """PIDs of the idle actors' processes (for fault-injection tests)."""
-        return [self.ray.get(a.pid.remote()) for a in self.idle]
+        """PIDs of the pool's actor processes (for fault-injection tests)."""
+        return [self.ray.get(a.pid.remote()) for a in self.actors]
 
     def results(self, uris: Sequence[str]) -> Iterator[ShardOutcome]:
         """Score ``uris`` on the pool; yields one outcome per URI as shards finish."""
@@ -160,10 +183,18 @@ class RaySource:
             done, _ = ray.wait(list(running), num_returns=1, timeout=self._wait_timeout(running))
             for ref in done:
                 task = running.pop(ref)
+                self.load[task.slot] -= 1
+                self._restart_clock(task, running)
                 outcome = self._collect(task, queue)
                 if outcome is not None:
                     yield outcome
             yield from self._expire(running, queue)
+
+    def _restart_clock(self, finished: _Task, running: dict[Any, _Task]) -> None:
+        now = time.monotonic()
+        for task in running.values():
+            if task.actor is finished.actor:
+                task.started = now
 
     def _wait_timeout(self, running: dict[Any, _Task]) -> float:
         """Wake up no later than the nearest shard deadline, so stragglers are caught on time."""
@@ -176,31 +207,31 @@ class RaySource:
     def _submit_ready(self, queue: deque[tuple[str, int, float]], running: dict[Any, _Task]) -> None:
         now = time.monotonic()
         for _ in range(len(queue)):
-            if not self.idle or len(running) >= self.max_in_flight:
+            slot = min(range(self.num_actors), key=self.load.__getitem__)
+            if self.load[slot] >= self.tasks_per_actor:
                 return
             uri, attempt, not_before = queue.popleft()
             if not_before > now:
                 queue.append((uri, attempt, not_before))
                 continue
-            actor = self.idle.popleft()
+            actor = self.actors[slot]
             ref = actor.score.remote(uri)
-            running[ref] = _Task(uri, attempt, actor, ref, now)
+            self.load[slot] += 1
+            running[ref] = _Task(uri, attempt, slot, actor, ref, now)
 
     def _collect(self, task: _Task, queue: deque[tuple[str, int, float]]) -> ShardOutcome | None:
         ray = self.ray
         try:
             result = ray.get(task.ref)
         except ray.exceptions.RayTaskError as exc:
-            self.idle.append(task.actor)
             cause = exc.cause if hasattr(exc, "cause") else exc
             if isinstance(cause, InputError):
                 return ShardOutcome(task.uri, None, str(cause), task.attempt)
             return self._retry(task, queue, f"{type(cause).__name__}: {cause}")
         except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError) as exc:
             log.warning("worker lost while scoring %s (attempt %d): %s", task.uri, task.attempt, exc)
-            self.idle.append(self._new_actor())
+            self._replace(task)
             return self._retry(task, queue, f"worker died: {type(exc).__name__}")
-        self.idle.append(task.actor)
         return ShardOutcome(task.uri, result, None, task.attempt)
 
     def _retry(self, task: _Task, queue: deque[tuple[str, int, float]], error: str) -> ShardOutcome | None:
@@ -212,18 +243,22 @@ class RaySource:
         return None
 
     def _expire(self, running: dict[Any, _Task], queue: deque[tuple[str, int, float]]) -> list[ShardOutcome]:
-        """Kill the workers of shards running longer than the timeout; retry or give up."""
+        """Kill the workers of shards running longer than the timeout; retry or give up.
+
+        Shards queued behind a killed one fail with the actor and are retried as lost work.
+        """
         limit = self.options.shard_timeout_s
         if limit is None:
             return []
         now, given_up = time.monotonic(), []
         for ref, task in list(running.items()):
-            if now - task.started <= limit:
+            if ref not in running or now - task.started <= limit:
                 continue
             log.warning("shard %s exceeded %.0f s: killing its worker", task.uri, limit)
             running.pop(ref)
+            self.load[task.slot] -= 1
             self.ray.kill(task.actor, no_restart=True)
-            self.idle.append(self._new_actor())
+            self._replace(task)
             outcome = self._retry(task, queue, f"timed out after {limit:.0f} s")
             if outcome is not None:
                 given_up.append(outcome)

@@ -105,7 +105,7 @@ def test_stragglers_time_out_and_end_quarantined(ray_local, make_shards, tmp_pat
 
     shards = [str(s) for s in make_shards(n_shards=2, per_shard=24)]
     spec = _spec(shards)
-    opts = RayOptions(num_actors=1, threads_per_actor=1, shard_timeout_s=0.05, max_retries=1, backoff_s=0.05)
+    opts = RayOptions(num_actors=1, threads_per_actor=1, shard_timeout_s=0.05, max_retries=1, backoff_s=0.05, tasks_per_actor=1)
     source = RaySource(EstimatorSpec("pairclean-tiny-test", precision="fp32", device="cpu"), score_options(spec), opts)
     out = OutputDir(str(tmp_path / "out"))
     report = run_job(spec, out, lambda: source, max_failed_fraction=0.5)

@@ -1,0 +1,140 @@
+"""The trainer-facing pieces: weight stage, weighted sampler, losses, exports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pairclean.sampler import WeightedSampler, weight_stage
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory: pytest.TempPathFactory, dev_images: list) -> tuple[Path, list[Path]]:
+    """A real job output over two shards (tiny model), with 32-hex uids."""
+    from pairclean.evaldata import write_shard
+    from pairclean_workers.cli import main
+
+    root = tmp_path_factory.mktemp("scored")
+    shards = []
+    for s in range(2):
+        samples = [
+            {"__key__": f"k{s}-{i:03d}", "jpg": dev_images[s * 10 + i].path.read_bytes(), "txt": dev_images[s * 10 + i].captions[0],
+             "json": {"uid": f"{s * 10 + i:032x}"}}
+            for i in range(10)
+        ]
+        shards.append(write_shard(root / "shards" / f"sh-{s:05d}.tar", samples))
+    out = root / "out"
+    assert main(["score", *map(str, shards), "--out", str(out), "--model", "pairclean-tiny-test", "--executor", "local", "--no-progress"]) == 0
+    return out, shards
+
+
+def _samples(shards: list[Path]) -> list[dict]:
+    return [{"__key__": f"k{s}-{i:03d}", "__url__": str(path)} for s, path in enumerate(shards) for i in range(10)]
+
+
+def test_stage_modes_join_by_key(scored) -> None:
+    import pyarrow.parquet as pq
+
+    out, shards = scored
+    table = {r["key"]: r for p in out.glob("sh-*[0-9].parquet") for r in pq.read_table(p).to_pylist()}
+    with_w = list(weight_stage(out, "loss")(_samples(shards)))
+    assert [s["weight"] for s in with_w] == pytest.approx([table[s["__key__"]]["weight"] for s in with_w])
+    kept = [s["__key__"] for s in weight_stage(out, "keep")(_samples(shards))]
+    assert kept == [k for k in sorted(table) if not table[k]["noisy"]]
+    sampled1 = [s["__key__"] for s in weight_stage(out, "sample", w_cap=0.05, seed=1)(_samples(shards))]
+    sampled2 = [s["__key__"] for s in weight_stage(out, "sample", w_cap=0.05, seed=1)(reversed(_samples(shards)))]
+    assert sorted(sampled1) == sorted(sampled2)  # order-independent, seeded
+    assert all(table[k]["weight"] > 0 for k in sampled1)
+
+
+def test_stage_missing_policies(scored) -> None:
+    out, shards = scored
+    extra = [{"__key__": "nope", "__url__": str(shards[0])}]
+    with pytest.raises(KeyError, match="nope"):
+        list(weight_stage(out, "loss")(extra))
+    assert list(weight_stage(out, "loss", missing="skip")(extra)) == []
+    assert list(weight_stage(out, "loss", missing="default", default=0.5)(extra))[0]["weight"] == 0.5
+
+
+def test_sampler_frequencies_follow_weights() -> None:
+    weights = np.array([0.0, 1.0, 2.0, 3.0, 4.0], dtype=np.float32)
+    sampler = WeightedSampler(weights, num_samples=200_000, seed=3)
+    counts = np.bincount(np.fromiter(iter(sampler), dtype=np.int64), minlength=5)
+    expected = weights / weights.sum() * 200_000
+    assert counts[0] == 0
+    chi2 = ((counts[1:] - expected[1:]) ** 2 / expected[1:]).sum()
+    assert chi2 < 16.3  # 3 dof, p = 0.001
+
+
+def test_sampler_ranks_epochs_and_no_replacement() -> None:
+    weights = np.random.default_rng(0).random(1000).astype(np.float32)
+    ranks = [WeightedSampler(weights, 1000, replacement=False, rank=r, world_size=4, seed=1) for r in range(4)]
+    parts = [list(s) for s in ranks]
+    assert sum(len(p) for p in parts) == 1000 and len(set().union(*parts)) == 1000
+    s = WeightedSampler(weights, 100, seed=1)
+    first = list(s)
+    assert list(s) == first
+    s.set_epoch(1)
+    assert list(s) != first
+    with pytest.raises(ValueError, match="without replacement"):
+        WeightedSampler(np.array([1.0, 0.0]), 2, replacement=False)
+
+
+@pytest.mark.slow
+def test_sampler_handles_50_million_weights_in_bounded_memory() -> None:
+    code = """
+import resource, numpy as np
+from pairclean.sampler import WeightedSampler
+w = np.ones(50_000_000, dtype=np.float32); w[-1] = 1e6  # the last index is far heavier
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+s = WeightedSampler(w, num_samples=1_000_000, rank=1, world_size=2, seed=0)
+idx = np.fromiter(iter(s), dtype=np.int64)
+extra = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
+print(len(idx), int(idx.max()), round(float((idx == 49_999_999).mean()), 3), round(extra))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600).stdout.split()
+    n, biggest, heavy_share, extra_mb = int(out[0]), int(out[1]), float(out[2]), float(out[3])
+    assert n == 500_000 and biggest == 49_999_999  # beyond torch's 2^24 limit
+    assert heavy_share == pytest.approx(1e6 / (1e6 + 5e7 - 1), abs=0.003)
+    assert extra_mb < 150  # no O(N) float64 copies on top of the 200 MB of weights
+
+
+def test_weighted_clip_loss_and_rcm_loss() -> None:
+    torch = pytest.importorskip("torch")
+    from pairclean.losses import rcm_loss, weighted_clip_loss
+
+    g = torch.Generator().manual_seed(0)
+    img = torch.nn.functional.normalize(torch.randn(8, 16, generator=g), dim=-1)
+    txt = torch.nn.functional.normalize(torch.randn(8, 16, generator=g), dim=-1)
+    ones = weighted_clip_loss(img, txt, torch.ones(8), 10.0)
+    logits = 10.0 * img @ txt.T
+    ref = (torch.nn.functional.cross_entropy(logits, torch.arange(8)) + torch.nn.functional.cross_entropy(logits.T, torch.arange(8))) / 2
+    assert torch.isclose(ones, ref)
+    half = torch.tensor([1.0] * 4 + [0.0] * 4)
+    assert weighted_clip_loss(img, txt, half, 10.0) < ones  # zero-weight pairs drop out, mean still over B
+    assert torch.isclose(weighted_clip_loss(img, txt, torch.zeros(8), 10.0), torch.tensor(0.0))
+    perfect = rcm_loss(img, img)
+    assert 0 <= perfect < rcm_loss(img, txt) <= 1
+
+
+def test_exports(scored) -> None:
+    from pairclean.exports import UID_DTYPE, write_exports
+    from pairclean.job import OutputDir
+    import pyarrow.parquet as pq
+
+    out, _ = scored
+    written = write_exports(OutputDir(str(out)))
+    sizes = json.loads(Path(written["sizes.json"]).read_text())
+    assert sizes == {"sh-00000.tar": 10, "sh-00001.tar": 10}
+    sums = json.loads(Path(written["shard_weights.json"]).read_text())
+    assert sums["sh-00000.tar"] == pytest.approx(float(pq.read_table(out / "sh-00000.parquet").column("weight").to_numpy().sum()), rel=1e-6)
+    keep = np.load(written["datacomp_keep.npy"])
+    assert keep.dtype == UID_DTYPE and np.all(keep[:-1] <= keep[1:])
+    rows = [r for p in sorted(out.glob("sh-*[0-9].parquet")) for r in pq.read_table(p).to_pylist()]
+    expected = sorted(int(r["uid"], 16) for r in rows if r["status"] == "ok" and not r["noisy"])
+    assert [int(a) << 64 | int(b) for a, b in keep.tolist()] == expected
