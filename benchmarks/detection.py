@@ -31,21 +31,16 @@ import numpy as np
 
 def build_shards(folder: Path, noise: float, limit: int, per_shard: int, seed: int) -> tuple[list[str], dict[str, bool]]:
     """Dev-split shards with ``noise`` of captions shuffled; returns shard paths and key -> noisy."""
-    from pairclean.evaldata import find_flickr8k, load_flickr8k, noisy_pairing, write_shard
+    from pairclean.evaldata import find_flickr8k, load_flickr8k, noisy_pairing, write_pair_shards
 
     root = find_flickr8k(Path(__file__))
     if root is None:
         sys.exit("Flickr8k not found: set PAIRCLEAN_FLICKR8K or keep ../shared beside the repo")
-    images = load_flickr8k(root, "dev")[:limit]
-    paired = noisy_pairing(images, noise, seed=seed)
-    truth = {f"dev/{img.image[:-4]}": bool(n) for img, n in zip(paired.images, paired.noisy)}
-    paths = []
-    for s in range(0, len(images), per_shard):
-        samples = [
-            {"__key__": f"dev/{paired.images[i].image[:-4]}", "jpg": paired.images[i].path.read_bytes(), "txt": paired.captions[i]}
-            for i in range(s, min(s + per_shard, len(images)))
-        ]
-        paths.append(str(write_shard(folder / f"dev-{s // per_shard:05d}.tar", samples)))
+    paired = noisy_pairing(load_flickr8k(root, "dev")[:limit], noise, seed=seed)
+    keys = [f"dev/{img.image[:-4]}" for img in paired.images]
+    truth = {key: bool(n) for key, n in zip(keys, paired.noisy)}
+    pairs = [(key, img.path, cap) for key, img, cap in zip(keys, paired.images, paired.captions)]
+    paths = write_pair_shards(folder, pairs, per_shard, "dev")
     return paths, truth
 
 

@@ -61,18 +61,14 @@ class PeakRss:
 
 def build_shards(folder: Path, pairs: int, per_shard: int) -> list[str]:
     """Shards of Flickr8k dev photos (repeated under new keys past 1,000 pairs)."""
-    from pairclean.evaldata import find_flickr8k, load_flickr8k, write_shard
+    from pairclean.evaldata import find_flickr8k, load_flickr8k, write_pair_shards
 
     root = find_flickr8k(Path(__file__))
     if root is None:
         sys.exit("Flickr8k not found: set PAIRCLEAN_FLICKR8K or keep ../shared beside the repo")
     images = load_flickr8k(root, "dev")
-    blobs = [(i.path.read_bytes(), i.captions[0]) for i in images]
-    paths = []
-    for s in range(0, pairs, per_shard):
-        samples = [{"__key__": f"{i:08d}", "jpg": blobs[i % len(blobs)][0], "txt": blobs[i % len(blobs)][1]} for i in range(s, min(s + per_shard, pairs))]
-        paths.append(str(write_shard(folder / f"b-{s // per_shard:05d}.tar", samples)))
-    return paths
+    items = [(f"{i:08d}", images[i % len(images)].path, images[i % len(images)].captions[0]) for i in range(pairs)]
+    return write_pair_shards(folder, items, per_shard, "b")
 
 
 def _spec(shards: list[str], model: str, batch: int):

@@ -25,21 +25,14 @@ from pathlib import Path
 
 
 def _build_shards(folder: Path, pairs: int, per_shard: int) -> list[str]:
-    from pairclean.evaldata import find_flickr8k, load_flickr8k, noisy_pairing, write_shard
+    from pairclean.evaldata import find_flickr8k, load_flickr8k, noisy_pairing, write_pair_shards
 
     root = find_flickr8k(Path(__file__))
     if root is None:
         sys.exit("Flickr8k not found: set PAIRCLEAN_FLICKR8K or keep ../shared beside the repo")
-    images = load_flickr8k(root, "dev")[:pairs]
-    paired = noisy_pairing(images, 0.2, seed=0)
-    paths = []
-    for s in range(0, len(images), per_shard):
-        samples = [
-            {"__key__": f"{i:06d}", "jpg": paired.images[i].path.read_bytes(), "txt": paired.captions[i]}
-            for i in range(s, min(s + per_shard, len(images)))
-        ]
-        paths.append(str(write_shard(folder / f"bench-{s // per_shard:05d}.tar", samples)))
-    return paths
+    paired = noisy_pairing(load_flickr8k(root, "dev")[:pairs], 0.2, seed=0)
+    items = [(f"{i:06d}", img.path, cap) for i, (img, cap) in enumerate(zip(paired.images, paired.captions))]
+    return write_pair_shards(folder, items, per_shard, "bench")
 
 
 def _bare(estimator, shards: list[str], batch_size: int) -> float:

@@ -25,6 +25,7 @@ __all__ = [
     "NoisyPairs",
     "noisy_pairing",
     "write_shard",
+    "write_pair_shards",
 ]
 
 #: Environment variable that points at the Flickr8k folder (else ../shared/data/flickr8k).
@@ -128,3 +129,12 @@ def write_shard(path: str | os.PathLike[str], samples: Iterable[dict[str, bytes 
                     data = bytes(value)
                 _add(tar, f"{key}.{ext}", data)
     return out
+
+
+def write_pair_shards(folder: str | os.PathLike[str], pairs: Sequence[tuple[str, Path, str]], per_shard: int, prefix: str) -> list[str]:
+    """Write ``(key, image path, caption)`` pairs as ``<prefix>-NNNNN.tar`` shards of ``per_shard``."""
+    paths = []
+    for start in range(0, len(pairs), per_shard):
+        samples = [{"__key__": key, "jpg": path.read_bytes(), "txt": caption} for key, path, caption in pairs[start : start + per_shard]]
+        paths.append(str(write_shard(Path(folder) / f"{prefix}-{start // per_shard:05d}.tar", samples)))
+    return paths
