@@ -141,7 +141,10 @@ def _expand_glob(uri: str, scheme: str, storage_options: Mapping[str, Any]) -> I
     else:
         import fsspec
 
-        fs, path = fsspec.core.url_to_fs(uri, **storage_options)
+        try:
+            fs, path = fsspec.core.url_to_fs(uri, **storage_options)
+        except ImportError as exc:
+            raise UnsupportedSchemeError(f"reading {uri!r} needs an extra package: {exc}", uri=uri) from exc
         found = [f"{scheme}://{p}" for p in sorted(fs.glob(path))]
     if not found:
         raise ShardNotFoundError(f"no shard matches {uri!r}", uri=uri)
@@ -174,6 +177,8 @@ def open_shard(uri: str, storage_options: Mapping[str, Any] | None = None) -> It
         fh = stack.enter_context(_open_any(uri, storage_options or {}))
     except FileNotFoundError as exc:
         raise ShardNotFoundError(f"shard not found: {uri!r}", uri=uri) from exc
+    except ImportError as exc:
+        raise UnsupportedSchemeError(f"reading {uri!r} needs an extra package: {exc}", uri=uri) from exc
     except PermissionError as exc:
         raise ShardReadError(f"permission denied reading shard {uri!r}", uri=uri) from exc
     except OSError as exc:

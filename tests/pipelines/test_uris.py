@@ -53,3 +53,14 @@ def test_stems_and_collisions() -> None:
     spec = JobSpec(("/a/s.tar", "/b/s.tar"), "m", None, None, "fp32", "gmm", 4, "paper", 0, 8, 10, None, True, 16)
     with pytest.raises(InputError, match="share the name"):
         spec.stems()
+
+
+def test_gs_without_gcsfs_is_a_clear_error(tmp_path: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here")
+    from pairclean.shards import iter_pairs
+
+    with pytest.raises(UnsupportedSchemeError, match="extra package"):
+        list(iter_pairs("gs://bucket/shard-0.tar"))
