@@ -152,3 +152,12 @@ def test_stage_in_a_real_webdataset_pipeline(scored) -> None:
     rows = list(pipeline)
     assert len(rows) == 20 and all(0.0 <= w <= 1.0 for _, _, w in rows)
     assert rows[0][0] == "k0-000"
+
+
+@pytest.mark.slow
+def test_training_guide_example_runs() -> None:
+    example = Path(__file__).resolve().parents[2] / "pipelines" / "examples" / "train_with_weights.py"
+    out = subprocess.run([sys.executable, str(example), "--steps", "3"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    losses = [float(line.split("weighted loss ")[1].split(",")[0]) for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and all(np.isfinite(losses))
