@@ -128,6 +128,7 @@ class ManifestEntry:
     output: str
     sha256: str
     statuses: dict[str, int]
+    timings: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
@@ -296,12 +297,17 @@ class OutputDir:
         """Write each ``tables[file_name]`` atomically, then append the manifest line.
 
         ``entry_fields`` holds the ManifestEntry fields except ``output`` and ``sha256``,
-        which are those of the first table (the scores).
+        which are those of the first table (the scores). The time spent writing is added
+        to ``timings["write"]``.
         """
         first = next(iter(tables))
+        started = time.perf_counter()
         for name, table in tables.items():
             atomic_write_parquet(self.path / name, table)
-        entry = ManifestEntry(output=first, sha256=sha256_file(self.path / first), **entry_fields)
+        fields = dict(entry_fields)
+        timings = dict(fields.pop("timings", {}))
+        timings["write"] = round(timings.get("write", 0.0) + time.perf_counter() - started, 4)
+        entry = ManifestEntry(output=first, sha256=sha256_file(self.path / first), timings=timings, **fields)
         self._append_manifest(entry)
         return entry
 

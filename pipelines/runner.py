@@ -162,6 +162,7 @@ class JobReport:
 
 def commit_result(out: OutputDir, spec: JobSpec, result: ShardResult, stem: str, calibration: Calibration, model_info: dict[str, Any]) -> None:
     """Write the scores (and embeddings) of one shard and append its manifest line."""
+    started = time.perf_counter()
     meta = output_metadata(model_info, calibration, {"shard": result.uri, "recipe": _recipe(spec)})
     tables = {
         f"{stem}.parquet": scores_table(
@@ -173,8 +174,12 @@ def commit_result(out: OutputDir, spec: JobSpec, result: ShardResult, stem: str,
         # The sidecar holds no beta: it stays valid when the job is rescored.
         emb_meta = {schema.META_KEY: json.dumps({"pairclean_version": __version__, "model": model_info}, sort_keys=True).encode()}
         tables[f"{stem}.emb.parquet"] = embeddings_table(result.keys, result.image_emb, result.text_emb, result.ok_mask, emb_meta)
+    timings = dict(result.timings)
+    # "write": weighting and table building here, plus the atomic writes (added by commit).
+    timings["write"] = round(time.perf_counter() - started, 4)
     out.commit(
-        {"shard": result.uri, "stem": stem, "size": shard_size(result.uri), "rows": len(result), "statuses": result.status_counts()},
+        {"shard": result.uri, "stem": stem, "size": shard_size(result.uri), "rows": len(result),
+         "statuses": result.status_counts(), "timings": timings},
         tables,
     )
 

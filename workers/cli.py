@@ -1,8 +1,9 @@
 """The ``pairclean`` command: score, rescore, inspect, demo, train-lite.
 
 Exit codes: 0 SUCCEEDED (every shard committed); 1 a job-level error (bad input, spec
-mismatch, model that cannot load), with a one-line message; 2 PARTIAL (some shards
-failed, within --max-failed-fraction); 3 FAILED (more shards failed than that). Failed
+mismatch, model that cannot load), with a one-line message; 2 a usage error (argparse);
+3 FAILED (more shards failed than --max-failed-fraction); 4 PARTIAL (some shards failed,
+within --max-failed-fraction). Failed
 shards are quarantined in the manifest with their error; rerunning retries just those.
 """
 
@@ -25,7 +26,7 @@ __all__ = ["main", "build_parser"]
 
 log = logging.getLogger("pairclean")
 
-EXIT_OK, EXIT_ERROR, EXIT_PARTIAL, EXIT_FAILED = 0, 1, 2, 3
+EXIT_OK, EXIT_ERROR, EXIT_FAILED, EXIT_PARTIAL = 0, 1, 3, 4
 
 
 def _add_estimator_args(p: argparse.ArgumentParser) -> None:

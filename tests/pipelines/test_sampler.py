@@ -156,7 +156,7 @@ def test_stage_in_a_real_webdataset_pipeline(scored) -> None:
 
 @pytest.mark.slow
 def test_training_guide_example_runs() -> None:
-    example = Path(__file__).resolve().parents[2] / "pipelines" / "examples" / "train_with_weights.py"
+    example = Path(__file__).resolve().parents[2] / "workers" / "examples" / "train_with_weights.py"
     out = subprocess.run([sys.executable, str(example), "--steps", "3"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     losses = [float(line.split("weighted loss ")[1].split(",")[0]) for line in out.stdout.splitlines() if line.startswith("step ")]

@@ -1,6 +1,6 @@
 """A runnable example: train a few steps of an open_clip model on weighted WebDataset shards.
 
-    python pipelines/examples/train_with_weights.py [--shards SHARDS...] [--weights OUT] [--steps 4]
+    python workers/examples/train_with_weights.py [--shards SHARDS...] [--weights OUT] [--steps 4]
 
 Without arguments it scores the bundled demo shard first (``pairclean demo``'s sample,
 local executor) and trains the tiny test architecture, so it runs anywhere in seconds.

@@ -1,0 +1,80 @@
+"""Prometheus metrics of the service: names start with ``pairclean_``, labels are bounded
+(states and statuses, never a job id, a shard or a sample)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["Metrics", "exported_names", "STAGES"]
+
+_UNIT_BUCKETS = tuple(round(0.1 * i, 1) for i in range(1, 11))
+_SIM_BUCKETS = tuple(round(-0.2 + 0.1 * i, 1) for i in range(0, 11))
+_STAGE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
+STAGES = ("read_decode", "embed", "write")
+
+
+class Metrics:
+    """One registry per app (tests build many apps in one process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.jobs = Gauge("pairclean_jobs", "Jobs by state", ["state"], registry=r)
+        self.pairs = Counter("pairclean_pairs_scored_total", "Pairs scored, by row status", ["status"], registry=r)
+        self.shards = Counter("pairclean_shards_total", "Shards finished, by outcome", ["state"], registry=r)
+        self.stage = Histogram("pairclean_stage_seconds", "Seconds per shard spent in each stage", ["stage"], buckets=_STAGE_BUCKETS, registry=r)
+        self.weights = Histogram("pairclean_pair_weight", "Cleanliness weights of scored pairs", buckets=_UNIT_BUCKETS, registry=r)
+        self.similarities = Histogram("pairclean_pair_similarity", "Cosine similarities of scored pairs", buckets=_SIM_BUCKETS, registry=r)
+        self.retries = Counter("pairclean_shard_attempts_failed_total", "Shard attempts that failed and were retried or quarantined", registry=r)
+        self.requests = Counter("pairclean_http_requests_total", "HTTP requests, by route group and status class", ["route", "code"], registry=r)
+        self.latency = Histogram("pairclean_http_request_seconds", "HTTP request latency", ["route"], registry=r)
+
+    def jobs_by_state(self, counts: dict[str, int]) -> None:
+        for state, count in counts.items():
+            self.jobs.labels(state=state).set(count)
+
+    def shard_committed(self, record: dict[str, Any], scores_path: Path) -> None:
+        """Account for one committed shard: statuses, stage times, weight/similarity histograms."""
+        self.shards.labels(state="committed").inc()
+        for status, count in record.get("statuses", {}).items():
+            self.pairs.labels(status=status).inc(count)
+        for stage, seconds in record.get("timings", {}).items():
+            if stage in STAGES:
+                self.stage.labels(stage=stage).observe(seconds)
+        self._observe_values(scores_path)
+
+    def shard_quarantined(self) -> None:
+        self.shards.labels(state="quarantined").inc()
+        self.retries.inc()
+
+    def _observe_values(self, path: Path) -> None:
+        try:
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(path, columns=["status", "similarity", "weight"])
+        except Exception:  # noqa: BLE001 - metrics must never fail a job
+            return
+        ok = [s == "ok" for s in table.column("status").to_pylist()]
+        for keep, sim, weight in zip(ok, table.column("similarity").to_pylist(), table.column("weight").to_pylist()):
+            if keep and sim is not None and not math.isnan(sim):
+                self.similarities.observe(sim)
+                self.weights.observe(weight)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+_SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"), "gauge": ("",)}
+
+
+def exported_names() -> set[str]:
+    """Every sample name the service exports (what a Grafana expression may use)."""
+    names: set[str] = set()
+    for family in Metrics().registry.collect():
+        names.update(family.name + suffix for suffix in _SUFFIXES.get(family.type, ("",)))
+    return names

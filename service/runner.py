@@ -1,0 +1,212 @@
+"""Runs queued jobs as `pairclean score` processes and follows them through their manifests.
+
+The API process never loads a model: each job is its own process (the batch CLI, which
+runs on Ray by default), so one job's crash never touches another or the service. The
+runner thread launches QUEUED jobs up to ``max_running_jobs``, reaps finished ones (the
+CLI's exit code gives the state), and reads progress from the job's ``_manifest.jsonl``.
+After a service restart, jobs left RUNNING are resumed: their process group is ended if
+it survived, and the same command reruns, which skips every committed shard.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .metrics import Metrics
+from .settings import ServiceSettings
+from .store import JobRow, JobStore, now_iso
+
+__all__ = ["EXIT_STATES", "JobRunner", "score_command"]
+
+log = logging.getLogger(__name__)
+
+#: The batch CLI's exit codes (pairclean_workers.cli) -> job state.
+EXIT_STATES = {0: "SUCCEEDED", 3: "FAILED", 4: "PARTIAL"}
+
+
+def score_command(request: dict[str, Any], settings: ServiceSettings) -> list[str]:
+    """The `pairclean score` command line of a job request (already validated)."""
+    cmd = [sys.executable, "-m", "pairclean_workers.cli", "score", *request["shards"], "--out", request["output"],
+           "--model", request["estimator"], "--beta-recipe", request["beta_recipe"], "--weighting", request["weighting"],
+           "--no-progress", "--executor", settings.executor]
+    for option, value in sorted(request.get("options", {}).items()):
+        if value is not None:
+            cmd += [f"--{option.replace('_', '-')}", str(value)]
+    if settings.ray_address:
+        cmd += ["--ray-address", settings.ray_address]
+    return cmd
+
+
+@dataclass
+class _Running:
+    job_id: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    seen_stems: set[str]
+
+
+class JobRunner:
+    """The background thread that executes jobs."""
+
+    def __init__(self, store: JobStore, settings: ServiceSettings, metrics: Metrics, state_dir: Path) -> None:
+        self.store, self.settings, self.metrics = store, settings, metrics
+        self.logs = state_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.running: dict[str, _Running] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="pairclean-runner", daemon=True)
+
+    def start(self) -> None:
+        """Resume jobs a previous service process left RUNNING, then start the loop."""
+        for job in self.store.in_states(["RUNNING"]):
+            if _is_score_process(job.pid):  # never signal a pid the system reused
+                _end_group(job.pid)
+            self.store.update(job.id, state="QUEUED", pid=None)
+            log.info("resuming job %s after a restart", job.id)
+        self._thread.start()
+
+    def stop(self, kill_jobs: bool = False) -> None:
+        """Stop following jobs; their processes keep running unless ``kill_jobs``."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        if kill_jobs:
+            for run in list(self.running.values()):
+                _end_group(run.proc.pid)
+
+    def cancel(self, job: JobRow) -> None:
+        """Ask a job to stop: a queued one is cancelled at once, a running one killed."""
+        self.store.update(job.id, cancel_requested=1)
+        if self.store.transition(job.id, ["QUEUED"], state="CANCELLED", finished_at=now_iso()):
+            return
+        with self._lock:
+            run = self.running.get(job.id)
+        if run is not None:
+            _end_group(run.proc.pid)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._reap()
+                self._follow()
+                self._launch()
+                self.metrics.jobs_by_state(self.store.counts_by_state())
+            except Exception:  # noqa: BLE001 - the runner must outlive one bad iteration
+                log.exception("runner iteration failed")
+            self._stop.wait(self.settings.poll_interval_s)
+
+    def _launch(self) -> None:
+        while len(self.running) < self.settings.max_running_jobs:
+            queued = self.store.in_states(["QUEUED"])
+            if not queued:
+                return
+            job = queued[0]
+            log_path = self.logs / f"{job.id}.log"
+            with open(log_path, "ab") as out:
+                proc = subprocess.Popen(score_command(job.request, self.settings), stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+            if not self.store.transition(job.id, ["QUEUED"], state="RUNNING", pid=proc.pid, started_at=now_iso()):
+                _end_group(proc.pid)  # cancelled in between
+                continue
+            with self._lock:
+                self.running[job.id] = _Running(job.id, proc, log_path, set())
+
+    def _reap(self) -> None:
+        for job_id, run in list(self.running.items()):
+            code = run.proc.poll()
+            if code is None:
+                continue
+            self._follow_one(run)
+            job = self.store.get(job_id)
+            if job is not None and job.cancel_requested:
+                state, error = "CANCELLED", None
+            else:
+                state = EXIT_STATES.get(code, "FAILED")
+                error = None if state == "SUCCEEDED" else _tail(run.log_path)
+            self.store.update(job_id, state=state, error=error, pid=None, finished_at=now_iso())
+            with self._lock:
+                del self.running[job_id]
+
+    def _follow(self) -> None:
+        for run in list(self.running.values()):
+            self._follow_one(run)
+
+    def _follow_one(self, run: _Running) -> None:
+        """Progress from the manifest; metrics for shards committed since the last look."""
+        job = self.store.get(run.job_id)
+        if job is None:
+            return
+        out = Path(job.request["output"].removeprefix("file://"))
+        committed, failed, pairs = {}, {}, 0
+        manifest = out / "_manifest.jsonl"
+        if manifest.exists():
+            for line in manifest.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if rec.get("state") == "quarantined":
+                    failed[rec["stem"]] = rec
+                else:
+                    committed[rec["stem"]] = rec
+                    failed.pop(rec["stem"], None)
+        for stem, rec in committed.items():
+            pairs += int(rec.get("rows", 0))
+            if stem not in run.seen_stems:
+                run.seen_stems.add(stem)
+                self.metrics.shard_committed(rec, out / rec["output"])
+        self.store.update(run.job_id, shards_done=len(committed), shards_failed=len(failed), pairs=pairs, noise_rate=_noise_rate(out))
+
+
+def _noise_rate(out: Path) -> float | None:
+    path = out / "_calibration.json"
+    try:
+        value = json.loads(path.read_text()).get("noise_rate")
+    except (OSError, json.JSONDecodeError):
+        return None
+    return float(value) if value is not None else None
+
+
+def _tail(path: Path, limit: int = 2000) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "job process failed"
+    lines = [l for l in text.splitlines() if l.strip()]
+    return "\n".join(lines[-5:])[-limit:] or "job process failed"
+
+
+def _is_score_process(pid: int | None) -> bool:
+    try:
+        return bool(pid) and b"pairclean_workers.cli" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _end_group(pid: int | None) -> None:
+    """SIGTERM a job's process group, then SIGKILL what is left after a grace period."""
+    if not pid:
+        return
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)

@@ -1,0 +1,29 @@
+"""Service settings, read from the environment (prefix ``PAIRCLEAN_``) at the service edge only."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["ServiceSettings"]
+
+
+class ServiceSettings(BaseSettings):
+    """What an operator configures. Nothing is read at import time: build one per app.
+
+    ``allowed_inputs`` / ``allowed_outputs``: URI prefixes jobs may read from / write to
+    (``file:///data/``, ``s3://bucket/``, ``/data/``); an empty list allows nothing.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="PAIRCLEAN_", extra="ignore")
+
+    database_url: str = "sqlite:///pairclean-jobs.db"
+    allowed_inputs: list[str] = Field(default_factory=list)
+    allowed_outputs: list[str] = Field(default_factory=list)
+    allow_pipe: bool = False
+    max_body_bytes: int = 1_000_000
+    executor: str = "ray"
+    ray_address: str | None = None
+    max_running_jobs: int = 1
+    poll_interval_s: float = 0.5
+    require_auth: bool = True

@@ -1,0 +1,185 @@
+"""The REST service over real HTTP (uvicorn on loopback) with a real SQLite file and real jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+import uvicorn  # noqa: E402
+
+from pairclean_service.app import create_app  # noqa: E402
+from pairclean_service.client import PaircleanClient  # noqa: E402
+from pairclean_service.security import hash_key, new_api_key  # noqa: E402
+from pairclean_service.settings import ServiceSettings  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def _settings(root: Path) -> ServiceSettings:
+    return ServiceSettings(database_url=f"sqlite:///{root / 'jobs.db'}", allowed_inputs=[str(root)], allowed_outputs=[str(root)],
+                           executor="local", poll_interval_s=0.2)
+
+
+class _Server:
+    def __init__(self, root: Path) -> None:
+        self.app = create_app(_settings(root), state_dir=root / "state")
+        self.key = new_api_key()
+        self.app.state.store.add_key(hash_key(self.key), "tester")
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> _Server:
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture
+def server(tmp_path: Path):
+    with _Server(tmp_path) as srv:
+        yield srv
+
+
+def _job(shards: list[Path], out: Path) -> dict:
+    return {"shards": [str(s) for s in shards], "output": str(out), "estimator": "pairclean-tiny-test", "options": {"batch_size": 4}}
+
+
+def test_job_lifecycle_progress_shards_metrics_and_idempotency(server: _Server, make_shards, tmp_path: Path) -> None:
+    shards = make_shards(n_shards=3, per_shard=6, folder=tmp_path / "shards")
+    client = PaircleanClient(server.url, server.key)
+    body = _job(shards, tmp_path / "out")
+    job_id = client.submit(body["shards"], body["output"], estimator=body["estimator"], options=body["options"], idempotency_key="abc")
+    again = client.submit(body["shards"], body["output"], estimator=body["estimator"], options=body["options"], idempotency_key="abc")
+    assert again == job_id
+    done = client.wait(job_id, timeout=300, poll=0.2)
+    assert done["state"] == "SUCCEEDED" and done["progress"]["shards_done"] == 3 and done["progress"]["pairs"] == 18
+    page = httpx.get(f"{server.url}/v1/jobs/{job_id}/shards", params={"state": "committed"}, headers={"Authorization": f"Bearer {server.key}"}).json()
+    assert page["total"] == 3 and all(s["rows"] == 6 for s in page["items"])
+    listing = client.list(limit=10)
+    assert listing["total"] == 1 and listing["items"][0]["id"] == job_id
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert 'pairclean_pairs_scored_total{status="ok"} 18.0' in metrics
+    assert 'pairclean_jobs{state="SUCCEEDED"} 1.0' in metrics
+    assert "pairclean_stage_seconds_bucket" in metrics and "pairclean_pair_weight_count 18.0" in metrics
+    report = client.validate(body["shards"], body["output"], estimator="pairclean-tiny-test")
+    assert report["shards"] == 3 and report["samples"] == 6 and report["statuses"] == {"ok": 6}
+
+
+def test_authentication(server: _Server) -> None:
+    assert httpx.get(f"{server.url}/healthz").status_code == 200
+    assert httpx.get(f"{server.url}/readyz").status_code == 200
+    assert httpx.get(f"{server.url}/v1/jobs").status_code == 401
+    bad = httpx.get(f"{server.url}/v1/jobs", headers={"Authorization": "Bearer pc_wrong"})
+    assert bad.status_code == 401 and bad.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(f"{server.url}/v1/jobs", headers={"Authorization": f"Bearer {server.key}"}).status_code == 200
+
+
+@pytest.mark.parametrize("shard,output", [
+    ("file:///etc/passwd", None), ("/etc/passwd", None), ("pipe:curl http://x | cat", None),
+    ("{root}/../../etc/passwd", None), ("s3://user:secret@bucket/x.tar", None), (None, "/etc/pairclean-out"),
+])
+def test_refused_locations(server: _Server, tmp_path: Path, shard: str | None, output: str | None) -> None:
+    body = {"shards": [(shard or "{root}/x.tar").format(root=tmp_path)], "output": output or str(tmp_path / "o")}
+    r = httpx.post(f"{server.url}/v1/jobs", json=body, headers={"Authorization": f"Bearer {server.key}"})
+    assert r.status_code == 422, r.text
+    assert "Traceback" not in r.text
+
+
+def test_cancel_and_retry_rules(server: _Server, make_shards, tmp_path: Path) -> None:
+    shards = make_shards(n_shards=6, per_shard=16, folder=tmp_path / "shards")
+    client = PaircleanClient(server.url, server.key)
+    job_id = client.submit([str(s) for s in shards], str(tmp_path / "out"), estimator="pairclean-tiny-test")
+    cancelled = client.cancel(job_id)
+    assert cancelled["state"] in ("CANCELLED", "RUNNING")
+    deadline = time.time() + 60
+    while client.status(job_id)["state"] != "CANCELLED" and time.time() < deadline:
+        time.sleep(0.2)
+    assert client.status(job_id)["state"] == "CANCELLED"
+    with pytest.raises(RuntimeError, match="409"):
+        client.retry(job_id)
+
+
+def test_twenty_pollers_while_a_job_runs(server: _Server, make_shards, tmp_path: Path) -> None:
+    shards = make_shards(n_shards=4, per_shard=16, folder=tmp_path / "shards")
+    client = PaircleanClient(server.url, server.key)
+    job_id = client.submit([str(s) for s in shards], str(tmp_path / "out"), estimator="pairclean-tiny-test")
+    errors: list[str] = []
+
+    def poll() -> None:
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.key}"}) as http:
+            for _ in range(25):
+                r = http.get(f"/v1/jobs/{job_id}")
+                if r.status_code != 200:
+                    errors.append(r.text)
+                time.sleep(0.02)
+
+    threads = [threading.Thread(target=poll) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert client.wait(job_id, timeout=300, poll=0.2)["state"] == "SUCCEEDED"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_server_killed_mid_job_restarts_and_resumes(make_shards, tmp_path: Path) -> None:
+    shards = make_shards(n_shards=8, per_shard=24, folder=tmp_path / "shards")
+    env = dict(os.environ, PAIRCLEAN_DATABASE_URL=f"sqlite:///{tmp_path / 'jobs.db'}", PAIRCLEAN_ALLOWED_INPUTS=json.dumps([str(tmp_path)]),
+               PAIRCLEAN_ALLOWED_OUTPUTS=json.dumps([str(tmp_path)]), PAIRCLEAN_EXECUTOR="local", PAIRCLEAN_POLL_INTERVAL_S="0.2")
+    key = subprocess.run([sys.executable, "-m", "pairclean_service.cli", "apikey", "t"], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pairclean_service.cli", "serve", "--port", str(port), "--state-dir", str(tmp_path / "state")]
+
+    def start() -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
+                    return proc
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise AssertionError("server did not start")
+
+    first = start()
+    client = PaircleanClient(f"http://127.0.0.1:{port}", key)
+    job_id = client.submit([str(s) for s in shards], str(tmp_path / "out"), estimator="pairclean-tiny-test", options={"batch_size": 2})
+    deadline = time.time() + 120
+    while client.status(job_id)["progress"]["shards_done"] < 1 and time.time() < deadline:
+        time.sleep(0.1)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    second = start()
+    try:
+        done = client.wait(job_id, timeout=300, poll=0.3)
+        assert done["progress"]["shards_done"] == 8
+        lines = [json.loads(x) for x in (tmp_path / "out" / "_manifest.jsonl").read_text().splitlines()]
+        stems = [m["stem"] for m in lines if m.get("state", "committed") == "committed"]
+        assert sorted(stems) == sorted(set(stems)) and len(stems) == 8  # each shard committed once
+    finally:
+        second.send_signal(signal.SIGINT)
+        second.wait(timeout=30)
