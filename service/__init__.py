@@ -1,5 +1,8 @@
 """pairclean service (installed as ``pairclean_service``): the REST front end.
 
-Depends on ``pairclean_workers`` and ``pairclean``; never loads a model itself.
-Not implemented yet: see the project's issue on the REST service.
+``app.create_app`` (FastAPI), ``store`` (jobs in SQLite/PostgreSQL), ``runner`` (each job a
+``pairclean score`` process), ``security`` (API keys, URI allow-list), ``metrics``
+(Prometheus), ``client`` (Python client), ``cli`` (the ``pairclean`` console entry point).
+Depends on ``pairclean_workers`` (as a command) and the light parts of ``pairclean``;
+never imports torch or loads a model.
 """

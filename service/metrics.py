@@ -48,9 +48,9 @@ class Metrics:
                 self.stage.labels(stage=stage).observe(seconds)
         self._observe_values(scores_path)
 
-    def shard_quarantined(self) -> None:
+    def shard_quarantined(self, attempts: int) -> None:
         self.shards.labels(state="quarantined").inc()
-        self.retries.inc()
+        self.retries.inc(attempts)
 
     def _observe_values(self, path: Path) -> None:
         try:

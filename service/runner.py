@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ class _Running:
     proc: subprocess.Popen[bytes]
     log_path: Path
     seen_stems: set[str]
+    seen_failed: set[str] = field(default_factory=set)
 
 
 class JobRunner:
@@ -161,6 +162,10 @@ class JobRunner:
                 else:
                     committed[rec["stem"]] = rec
                     failed.pop(rec["stem"], None)
+        for stem, rec in failed.items():
+            if stem not in run.seen_failed:
+                run.seen_failed.add(stem)
+                self.metrics.shard_quarantined(int(rec.get("attempts", 1)))
         for stem, rec in committed.items():
             pairs += int(rec.get("rows", 0))
             if stem not in run.seen_stems:

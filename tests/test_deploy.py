@@ -58,3 +58,34 @@ def test_images_install_the_cli_on_the_matching_ray(name: str) -> None:
         assert f"COPY --chown=ray:users {folder}" in text
     assert "pip install" in text and "score" in text and "ray" in text
     assert "HF_HUB_OFFLINE=1" in text
+
+
+def test_grafana_panels_use_only_exported_metrics() -> None:
+    import json
+    import re
+
+    pytest.importorskip("prometheus_client")
+    from pairclean_service.metrics import exported_names
+
+    dash = json.loads((DEPLOY / "grafana" / "pairclean-dashboard.json").read_text())
+    exported = exported_names()
+    used = set()
+    for panel in dash["panels"]:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            names = set(re.findall(r"\bpairclean_[a-z_]+\b", target["expr"]))
+            assert names, f"panel {panel['title']!r} uses no pairclean metric"
+            used |= names
+    assert used <= exported, f"unknown metrics: {used - exported}"
+    # every family is on the dashboard
+    families = {re.sub(r"_(total|bucket|sum|count|created)$", "", n) for n in exported}
+    assert families <= {re.sub(r"_(total|bucket|sum|count|created)$", "", n) for n in used}
+
+
+def test_prometheus_and_compose_point_at_the_api() -> None:
+    prom = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    job = prom["scrape_configs"][0]
+    assert job["metrics_path"] == "/metrics" and job["static_configs"][0]["targets"] == ["api:8000"]
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    assert {"api", "ray-head", "prometheus", "grafana"} <= set(compose["services"])
+    assert compose["services"]["api"]["command"][:2] == ["pairclean", "serve"]

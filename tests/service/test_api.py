@@ -16,46 +16,11 @@ import httpx
 import pytest
 
 pytest.importorskip("fastapi")
-import uvicorn  # noqa: E402
-
-from pairclean_service.app import create_app  # noqa: E402
 from pairclean_service.client import PaircleanClient  # noqa: E402
-from pairclean_service.security import hash_key, new_api_key  # noqa: E402
-from pairclean_service.settings import ServiceSettings  # noqa: E402
+
+from .conftest import LiveServer as _Server  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-def _settings(root: Path) -> ServiceSettings:
-    return ServiceSettings(database_url=f"sqlite:///{root / 'jobs.db'}", allowed_inputs=[str(root)], allowed_outputs=[str(root)],
-                           executor="local", poll_interval_s=0.2)
-
-
-class _Server:
-    def __init__(self, root: Path) -> None:
-        self.app = create_app(_settings(root), state_dir=root / "state")
-        self.key = new_api_key()
-        self.app.state.store.add_key(hash_key(self.key), "tester")
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> _Server:
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.05)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-
-@pytest.fixture
-def server(tmp_path: Path):
-    with _Server(tmp_path) as srv:
-        yield srv
 
 
 def _job(shards: list[Path], out: Path) -> dict:
