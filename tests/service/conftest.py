@@ -16,14 +16,14 @@ from pairclean_service.security import hash_key, new_api_key  # noqa: E402
 from pairclean_service.settings import ServiceSettings  # noqa: E402
 
 
-def _settings(root: Path) -> ServiceSettings:
-    return ServiceSettings(database_url=f"sqlite:///{root / 'jobs.db'}", allowed_inputs=[str(root)], allowed_outputs=[str(root)],
+def _settings(root: Path, database_url: str | None = None) -> ServiceSettings:
+    return ServiceSettings(database_url=database_url or f"sqlite:///{root / 'jobs.db'}", allowed_inputs=[str(root)], allowed_outputs=[str(root)],
                            executor="local", poll_interval_s=0.2)
 
 
 class LiveServer:
-    def __init__(self, root: Path) -> None:
-        self.app = create_app(_settings(root), state_dir=root / "state")
+    def __init__(self, root: Path, database_url: str | None = None) -> None:
+        self.app = create_app(_settings(root, database_url), state_dir=root / "state")
         self.key = new_api_key()
         self.app.state.store.add_key(hash_key(self.key), "tester")
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning"))
