@@ -134,6 +134,11 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
     assert [(m["stem"], m["state"]) for m in lines if "state" in m] == [("junk", "quarantined")]
     assert _score(good + [str(junk)], tmp_path / "o3", "--max-failed-fraction", "0.5") == 4  # PARTIAL
     assert "PARTIAL" in capsys.readouterr().out
+    # rescoring keeps the quarantine record
+    assert main(["rescore", str(tmp_path / "o3"), "--beta-recipe", "gmm", "--weighting", "paper"]) == 0
+    from pairclean.job import OutputDir
+
+    assert sorted(OutputDir(str(tmp_path / "o3")).quarantined()) == ["junk"]
 
 
 @pytest.mark.slow
