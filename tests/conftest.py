@@ -64,3 +64,26 @@ def make_shards(tmp_path: Path, dev_images: list[Any]) -> ShardMaker:
         return paths
 
     return make
+
+
+def kill_after_commits(cmd: list[str], out: Path, commits: int, timeout: float = 180) -> None:
+    """Run ``cmd`` (a ``pairclean score`` into ``out``) and SIGKILL it, with its process
+    group, once the manifest holds ``commits`` lines: a crash in the middle of a job."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    manifest = out / "_manifest.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline and not (manifest.exists() and manifest.read_text().count("\n") >= commits):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.fixture
+def crash_mid_job() -> Callable[..., None]:
+    """``kill_after_commits``, as a fixture (test modules do not import each other)."""
+    return kill_after_commits

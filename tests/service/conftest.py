@@ -53,3 +53,9 @@ def server(tmp_path: Path):
 def server(tmp_path: Path):
     with LiveServer(tmp_path) as srv:
         yield srv
+
+
+@pytest.fixture
+def live_server_cls() -> type[LiveServer]:
+    """The class, for tests that need their own server (another database, module scope)."""
+    return LiveServer

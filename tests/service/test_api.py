@@ -18,7 +18,6 @@ import pytest
 pytest.importorskip("fastapi")
 from pairclean_service.client import PaircleanClient  # noqa: E402
 
-from .conftest import LiveServer as _Server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +26,7 @@ def _job(shards: list[Path], out: Path) -> dict:
     return {"shards": [str(s) for s in shards], "output": str(out), "estimator": "pairclean-tiny-test", "options": {"batch_size": 4}}
 
 
-def test_job_lifecycle_progress_shards_metrics_and_idempotency(server: _Server, make_shards, tmp_path: Path) -> None:
+def test_job_lifecycle_progress_shards_metrics_and_idempotency(server, make_shards, tmp_path: Path) -> None:
     shards = make_shards(n_shards=3, per_shard=6, folder=tmp_path / "shards")
     client = PaircleanClient(server.url, server.key)
     body = _job(shards, tmp_path / "out")
@@ -48,7 +47,7 @@ def test_job_lifecycle_progress_shards_metrics_and_idempotency(server: _Server, 
     assert report["shards"] == 3 and report["samples"] == 6 and report["statuses"] == {"ok": 6}
 
 
-def test_authentication(server: _Server) -> None:
+def test_authentication(server) -> None:
     assert httpx.get(f"{server.url}/healthz").status_code == 200
     assert httpx.get(f"{server.url}/readyz").status_code == 200
     assert httpx.get(f"{server.url}/v1/jobs").status_code == 401
@@ -61,14 +60,14 @@ def test_authentication(server: _Server) -> None:
     ("file:///etc/passwd", None), ("/etc/passwd", None), ("pipe:curl http://x | cat", None),
     ("{root}/../../etc/passwd", None), ("s3://user:secret@bucket/x.tar", None), (None, "/etc/pairclean-out"),
 ])
-def test_refused_locations(server: _Server, tmp_path: Path, shard: str | None, output: str | None) -> None:
+def test_refused_locations(server, tmp_path: Path, shard: str | None, output: str | None) -> None:
     body = {"shards": [(shard or "{root}/x.tar").format(root=tmp_path)], "output": output or str(tmp_path / "o")}
     r = httpx.post(f"{server.url}/v1/jobs", json=body, headers={"Authorization": f"Bearer {server.key}"})
     assert r.status_code == 422, r.text
     assert "Traceback" not in r.text
 
 
-def test_cancel_and_retry_rules(server: _Server, make_shards, tmp_path: Path) -> None:
+def test_cancel_and_retry_rules(server, make_shards, tmp_path: Path) -> None:
     shards = make_shards(n_shards=6, per_shard=16, folder=tmp_path / "shards")
     client = PaircleanClient(server.url, server.key)
     job_id = client.submit([str(s) for s in shards], str(tmp_path / "out"), estimator="pairclean-tiny-test")
@@ -82,7 +81,7 @@ def test_cancel_and_retry_rules(server: _Server, make_shards, tmp_path: Path) ->
         client.retry(job_id)
 
 
-def test_twenty_pollers_while_a_job_runs(server: _Server, make_shards, tmp_path: Path) -> None:
+def test_twenty_pollers_while_a_job_runs(server, make_shards, tmp_path: Path) -> None:
     shards = make_shards(n_shards=4, per_shard=16, folder=tmp_path / "shards")
     client = PaircleanClient(server.url, server.key)
     job_id = client.submit([str(s) for s in shards], str(tmp_path / "out"), estimator="pairclean-tiny-test")

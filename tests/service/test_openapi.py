@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 
-from .conftest import LiveServer  # noqa: E402
-
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory):
-    with LiveServer(tmp_path_factory.mktemp("openapi")) as srv:
+@pytest.fixture
+def live(tmp_path: Path, live_server_cls):
+    with live_server_cls(tmp_path) as srv:
         yield srv
 
 
-def test_no_server_errors(live: LiveServer) -> None:
+def test_no_server_errors(live) -> None:
     # schemathesis' own pytest plugin does not run under pytest 9: drive hypothesis directly.
     from hypothesis import given
 

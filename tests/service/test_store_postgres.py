@@ -50,15 +50,13 @@ def test_store_on_postgres(pg_url: str) -> None:
 
 
 @pytest.mark.slow
-def test_job_lifecycle_on_postgres(pg_url: str, make_shards, tmp_path: Path) -> None:
+def test_job_lifecycle_on_postgres(pg_url: str, make_shards, tmp_path: Path, live_server_cls) -> None:
     import httpx
 
     from pairclean_service.client import PaircleanClient
 
-    from .conftest import LiveServer
-
     shards = make_shards(n_shards=2, per_shard=4, folder=tmp_path / "shards")
-    with LiveServer(tmp_path, database_url=pg_url) as live:
+    with live_server_cls(tmp_path, database_url=pg_url) as live:
         client = PaircleanClient(live.url, live.key)
         job_id = client.submit([str(s) for s in shards], str(tmp_path / "out"), estimator="pairclean-tiny-test")
         assert client.wait(job_id, timeout=300, poll=0.2)["progress"]["shards_done"] == 2

@@ -115,19 +115,13 @@ def test_stragglers_time_out_and_end_quarantined(ray_local, make_shards, tmp_pat
     assert all("timed out" in q["error"] and q["attempts"] == 2 for q in quarantined.values())
 
 
-def test_killed_driver_resumes_without_redoing_shards(make_shards, tmp_path: Path) -> None:
+def test_killed_driver_resumes_without_redoing_shards(make_shards, tmp_path: Path, crash_mid_job) -> None:
     pytest.importorskip("ray")
     shards = make_shards(n_shards=6, per_shard=16)
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "pairclean_workers.cli", "score", str(shards[0].parent / "part-{00000..00005}.tar"),
            "--out", str(out), *TINY, "--executor", "ray"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    manifest = out / schema.MANIFEST_FILE
-    deadline = time.time() + 180
-    while time.time() < deadline and not (manifest.exists() and manifest.read_text().count("\n") >= 1):
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    crash_mid_job(cmd, out, commits=1)
     before = {m: (out / f"{m}.parquet").stat().st_mtime_ns for m in _committed(out)}
     assert 1 <= len(before) < 6
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

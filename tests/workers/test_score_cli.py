@@ -142,17 +142,12 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
 
 
 @pytest.mark.slow
-def test_kill_9_mid_job_then_rerun_commits_every_shard_exactly_once(make_shards, tmp_path: Path) -> None:
+def test_kill_9_mid_job_then_rerun_commits_every_shard_exactly_once(make_shards, tmp_path: Path, crash_mid_job) -> None:
     shards = make_shards(n_shards=8, per_shard=8)
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "pairclean_workers.cli", "score", str(shards[0].parent / "part-{00000..00007}.tar"), "--out", str(out), *TINY]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    crash_mid_job(cmd, out, commits=2)
     manifest = out / schema.MANIFEST_FILE
-    deadline = time.time() + 120
-    while time.time() < deadline and not (manifest.exists() and manifest.read_text().count("\n") >= 2):
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
     done_before = manifest.read_text().count("\n")
     assert 2 <= done_before < 8, "the kill should land in the middle of the job"
     assert subprocess.run(cmd, capture_output=True, timeout=300).returncode == 0
