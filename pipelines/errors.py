@@ -6,8 +6,7 @@
     │   ├── ShardNotFoundError      a shard URI that does not exist
     │   └── ShardReadError          a shard that exists but is not a readable tar
     ├── SpecMismatchError          an output folder written by a different job spec
-    ├── ModelLoadError             an estimator that cannot be built or loaded
-    └── NotImplementedFeatureError a documented option that is not implemented yet
+    └── ModelLoadError             an estimator that cannot be built or loaded
 
 Per-sample problems (a corrupt image, a missing caption) are never exceptions: they
 become rows with a ``status``. Per-shard and per-job problems are these exceptions,
@@ -24,7 +23,6 @@ __all__ = [
     "ShardReadError",
     "SpecMismatchError",
     "ModelLoadError",
-    "NotImplementedFeatureError",
 ]
 
 
@@ -58,7 +56,3 @@ class SpecMismatchError(PaircleanError):
 
 class ModelLoadError(PaircleanError):
     """The estimator could not be built or its weights could not be loaded."""
-
-
-class NotImplementedFeatureError(PaircleanError, NotImplementedError):
-    """A named option or method that exists in the interface but is not implemented."""
