@@ -10,7 +10,6 @@ unauthenticated ``/healthz``, ``/readyz``, ``/metrics``.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -303,29 +302,22 @@ def create_app(settings: ServiceSettings | None = None, state_dir: str | Path = 
 
 
 def _shard_states(job: JobRow) -> list[ShardPublic]:
-    """Every shard of a job with its state, from the job's own files."""
-    out = Path(job.request["output"].removeprefix("file://"))
-    try:
-        spec = json.loads((out / "_job.json").read_text())["spec"]["shards"]
-    except (OSError, KeyError, json.JSONDecodeError):
-        return []
-    committed: dict[str, dict[str, Any]] = {}
-    failed: dict[str, dict[str, Any]] = {}
-    manifest = out / "_manifest.jsonl"
-    for line in manifest.read_text().splitlines() if manifest.exists() else []:
-        with contextlib.suppress(json.JSONDecodeError):
-            rec = json.loads(line)
-            if rec.get("state") == "quarantined":
-                failed[rec["shard"]] = rec
-            else:
-                committed[rec["shard"]] = rec
-                failed.pop(rec["shard"], None)
+    """Every shard of a job with its state, from the job's own output folder."""
+    from pairclean.job import OutputDir
+    from pairclean.uris import shard_stem
+
+    out = OutputDir(job.request["output"])
+    spec = out.read_spec()
+    if spec is None:
+        return []  # the job has not started writing yet
+    committed, failed = out.manifest(), out.quarantined()
     items = []
-    for uri in spec:
-        if uri in committed:
-            items.append(ShardPublic(shard=uri, state="committed", rows=committed[uri].get("rows")))
-        elif uri in failed:
-            items.append(ShardPublic(shard=uri, state="quarantined", error=failed[uri].get("error")))
+    for uri in spec.shards:
+        stem = shard_stem(uri)
+        if stem in committed:
+            items.append(ShardPublic(shard=uri, state="committed", rows=committed[stem].rows))
+        elif stem in failed:
+            items.append(ShardPublic(shard=uri, state="quarantined", error=failed[stem].get("error")))
         else:
             items.append(ShardPublic(shard=uri, state="pending"))
     return items

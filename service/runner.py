@@ -10,7 +10,6 @@ it survived, and the same command reruns, which skips every committed shard.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -21,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pairclean.job import OutputDir
 
 from .metrics import Metrics
 from .settings import ServiceSettings
@@ -144,43 +145,26 @@ class JobRunner:
             self._follow_one(run)
 
     def _follow_one(self, run: _Running) -> None:
-        """Progress from the manifest; metrics for shards committed since the last look."""
+        """Progress from the job's manifest; metrics for shards committed since the last look."""
         job = self.store.get(run.job_id)
         if job is None:
             return
-        out = Path(job.request["output"].removeprefix("file://"))
-        committed, failed, pairs = {}, {}, 0
-        manifest = out / "_manifest.jsonl"
-        if manifest.exists():
-            for line in manifest.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if rec.get("state") == "quarantined":
-                    failed[rec["stem"]] = rec
-                else:
-                    committed[rec["stem"]] = rec
-                    failed.pop(rec["stem"], None)
-        for stem, rec in failed.items():
+        out = OutputDir(job.request["output"])
+        committed, failed = out.manifest(), out.quarantined()
+        for stem, record in failed.items():
             if stem not in run.seen_failed:
                 run.seen_failed.add(stem)
-                self.metrics.shard_quarantined(int(rec.get("attempts", 1)))
-        for stem, rec in committed.items():
-            pairs += int(rec.get("rows", 0))
+                self.metrics.shard_quarantined(int(record.get("attempts", 1)))
+        for stem, entry in committed.items():
             if stem not in run.seen_stems:
                 run.seen_stems.add(stem)
-                self.metrics.shard_committed(rec, out / rec["output"])
-        self.store.update(run.job_id, shards_done=len(committed), shards_failed=len(failed), pairs=pairs, noise_rate=_noise_rate(out))
-
-
-def _noise_rate(out: Path) -> float | None:
-    path = out / "_calibration.json"
-    try:
-        value = json.loads(path.read_text()).get("noise_rate")
-    except (OSError, json.JSONDecodeError):
-        return None
-    return float(value) if value is not None else None
+                self.metrics.shard_committed(entry.to_json(), out.path / entry.output)
+        calibration = out.read_calibration()
+        self.store.update(
+            run.job_id, shards_done=len(committed), shards_failed=len(failed),
+            pairs=sum(e.rows for e in committed.values()),
+            noise_rate=calibration.noise_rate if calibration else None,
+        )
 
 
 def _tail(path: Path, limit: int = 2000) -> str:
