@@ -26,16 +26,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import flickr_root
+
 import numpy as np
 
 
 def build_shards(folder: Path, noise: float, limit: int, per_shard: int, seed: int) -> tuple[list[str], dict[str, bool]]:
     """Dev-split shards with ``noise`` of captions shuffled; returns shard paths and key -> noisy."""
-    from pairclean.evaldata import find_flickr8k, load_flickr8k, noisy_pairing, write_pair_shards
+    from pairclean.evaldata import load_flickr8k, noisy_pairing, write_pair_shards
 
-    root = find_flickr8k(Path(__file__))
-    if root is None:
-        sys.exit("Flickr8k not found: set PAIRCLEAN_FLICKR8K or keep ../shared beside the repo")
+    root = flickr_root()
     paired = noisy_pairing(load_flickr8k(root, "dev")[:limit], noise, seed=seed)
     keys = [f"dev/{img.image[:-4]}" for img in paired.images]
     truth = {key: bool(n) for key, n in zip(keys, paired.noisy)}

@@ -25,9 +25,8 @@ import argparse
 import json
 import logging
 import os
-import sys
 from dataclasses import replace
-from pathlib import Path
+from _common import flickr_root
 
 import numpy as np
 
@@ -91,13 +90,10 @@ def main() -> None:
     import torch
 
     from pairclean.calibration import cache_dir
-    from pairclean.evaldata import find_flickr8k
     from pairclean.lite_train import HeadRecipe, evaluate, extract_features, train_heads
 
     torch.set_num_threads(os.cpu_count() or 1)
-    root = find_flickr8k(Path(__file__))
-    if root is None:
-        sys.exit("Flickr8k not found: set PAIRCLEAN_FLICKR8K or keep ../shared beside the repo")
+    root = flickr_root()
     feats = extract_features(root, cache_dir() / "features")
     perm = np.random.default_rng(args.seed).permutation(len(feats["train"].image))
     half_a, half_b = _subset(feats["train"], np.sort(perm[: len(perm) // 2])), _subset(feats["train"], np.sort(perm[len(perm) // 2 :]))

@@ -13,19 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
-from pathlib import Path
+from _common import flickr_root
 
 
 def _inputs(estimator, n: int):
     import torch
 
-    from pairclean.evaldata import find_flickr8k, load_flickr8k
+    from pairclean.evaldata import load_flickr8k
 
-    root = find_flickr8k(Path(__file__))
-    if root is None:
-        sys.exit("Flickr8k not found: set PAIRCLEAN_FLICKR8K or keep ../shared beside the repo")
+    root = flickr_root()
     from PIL import Image
 
     images = load_flickr8k(root, "dev")[:n]

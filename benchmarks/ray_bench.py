@@ -17,11 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from _common import bench_spec, flickr_root, timed_run
 
 
 class PeakRss:
@@ -61,41 +62,12 @@ class PeakRss:
 
 def build_shards(folder: Path, pairs: int, per_shard: int) -> list[str]:
     """Shards of Flickr8k dev photos (repeated under new keys past 1,000 pairs)."""
-    from pairclean.evaldata import find_flickr8k, load_flickr8k, write_pair_shards
+    from pairclean.evaldata import load_flickr8k, write_pair_shards
 
-    root = find_flickr8k(Path(__file__))
-    if root is None:
-        sys.exit("Flickr8k not found: set PAIRCLEAN_FLICKR8K or keep ../shared beside the repo")
+    root = flickr_root()
     images = load_flickr8k(root, "dev")
     items = [(f"{i:08d}", images[i % len(images)].path, images[i % len(images)].captions[0]) for i in range(pairs)]
     return write_pair_shards(folder, items, per_shard, "b")
-
-
-def _spec(shards: list[str], model: str, batch: int):
-    from pairclean.job import JobSpec
-
-    return JobSpec(tuple(shards), model, None, None, "auto", "random-inputs", 256, "paper", 0, batch, 64_000_000, None, True, 4096)
-
-
-def _timed_run(spec, out: Path, make_source) -> tuple[float, int]:
-    from pairclean.job import OutputDir
-    from pairclean.runner import run_job
-
-    class Timer:
-        first = last = 0.0
-
-        def start(self, total: int, done: int) -> None:
-            self.first = time.perf_counter()
-
-        def shard_done(self, stem: str, rows: int) -> None:
-            self.last = time.perf_counter()
-
-        def shard_failed(self, uri: str, error: str) -> None:
-            raise RuntimeError(error)
-
-    timer = Timer()
-    report = run_job(spec, OutputDir(str(out)), make_source, progress=timer)
-    return report.pairs / (timer.last - timer.first), report.pairs
 
 
 def main() -> None:
@@ -121,16 +93,17 @@ def main() -> None:
     est_spec = EstimatorSpec(args.model, precision="auto", device="cpu")
     with tempfile.TemporaryDirectory() as tmp:
         shards = build_shards(Path(tmp) / "s", args.pairs, args.per_shard)
-        spec = _spec(shards, args.model, args.batch_size)
+        spec = bench_spec(shards, args.model, args.batch_size)
         estimator = load_estimator(est_spec)
         random_beta_fn(estimator, 256, 0)()  # cached for both paths
-        local_rate, pairs = _timed_run(spec, Path(tmp) / "local", lambda: LocalSource(estimator, score_options(spec)))
-        del estimator
+        local = LocalSource(estimator, score_options(spec))
+        local_rate, pairs = timed_run(spec, Path(tmp) / "local", lambda src=local: src)
+        del local, estimator  # free the in-process model before Ray's actors load theirs
         t0 = time.perf_counter()
         ray.init(include_dashboard=False, log_to_driver=False)
         startup = time.perf_counter() - t0
         with PeakRss() as rss:
-            ray_rate, _ = _timed_run(spec, Path(tmp) / "ray", lambda: RaySource(est_spec, score_options(spec), RayOptions()))
+            ray_rate, _ = timed_run(spec, Path(tmp) / "ray", lambda: RaySource(est_spec, score_options(spec), RayOptions()))
         print(json.dumps({
             "benchmark": "ray_vs_local", "model": args.model, "pairs": pairs, "cpus": threads,
             "local_pairs_per_s": round(local_rate, 2), "ray_pairs_per_s": round(ray_rate, 2),
@@ -141,9 +114,9 @@ def main() -> None:
         peaks = []
         for n in args.memory_pairs:
             mem_shards = build_shards(Path(tmp) / f"m{n}", n, 500)
-            mspec = _spec(mem_shards, "pairclean-tiny-test", args.batch_size)
+            mspec = bench_spec(mem_shards, "pairclean-tiny-test", args.batch_size)
             with PeakRss() as rss:
-                _timed_run(mspec, Path(tmp) / f"mo{n}", lambda: RaySource(tiny, score_options(mspec), RayOptions()))
+                timed_run(mspec, Path(tmp) / f"mo{n}", lambda: RaySource(tiny, score_options(mspec), RayOptions()))
             peaks.append(rss.peak / 2**30)
         print(json.dumps({
             "benchmark": "memory", "pairs": args.memory_pairs, "peak_rss_gb": [round(p, 2) for p in peaks],
@@ -181,7 +154,7 @@ def _gpu(est_spec, shards: list[str], spec) -> dict:
     torch.cuda.synchronize()
     model_rate = len(texts) / (time.perf_counter() - t0)
     with tempfile.TemporaryDirectory() as tmp:
-        e2e, _ = _timed_run(spec, Path(tmp), lambda: LocalSource(est, score_options(spec)))
+        e2e, _ = timed_run(spec, Path(tmp), lambda: LocalSource(est, score_options(spec)))
     return {"benchmark": "gpu", "device": torch.cuda.get_device_name(0), "model_pairs_per_s": round(model_rate, 1), "end_to_end_pairs_per_s": round(e2e, 1)}
 
 

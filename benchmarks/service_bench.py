@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from _common import flickr_root
 
 import numpy as np
 
@@ -30,14 +31,12 @@ def main() -> None:
     import httpx
     import uvicorn
 
-    from pairclean.evaldata import find_flickr8k, load_flickr8k, write_pair_shards
+    from pairclean.evaldata import load_flickr8k, write_pair_shards
     from pairclean_service.app import create_app
     from pairclean_service.security import hash_key, new_api_key
     from pairclean_service.settings import ServiceSettings
 
-    root_data = find_flickr8k(Path(__file__))
-    if root_data is None:
-        sys.exit("Flickr8k not found: set PAIRCLEAN_FLICKR8K or keep ../shared beside the repo")
+    root_data = flickr_root()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         images = load_flickr8k(root_data, "dev")[:400]

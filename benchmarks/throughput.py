@@ -18,18 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from _common import bench_spec, flickr_root, timed_run
+
 
 def _build_shards(folder: Path, pairs: int, per_shard: int) -> list[str]:
-    from pairclean.evaldata import find_flickr8k, load_flickr8k, noisy_pairing, write_pair_shards
+    from pairclean.evaldata import load_flickr8k, noisy_pairing, write_pair_shards
 
-    root = find_flickr8k(Path(__file__))
-    if root is None:
-        sys.exit("Flickr8k not found: set PAIRCLEAN_FLICKR8K or keep ../shared beside the repo")
+    root = flickr_root()
     paired = noisy_pairing(load_flickr8k(root, "dev")[:pairs], 0.2, seed=0)
     items = [(f"{i:06d}", img.path, cap) for i, (img, cap) in enumerate(zip(paired.images, paired.captions))]
     return write_pair_shards(folder, items, per_shard, "bench")
@@ -56,23 +55,6 @@ def _bare(estimator, shards: list[str], batch_size: int) -> float:
     return len(texts) / (time.perf_counter() - t0)
 
 
-class _Timer:
-    """Progress sink that notes when the first shard starts being scored and the last commits."""
-
-    def __init__(self) -> None:
-        self.first_start: float | None = None
-        self.last_done = 0.0
-
-    def start(self, total_shards: int, already_done: int) -> None:
-        pass
-
-    def shard_done(self, stem: str, rows: int) -> None:
-        self.last_done = time.perf_counter()
-
-    def shard_failed(self, uri: str, error: str) -> None:
-        raise RuntimeError(error)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=512)
@@ -86,34 +68,29 @@ def main() -> None:
     import torch
 
     from pairclean.estimators import EstimatorSpec, load_estimator
-    from pairclean.job import JobSpec, OutputDir
-    from pairclean.runner import LocalSource, random_beta_fn, run_job, score_options
+    from pairclean.runner import LocalSource, random_beta_fn, score_options
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         shards = _build_shards(Path(tmp) / "shards", args.pairs, args.per_shard)
         t_wall = time.perf_counter()
         estimator = load_estimator(EstimatorSpec(args.model, precision=args.precision))
-        spec = JobSpec(tuple(shards), args.model, None, None, args.precision, "random-inputs", 256, "paper", 0, args.batch_size, 64_000_000, None, True, 4096)
+        spec = bench_spec(shards, args.model, args.batch_size, args.precision)
         random_beta_fn(estimator, 256, 0)()  # beta computed (and cached) before timing the loop
         estimator.encode_images(torch.zeros((2, 3, estimator.image_size, estimator.image_size)))
-        timer = _Timer()
-        t_loop = time.perf_counter()
-        report = run_job(spec, OutputDir(str(Path(tmp) / "out")), lambda: LocalSource(estimator, score_options(spec)), progress=timer)
-        loop_s = timer.last_done - t_loop
+        command, pairs = timed_run(spec, Path(tmp) / "out", lambda: LocalSource(estimator, score_options(spec)))
         wall_s = time.perf_counter() - t_wall
         bare = _bare(estimator, shards, args.batch_size)
-    command = report.pairs / loop_s
     print(json.dumps({
         "benchmark": "throughput",
         "model": args.model,
         "precision": estimator.info.precision,
         "threads": args.threads,
         "batch_size": args.batch_size,
-        "pairs": report.pairs,
+        "pairs": pairs,
         "bare_pairs_per_s": round(bare, 2),
         "command_pairs_per_s": round(command, 2),
-        "command_wall_pairs_per_s": round(report.pairs / wall_s, 2),
+        "command_wall_pairs_per_s": round(pairs / wall_s, 2),
         "ratio": round(command / bare, 3),
     }))
 

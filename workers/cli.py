@@ -153,8 +153,8 @@ class _Bar:
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    """Run (or resume) a scoring job in this process."""
-    from pairclean.estimators import EstimatorSpec, default_beta_recipe, load_estimator
+    """Run (or resume) a scoring job (on Ray, or in this process with --executor local)."""
+    from pairclean.estimators import EstimatorSpec, default_beta_recipe
     from pairclean.job import JobSpec, OutputDir
     from pairclean.runner import run_job, score_options
     from pairclean.uris import expand_shards

@@ -91,7 +91,6 @@ def build_lite_model(config: dict[str, Any], device: str = "cpu") -> Any:
     ``config`` is an open_clip model config (see ``data/pairclean-lite.json``).
     """
     import open_clip
-    from open_clip.transform import PreprocessCfg, image_transform_v2
     import torch
 
     _quiet_transformers()

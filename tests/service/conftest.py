@@ -44,13 +44,6 @@ class LiveServer:
 
 @pytest.fixture
 def server(tmp_path: Path):
-    with _Server(tmp_path) as srv:
-        yield srv
-
-
-
-@pytest.fixture
-def server(tmp_path: Path):
     with LiveServer(tmp_path) as srv:
         yield srv
 
