@@ -19,7 +19,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from . import osa
-from .job import Calibration, atomic_write_bytes
+from .job import Calibration
+from .storage import write_file_atomic
 
 __all__ = ["needs_corpus", "calibrate", "cache_dir", "cached_random_beta"]
 
@@ -61,7 +62,7 @@ def cached_random_beta(identity: dict[str, object], compute: RandomBeta) -> floa
             pass  # a damaged cache entry is recomputed
     beta = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, json.dumps({"beta": beta, "identity": identity}, sort_keys=True).encode())
+    write_file_atomic(path, json.dumps({"beta": beta, "identity": identity}, sort_keys=True).encode())
     return beta
 
 

@@ -1,16 +1,41 @@
-"""Image decoding with a pixel limit checked from the header, before any full decode."""
+"""Image decoding with a pixel limit checked from the header, before any full decode.
+
+Two ways to turn image bytes into model input:
+
+- ``decode_and_preprocess``: PIL decode (``decode_image``) then the estimator's own
+  preprocess, on the CPU. Thread-safe, so callers may run it on a thread pool.
+- ``decode_jpeg_batch``: one batched ``torchvision.io.decode_jpeg`` call (nvJPEG on
+  CUDA) for the JPEGs of a batch, resize / crop / normalise as tensor ops on ``device``;
+  every image it cannot take goes through ``decode_image`` so statuses stay the same.
+"""
 
 from __future__ import annotations
 
 import io
+import re
 import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 
 from . import schema
 
-__all__ = ["DEFAULT_MAX_PIXELS", "DecodeFailure", "decode_image"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DEFAULT_MAX_PIXELS",
+    "DecodeFailure",
+    "decode_image",
+    "decode_and_preprocess",
+    "TensorPreprocess",
+    "tensor_preprocess_of",
+    "is_jpeg",
+    "decode_jpeg_batch",
+]
 
 #: 64 megapixels: larger images in web corpora are almost always junk or bombs.
 DEFAULT_MAX_PIXELS = 64_000_000
@@ -52,7 +77,17 @@ def decode_image(
     except Image.DecompressionBombError as exc:
         return DecodeFailure(schema.STATUS_TOO_LARGE, str(exc))
     except Exception as exc:  # noqa: BLE001 - any decoder failure is a per-sample status
-        return DecodeFailure(schema.STATUS_DECODE_ERROR, f"{type(exc).__name__}: {exc}")
+        return DecodeFailure(schema.STATUS_DECODE_ERROR, f"{type(exc).__name__}: {_without_addresses(str(exc))}")
+
+
+# PIL names the stream in some messages ("cannot identify image file <_io.BytesIO object
+# at 0x7f...>"): the address differs per call, which would make equal inputs give
+# different error columns (and one thread differ from a pool).
+_ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+(?=>)")
+
+
+def _without_addresses(message: str) -> str:
+    return _ADDRESS_RE.sub("", message)
 
 
 def _draft_target(width: int, height: int, short_side: int) -> tuple[int, int]:
@@ -60,3 +95,209 @@ def _draft_target(width: int, height: int, short_side: int) -> tuple[int, int]:
     # so the short side stays >= short_side after scaling.
     scale = short_side / max(1, min(width, height))
     return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def decode_and_preprocess(
+    data: bytes, max_pixels: int, preprocess: Callable[[Image.Image], Any], draft_size: int | None = None
+) -> Any | DecodeFailure:
+    """``decode_image`` then ``preprocess`` (an estimator's transform) on the result.
+
+    Returns the preprocessed tensor, or the ``DecodeFailure``. Deterministic and safe to
+    call from several threads at once (PIL and torch release the GIL for most of it).
+    """
+    img = decode_image(data, max_pixels, draft_size=draft_size)
+    if isinstance(img, DecodeFailure):
+        return img
+    return preprocess(img)
+
+
+#: Every JPEG starts with SOI (FF D8) followed by the first marker's FF.
+JPEG_MAGIC = b"\xff\xd8\xff"
+#: ... and a complete one ends with EOI.
+_JPEG_EOI = b"\xff\xd9"
+# PIL modes whose JPEG decode to RGB matches torchvision's (CMYK/YCCK conversions differ).
+_GPU_JPEG_MODES = ("RGB", "L")
+
+
+def is_jpeg(data: bytes) -> bool:
+    """True when ``data`` starts with the JPEG magic bytes (FF D8 FF)."""
+    return data[:3] == JPEG_MAGIC
+
+
+@dataclass(frozen=True)
+class TensorPreprocess:
+    """The eval transform of an open_clip estimator, as tensor ops that can run on a GPU:
+    resize the short side to ``image_size`` (antialiased), centre-crop a square of
+    ``image_size``, scale to [0, 1], normalise with ``mean`` / ``std``."""
+
+    image_size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    interpolation: str = "bicubic"
+
+    def __call__(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
+        """(3, H, W) uint8 images, all on one device -> (N, 3, S, S) float32 on that device."""
+        import torch
+        from torchvision.transforms.v2 import functional as F
+
+        size = self.image_size
+        mode = F.InterpolationMode(self.interpolation)
+        # Resize per image (sizes differ); the result stays uint8, rounded as PIL rounds,
+        # so the float values match the CPU path's ToTensor of a resized PIL image.
+        crops = [F.center_crop(F.resize(img, [size], interpolation=mode, antialias=True), [size, size]) for img in images]
+        batch = torch.stack(crops).float().div_(255.0)
+        return F.normalize(batch, list(self.mean), list(self.std))
+
+
+def tensor_preprocess_of(preprocess: Any) -> TensorPreprocess | None:
+    """The ``TensorPreprocess`` equivalent to an open_clip eval ``preprocess``, or None.
+
+    Recognises exactly ``Compose([Resize(S), CenterCrop(S), <to RGB / to tensor>...,
+    Normalize(mean, std)])`` (open_clip's ``resize_mode="shortest"``). Anything else
+    returns None: the caller must keep the CPU path, which uses ``preprocess`` itself.
+    """
+    steps = list(getattr(preprocess, "transforms", None) or [])
+    if len(steps) < 3:
+        return None
+    resize, crop, *middle, normalize = steps
+    size = _square_resize_size(resize)
+    if size is None or _crop_size(crop) != (size, size) or not all(_is_conversion(t) for t in middle):
+        return None
+    if type(normalize).__name__ != "Normalize":
+        return None
+    mean, std = tuple(float(v) for v in normalize.mean), tuple(float(v) for v in normalize.std)
+    if len(mean) != 3 or len(std) != 3:
+        return None
+    interpolation = getattr(getattr(resize, "interpolation", None), "value", None)
+    if interpolation not in ("bicubic", "bilinear"):
+        return None
+    return TensorPreprocess(size, mean, std, interpolation)  # type: ignore[arg-type]
+
+
+def _square_resize_size(step: Any) -> int | None:
+    # Resize(int) scales the short side; Resize((h, w)) would squash: not ours.
+    if type(step).__name__ != "Resize" or getattr(step, "max_size", None) is not None:
+        return None
+    if getattr(step, "antialias", True) is not True:
+        return None
+    size = step.size
+    if isinstance(size, (list, tuple)):
+        size = size[0] if len(size) == 1 else None
+    return size if isinstance(size, int) else None
+
+
+def _crop_size(step: Any) -> tuple[int, int] | None:
+    if type(step).__name__ != "CenterCrop":
+        return None
+    size = step.size
+    return (size, size) if isinstance(size, int) else tuple(size)  # type: ignore[return-value]
+
+
+def _is_conversion(step: Any) -> bool:
+    # Steps that only turn an RGB PIL image into a [0, 1] float tensor, which
+    # TensorPreprocess does itself: open_clip's MaybeConvertMode / MaybeToTensor and
+    # older _convert_to_rgb function, torchvision's ToTensor.
+    name = getattr(step, "__name__", None) or type(step).__name__
+    if name == "MaybeConvertMode":
+        return getattr(step, "mode", "RGB") == "RGB"
+    return name in ("MaybeToTensor", "ToTensor", "_convert_to_rgb")
+
+
+def decode_jpeg_batch(
+    datas: Sequence[bytes],
+    max_pixels: int,
+    image_size: int,
+    mean: Sequence[float],
+    std: Sequence[float],
+    device: str | torch.device,
+    interpolation: str = "bicubic",
+    executor: Executor | None = None,
+) -> list[torch.Tensor | DecodeFailure]:
+    """Decode and preprocess ``datas`` on ``device``, JPEGs in one batched decode call.
+
+    Returns one entry per input, in order: a (3, S, S) float32 tensor on ``device``
+    (S = ``image_size``, resized/cropped/normalised as ``TensorPreprocess``), or the
+    ``DecodeFailure`` that ``decode_image`` gives for those bytes.
+
+    JPEGs (magic FF D8 FF, complete, RGB or grey, within ``max_pixels`` by their header,
+    read without decoding) go to ``torchvision.io.decode_jpeg`` in one call; if that call
+    raises, each is retried alone. Every other input (PNG, WebP, too large, corrupt, a
+    JPEG the batched decoder refused) is decoded by ``decode_image``, on ``executor``
+    when given, so statuses and error messages are exactly those of the CPU path.
+    """
+    transform = TensorPreprocess(image_size, tuple(mean), tuple(std), interpolation)  # type: ignore[arg-type]
+    takes = [i for i, data in enumerate(datas) if _batch_decodable(data, max_pixels)]
+    images: dict[int, torch.Tensor] = _decode_jpegs({i: datas[i] for i in takes}, device)
+    rest = [i for i in range(len(datas)) if i not in images]
+    results: list[torch.Tensor | DecodeFailure | None] = [None] * len(datas)
+    for i, img in zip(rest, _map(executor, lambda i: _pil_uint8(datas[i], max_pixels, image_size), rest)):
+        if isinstance(img, DecodeFailure):
+            results[i] = img
+        else:
+            images[i] = img.to(device)
+    order = sorted(images)
+    if order:
+        for i, tensor in zip(order, transform([images[i] for i in order]).unbind(0)):
+            results[i] = tensor
+    return results  # type: ignore[return-value]
+
+
+def _batch_decodable(data: bytes, max_pixels: int) -> bool:
+    """Whether the batched JPEG decoder may take ``data`` with the CPU path's outcome.
+
+    Only a complete JPEG (ends with EOI: a truncated one is a decode_error for PIL, while
+    nvJPEG may return it half grey) in RGB or grey, whose header-declared size is within
+    ``max_pixels``. The header is parsed lazily by PIL: no pixel is decoded here.
+    """
+    if not is_jpeg(data) or not data.endswith(_JPEG_EOI):
+        return False
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as img:
+                width, height = img.size
+                return img.format == "JPEG" and img.mode in _GPU_JPEG_MODES and width * height <= max_pixels
+    except Exception:  # noqa: BLE001 - unreadable header: the CPU path names the error
+        return False
+
+
+def _decode_jpegs(datas: dict[int, bytes], device: str | torch.device) -> dict[int, torch.Tensor]:
+    """Batched ``decode_jpeg`` of ``datas`` (index -> bytes) to RGB uint8 on ``device``.
+
+    One call for all; when it raises (one bad image fails the whole batch), each image
+    is tried alone and the ones that still fail are left out of the result.
+    """
+    if not datas:
+        return {}
+    import torch
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    keys = list(datas)
+    # frombuffer over a bytearray: a writable uint8 view, no extra copy of the bytes.
+    tensors = [torch.frombuffer(bytearray(datas[k]), dtype=torch.uint8) for k in keys]
+    try:
+        return dict(zip(keys, decode_jpeg(tensors, device=device, mode=ImageReadMode.RGB)))
+    except (RuntimeError, ValueError):
+        pass
+    decoded: dict[int, torch.Tensor] = {}
+    for key, tensor in zip(keys, tensors):
+        try:
+            decoded[key] = decode_jpeg(tensor, device=device, mode=ImageReadMode.RGB)
+        except (RuntimeError, ValueError):
+            continue  # left to decode_image, which gives it the CPU path's status
+    return decoded
+
+
+def _pil_uint8(data: bytes, max_pixels: int, draft_size: int) -> torch.Tensor | DecodeFailure:
+    """``decode_image`` as a (3, H, W) uint8 CPU tensor, or its ``DecodeFailure``."""
+    from torchvision.transforms.v2.functional import pil_to_tensor
+
+    img = decode_image(data, max_pixels, draft_size=draft_size)
+    return img if isinstance(img, DecodeFailure) else pil_to_tensor(img)
+
+
+def _map(executor: Executor | None, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+    """``fn`` over ``items`` in order, on ``executor`` when there is one."""
+    if executor is None or len(items) <= 1:
+        return [fn(item) for item in items]
+    return list(executor.map(fn, items))

@@ -4,8 +4,10 @@
     ├── InputError                 bad job-level input (names the URI or option)
     │   ├── UnsupportedSchemeError  a URI scheme pairclean cannot read or write
     │   ├── ShardNotFoundError      a shard URI that does not exist
-    │   └── ShardReadError          a shard that exists but is not a readable tar
+    │   ├── ShardReadError          a shard that exists but is not a readable tar
+    │   └── ForeignOutputError      an output that holds files pairclean did not write
     ├── SpecMismatchError          an output folder written by a different job spec
+    ├── OutputBusyError            another live run holds the output folder's lock
     └── ModelLoadError             an estimator that cannot be built or loaded
 
 Per-sample problems (a corrupt image, a missing caption) are never exceptions: they
@@ -21,7 +23,9 @@ __all__ = [
     "UnsupportedSchemeError",
     "ShardNotFoundError",
     "ShardReadError",
+    "ForeignOutputError",
     "SpecMismatchError",
+    "OutputBusyError",
     "ModelLoadError",
 ]
 
@@ -48,6 +52,14 @@ class ShardNotFoundError(InputError):
 
 class ShardReadError(InputError):
     """A shard that exists but cannot be read as a tar archive (corrupt, truncated)."""
+
+
+class ForeignOutputError(InputError):
+    """An output location holding files pairclean did not write: never touched."""
+
+
+class OutputBusyError(PaircleanError):
+    """Another run that is still alive (fresh heartbeat) holds the output folder."""
 
 
 class SpecMismatchError(PaircleanError):

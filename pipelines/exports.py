@@ -1,4 +1,5 @@
-"""Files trainers read beside a job's output: sizes, per-shard weight sums, DataComp keep list.
+"""Files trainers read beside a job's output, in ``OUT/_export/``: sizes, per-shard weight
+sums, DataComp keep list. (The ``_`` folder keeps them out of ``OUT`` read as a dataset.)
 
 - ``sizes.json``: ``{"<shard file name>": number of samples}``, as open_clip's
   ``--train-num-samples`` logic reads it for WebDataset shards;
@@ -15,11 +16,9 @@ import json
 from pathlib import PurePosixPath
 
 import numpy as np
-import pyarrow.parquet as pq
-
 from . import schema
 from .errors import InputError
-from .job import OutputDir, atomic_write_bytes
+from .job import OutputDir
 
 __all__ = ["UID_DTYPE", "uid_records", "write_exports"]
 
@@ -38,14 +37,17 @@ def uid_records(uids: list[str]) -> np.ndarray:
 
 
 def write_exports(out: OutputDir) -> dict[str, str]:
-    """Write the export files into ``out`` (atomically); returns name -> path written."""
+    """Write the export files into ``OUT/_export/`` (atomically); returns name -> URI written.
+
+    The names are recorded in the job's state folder, so ``--overwrite`` can remove them.
+    """
     sizes: dict[str, int] = {}
     sums: dict[str, float] = {}
     keep: list[str] = []
     has_uid = True
-    for entry, path in out.iter_committed_tables():
-        table = pq.read_table(path)
-        name = PurePosixPath(entry.shard).name
+    for record in out.iter_committed():
+        table = out.read_scores(record)
+        name = PurePosixPath(record.shard).name
         sizes[name] = table.num_rows
         sums[name] = float(table.column(schema.COL_WEIGHT).to_numpy().sum(dtype=np.float64))
         if schema.COL_UID not in table.column_names:
@@ -56,16 +58,21 @@ def write_exports(out: OutputDir) -> dict[str, str]:
         uids = table.column(schema.COL_UID).to_pylist()
         keep.extend(u for u, k in zip(uids, ok & clean) if k and u is not None)
     if not sizes:
-        raise InputError(f"{out.path} holds no committed shard")
-    written = {}
-    for name, doc in (("sizes.json", sizes), ("shard_weights.json", sums)):
-        atomic_write_bytes(out.path / name, json.dumps(doc, indent=1, sort_keys=True).encode())
-        written[name] = str(out.path / name)
+        raise InputError(f"{out.uri} holds no committed shard")
+    files: dict[str, bytes] = {
+        name: json.dumps(doc, indent=1, sort_keys=True).encode() for name, doc in (("sizes.json", sizes), ("shard_weights.json", sums))
+    }
     if has_uid:
         import io
 
         buf = io.BytesIO()
         np.save(buf, uid_records(keep))
-        atomic_write_bytes(out.path / "datacomp_keep.npy", buf.getvalue())
-        written["datacomp_keep.npy"] = str(out.path / "datacomp_keep.npy")
+        files["datacomp_keep.npy"] = buf.getvalue()
+    names = [f"{schema.EXPORT_DIR}/{name}" for name in files]
+    # Record first: a crash after some writes still leaves every written name listed.
+    out.store.put(schema.EXPORTS_FILE, json.dumps({"written": names}).encode())
+    written = {}
+    for name, data in files.items():
+        out.store.put(f"{schema.EXPORT_DIR}/{name}", data)
+        written[name] = out.store.url(f"{schema.EXPORT_DIR}/{name}")
     return written

@@ -1,50 +1,55 @@
-"""A job's output folder: frozen spec, manifest, calibration and atomic commits.
+"""A job's output folder: frozen spec, calibration, completion records and the data files.
 
-Layout of ``OUT/``::
+Layout of ``OUT/`` (any fsspec location, see ``pairclean.storage``)::
 
-    _job.json          the frozen spec and the expanded shard list
-    _calibration.json  beta (value, recipe, K, seed) and weighting parameters, once known
-    _manifest.jsonl    one line per committed shard: the commit point
-    <stem>.parquet     per-pair scores, rows in tar order
-    <stem>.emb.parquet optional float16 embeddings
+    <stem>.parquet                    per-pair scores, rows in tar order: the dataset users read
+    _emb/<stem>.parquet               optional float16 embeddings (the sidecars)
+    _pairclean/job.json               the frozen spec and the expanded shard list
+    _pairclean/calibration.json       beta (value, recipe, K, seed) and weighting parameters
+    _pairclean/completions/<stem>.json  one small record per committed shard: the commit point
+    _pairclean/manifest.parquet       compacted completion records (rewritten periodically)
+    _pairclean/failed/<stem>.json     shards that kept failing, with their error
+    _pairclean/lock.json              the running job's lock and heartbeat
+    _pairclean/exports.json           names written by ``pairclean export``
 
-Every file is written under a hidden temporary name and renamed into place. A shard is
-done only when its manifest line exists; a crash between the rename and the manifest
-line just redoes that shard.
+Folders starting with ``_`` are skipped by pyarrow's dataset discovery, pandas, duckdb's
+``OUT/*.parquet`` and Ray Data, so ``OUT`` reads as exactly the score tables.
+
+Workers write a shard's data files; only the driver writes completion records, so a shard
+is committed exactly once. A data file without a completion record is a leftover of a
+crash and is rewritten (byte-identically) when the shard is redone. pairclean never
+deletes or replaces a file it did not write: a folder that holds other files is refused,
+a data file is replaced only when its own Parquet metadata says pairclean wrote it, and
+``--overwrite`` deletes only what the job's records list.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from . import __version__, schema
-from .errors import InputError, SpecMismatchError
-from .uris import scheme_of, shard_stem
+from .errors import ForeignOutputError, InputError, SpecMismatchError
+from .storage import Store, WriteInfo
+from .uris import shard_stem
 
 __all__ = [
-    "CALIBRATION_FILE",
     "JobSpec",
     "Calibration",
-    "ManifestEntry",
+    "ShardRecord",
     "OutputDir",
-    "atomic_write_bytes",
-    "atomic_write_parquet",
-    "sha256_file",
 ]
 
-CALIBRATION_FILE = "_calibration.json"
-_TMP_MARK = ".tmp-"
+#: Completion records since the last compaction that trigger a new compaction.
+COMPACT_EVERY = 1000
+#: ... or this many seconds since the last one, whichever comes first.
+COMPACT_SECONDS = 120.0
 
 
 @dataclass(frozen=True)
@@ -118,8 +123,12 @@ class Calibration:
 
 
 @dataclass(frozen=True)
-class ManifestEntry:
-    """One committed shard."""
+class ShardRecord:
+    """One committed shard: what a worker reports back (a few hundred bytes, no embeddings).
+
+    ``output``/``emb_output`` are names inside the folder; ``sha256``/``bytes`` describe the
+    score table as written.
+    """
 
     shard: str
     stem: str
@@ -127,218 +136,332 @@ class ManifestEntry:
     rows: int
     output: str
     sha256: str
+    bytes: int
     statuses: dict[str, int]
+    emb_output: str | None = None
+    emb_bytes: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
         return asdict(self)
 
-
-def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of a file."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ShardRecord:
+        """Inverse of ``to_json``."""
+        return cls(**data)
 
 
-def _tmp_name(final: Path) -> Path:
-    return final.with_name(f".{final.name}{_TMP_MARK}{os.getpid()}")
+# The compacted manifest's columns; dicts are stored as JSON text.
+_MANIFEST_SCHEMA = pa.schema(
+    [
+        ("stem", pa.string()), ("shard", pa.string()), ("size", pa.int64()), ("rows", pa.int64()),
+        ("output", pa.string()), ("sha256", pa.string()), ("bytes", pa.int64()), ("statuses", pa.string()),
+        ("emb_output", pa.string()), ("emb_bytes", pa.int64()), ("timings", pa.string()),
+    ]
+)
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def _records_table(records: list[ShardRecord]) -> pa.Table:
+    cols: dict[str, list[Any]] = {name: [] for name in _MANIFEST_SCHEMA.names}
+    for r in records:
+        for name in _MANIFEST_SCHEMA.names:
+            value = getattr(r, name)
+            cols[name].append(json.dumps(value, sort_keys=True) if isinstance(value, dict) else value)
+    return pa.table(cols, schema=_MANIFEST_SCHEMA)
 
 
-def atomic_write_bytes(final: Path, data: bytes) -> None:
-    """Write ``data`` to ``final`` via a hidden temporary file, fsync and rename."""
-    tmp = _tmp_name(final)
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
+def _table_records(table: pa.Table) -> Iterator[ShardRecord]:
+    for row in table.to_pylist():
+        row["statuses"] = json.loads(row["statuses"])
+        row["timings"] = json.loads(row["timings"])
+        yield ShardRecord(**row)
 
 
-def atomic_write_parquet(final: Path, table: pa.Table) -> None:
-    """Write ``table`` as Parquet to ``final`` atomically (temporary name, fsync, rename)."""
-    tmp = _tmp_name(final)
-    try:
-        pq.write_table(table, tmp, compression="zstd")
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-    _fsync_dir(final.parent)
+def spec_digest(spec: JobSpec) -> str:
+    """sha256 of the spec (deterministic): written into every data file as its owner."""
+    return hashlib.sha256(json.dumps(spec.to_json(), sort_keys=True).encode()).hexdigest()
 
 
 class OutputDir:
-    """The output folder of one job. Only local folders are supported for now."""
+    """The output folder of one job, on any fsspec location.
 
-    def __init__(self, path: str) -> None:
-        if scheme_of(path) not in ("", "file"):
-            raise InputError(
-                f"output {path!r}: only local output folders are supported so far "
-                "(write locally, then copy to object storage)",
-                uri=path,
-            )
-        self.path = Path(path[len("file://") :] if path.startswith("file://") else path)
+    ``storage_options`` are fsspec options (endpoint, credentials) for remote folders.
+    """
+
+    def __init__(self, uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.store = Store(uri, storage_options)
+        self.uri = self.store.url()
+        # The compacted manifest as last read or written, and records committed since.
+        self._compacted: dict[str, ShardRecord] | None = None
+        self._pending: dict[str, ShardRecord] = {}
+        self._failed_stems: set[str] | None = None
+        self._last_compaction = time.monotonic()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Workers get a fresh handle on the same folder (no cached records).
+        return (OutputDir, (self.store.uri, self.store.storage_options))
+
+    # -- names ----------------------------------------------------------------------------
+    @staticmethod
+    def score_name(stem: str) -> str:
+        """Name of the score table of ``stem``."""
+        return f"{stem}.parquet"
+
+    @staticmethod
+    def emb_name(stem: str) -> str:
+        """Name of the embedding sidecar of ``stem``."""
+        return f"{schema.EMB_DIR}/{stem}.parquet"
 
     # -- the spec -------------------------------------------------------------------------
-    @property
-    def job_file(self) -> Path:
-        return self.path / schema.JOB_FILE
-
-    @property
-    def manifest_file(self) -> Path:
-        return self.path / schema.MANIFEST_FILE
-
-    @property
-    def calibration_file(self) -> Path:
-        return self.path / CALIBRATION_FILE
-
     def read_spec(self) -> JobSpec | None:
         """The frozen spec of the job that owns this folder, or None for a new folder."""
-        if not self.job_file.exists():
-            return None
-        data = json.loads(self.job_file.read_text())
-        return JobSpec.from_json(data["spec"])
+        doc = self.read_job_doc()
+        return JobSpec.from_json(doc["spec"]) if doc else None
+
+    def read_job_doc(self) -> dict[str, Any] | None:
+        """The whole ``job.json`` document, or None."""
+        data = self.store.get(schema.JOB_FILE)
+        return json.loads(data) if data is not None else None
+
+    def write_job_doc(self, doc: Mapping[str, Any]) -> None:
+        """Replace ``job.json`` (atomically)."""
+        self.store.put(schema.JOB_FILE, json.dumps(doc, indent=2).encode())
+
+    def check_owned(self) -> None:
+        """Raise ``ForeignOutputError`` unless the folder is new, empty, or a pairclean job's.
+
+        An output folder holding files pairclean did not write (an img2dataset shard
+        folder, say) is refused: scores would mix with, or replace, the user's files.
+        """
+        if self.store.exists(schema.JOB_FILE):
+            return
+        foreign = [name for name in self.store.list() if name != schema.STATE_DIR]
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            raise ForeignOutputError(
+                f"output {self.uri} already holds files pairclean did not write ({shown}); "
+                "pairclean never mixes its outputs with other files: choose an empty or new folder",
+                uri=self.uri,
+            )
 
     def prepare(self, spec: JobSpec, overwrite: bool) -> None:
         """Claim the folder for ``spec``: new, same spec (resume) or ``overwrite`` (start over).
 
-        Raises ``SpecMismatchError`` when the folder holds a different job.
+        Raises ``ForeignOutputError`` for a folder of someone else's files and
+        ``SpecMismatchError`` when the folder holds a different job (without ``overwrite``).
+        Call with the folder's lock held.
         """
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._remove_temporaries()
+        self.check_owned()
+        self.store.remove_temporaries()
+        self.store.remove_temporaries(schema.EMB_DIR)
         existing = self.read_spec()
-        if overwrite:
-            self._clear()
+        if existing is not None and overwrite:
+            self.clear()
+            existing = None
         elif existing is not None and existing != spec:
-            diff = _spec_diff(existing, spec)
             raise SpecMismatchError(
-                f"{self.path} holds a job with a different spec ({diff}); rerun with the "
+                f"{self.uri} holds a job with a different spec ({_spec_diff(existing, spec)}); rerun with the "
                 "same options to resume, use --overwrite to start over, or pick another --out"
             )
-        if existing is None or overwrite:
-            doc = {"pairclean_version": __version__, "spec": spec.to_json()}
-            atomic_write_bytes(self.job_file, json.dumps(doc, indent=2).encode())
+        if existing is None:
+            self.write_job_doc({"pairclean_version": __version__, "spec": spec.to_json(), "spec_sha256": spec_digest(spec)})
 
-    def _remove_temporaries(self) -> None:
-        for tmp in self.path.glob(f".*{_TMP_MARK}*"):
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
+    def clear(self) -> list[str]:
+        """Delete what this job's records say it wrote (and nothing else); returns the names.
 
-    def _clear(self) -> None:
-        for pattern in ("*.parquet", schema.MANIFEST_FILE, CALIBRATION_FILE, schema.JOB_FILE):
-            for item in self.path.glob(pattern):
-                item.unlink()
+        Data files without a completion record (a crash before the commit) are deleted
+        only when their own metadata names this job as their writer.
+        """
+        doc = self.read_job_doc() or {}
+        names: list[str] = []
+        committed = self.committed()
+        for record in committed.values():
+            names += [record.output] + ([record.emb_output] if record.emb_output else [])
+        names += self._stray_outputs(doc.get("spec_sha256"), set(names))
+        names += [f"{schema.COMPLETIONS_DIR}/{n}" for n in self.store.list(schema.COMPLETIONS_DIR)]
+        names += [f"{schema.FAILED_DIR}/{n}" for n in self.store.list(schema.FAILED_DIR)]
+        exports = self.store.get(schema.EXPORTS_FILE)
+        if exports is not None:
+            names += list(json.loads(exports).get("written", [])) + [schema.EXPORTS_FILE]
+        names += [schema.MANIFEST_FILE, schema.CALIBRATION_FILE, schema.JOB_FILE]
+        removed = [n for n in names if self.store.rm(n)]
+        self._compacted, self._pending, self._failed_stems = {}, {}, set()
+        return removed
+
+    def _stray_outputs(self, digest: str | None, known: set[str]) -> list[str]:
+        """Data files of this job with no completion record, recognised by their metadata."""
+        if digest is None:
+            return []
+        found = []
+        for folder, names in (("", self.store.list()), (schema.EMB_DIR, self.store.list(schema.EMB_DIR))):
+            for name in names:
+                full = f"{folder}/{name}" if folder else name
+                if full in known or not name.endswith(".parquet"):
+                    continue
+                if self.written_by(full, digest):
+                    found.append(full)
+        return found
+
+    def written_by(self, name: str, digest: str | None = None) -> bool:
+        """Whether ``name`` is a Parquet file pairclean wrote (for the job ``digest`` when given)."""
+        meta = self.store.parquet_metadata(name)
+        if not meta or schema.META_KEY not in meta:
+            return False
+        if digest is None:
+            return True
+        with_job = json.loads(meta[schema.META_KEY]).get("job")
+        return with_job == digest
 
     # -- calibration ----------------------------------------------------------------------
     def read_calibration(self) -> Calibration | None:
         """The frozen calibration, once a run has computed it."""
-        if not self.calibration_file.exists():
-            return None
-        return Calibration(**json.loads(self.calibration_file.read_text()))
+        data = self.store.get(schema.CALIBRATION_FILE)
+        return Calibration(**json.loads(data)) if data is not None else None
 
     def write_calibration(self, calibration: Calibration) -> None:
         """Freeze the calibration (atomically)."""
-        atomic_write_bytes(self.calibration_file, json.dumps(calibration.to_json(), indent=2).encode())
+        self.store.put(schema.CALIBRATION_FILE, json.dumps(calibration.to_json(), indent=2).encode())
 
-    # -- the manifest ---------------------------------------------------------------------
-    def _manifest_records(self) -> Iterator[dict[str, Any]]:
-        if not self.manifest_file.exists():
-            return
-        for line in self.manifest_file.read_text().splitlines():
-            # A torn last line (crash mid-append) is skipped.
-            with contextlib.suppress(json.JSONDecodeError):
-                record = json.loads(line)
-                if isinstance(record, dict):
-                    yield record
+    # -- data files (written by workers) --------------------------------------------------
+    def write_table(self, name: str, table: pa.Table) -> WriteInfo:
+        """Write a data file, refusing to replace one pairclean did not write.
 
-    def manifest(self) -> dict[str, ManifestEntry]:
-        """Committed shards by stem (quarantine lines are not commits)."""
-        entries: dict[str, ManifestEntry] = {}
-        for record in self._manifest_records():
-            if record.get("state", "committed") != "committed":
-                continue
-            with contextlib.suppress(TypeError):
-                record.pop("state", None)
-                entry = ManifestEntry(**record)
-                entries[entry.stem] = entry
-        return entries
+        A file already there is a leftover of a crashed attempt (same bytes will follow)
+        unless its metadata says otherwise, in which case ``ForeignOutputError`` is raised.
+        """
+        if self.store.exists(name) and not self.written_by(name):
+            raise ForeignOutputError(
+                f"{self.store.url(name)} exists and was not written by pairclean; it is left untouched",
+                uri=self.store.url(name),
+            )
+        return self.store.put_parquet(name, table)
 
+    # -- completion records (written by the driver) ---------------------------------------
+    def committed(self) -> dict[str, ShardRecord]:
+        """Committed shards by stem: the compacted manifest plus the records since.
+
+        Costs one read of the manifest and a listing of the completions written since the
+        last compaction (at most about ``COMPACT_EVERY``), whatever the job's size.
+        """
+        compacted = self._read_manifest()
+        names = self.store.list(schema.COMPLETIONS_DIR)
+        pending = {n[: -len(".json")]: n for n in names if n.endswith(".json")}
+        missing = [s for s in pending if s not in self._pending]
+        for stem, data in zip(missing, self._get_many([f"{schema.COMPLETIONS_DIR}/{pending[s]}" for s in missing])):
+            if data is not None:
+                self._pending[stem] = ShardRecord.from_json(json.loads(data))
+        # A record deleted since (compacted by a writer elsewhere) is in the manifest now.
+        self._pending = {s: r for s, r in self._pending.items() if s in pending}
+        return {**compacted, **self._pending}
+
+    def _read_manifest(self) -> dict[str, ShardRecord]:
+        data = self.store.get(schema.MANIFEST_FILE)
+        if data is None:
+            self._compacted = {}
+        else:
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(pa.BufferReader(data))
+            self._compacted = {r.stem: r for r in _table_records(table)}
+        return self._compacted
+
+    def _get_many(self, names: list[str]) -> list[bytes | None]:
+        if not names:
+            return []
+        if self.store.local:
+            return [self.store.get(n) for n in names]
+        # One concurrent batch of GETs rather than a round trip each.
+        paths = [self.store.path(n) for n in names]
+        got = self.store.fs.cat(paths, on_error="omit")
+        return [got.get(p) for p in paths]
+
+    def record_completion(self, record: ShardRecord) -> None:
+        """Commit a shard: write its completion record, clear a failure record, and compact
+        the manifest every ``COMPACT_EVERY`` records or ``COMPACT_SECONDS`` seconds."""
+        self.store.put(f"{schema.COMPLETIONS_DIR}/{record.stem}.json", json.dumps(record.to_json(), sort_keys=True).encode())
+        self._pending[record.stem] = record
+        if self._failed_stems is None:
+            self._failed_stems = set(self.quarantined())
+        if record.stem in self._failed_stems:
+            self.store.rm(f"{schema.FAILED_DIR}/{record.stem}.json")
+            self._failed_stems.discard(record.stem)
+        if len(self._pending) >= COMPACT_EVERY or time.monotonic() - self._last_compaction > COMPACT_SECONDS:
+            self.compact()
+
+    def compact(self) -> int:
+        """Fold the completion records into ``manifest.parquet``, then delete those records.
+
+        Crash-safe: the manifest is written (atomically) before any record is deleted, and
+        a record that is also in the manifest is a harmless duplicate. Returns the rows.
+        """
+        if self._compacted is None:
+            self._read_manifest()
+        assert self._compacted is not None
+        if not self._pending:
+            self._last_compaction = time.monotonic()
+            return len(self._compacted)
+        merged = {**self._compacted, **self._pending}
+        self.store.put_parquet(schema.MANIFEST_FILE, _records_table([merged[s] for s in sorted(merged)]))
+        done = [f"{schema.COMPLETIONS_DIR}/{s}.json" for s in self._pending]
+        if self.store.local:
+            for name in done:
+                self.store.rm(name)
+        else:
+            self.store.fs.rm([self.store.path(n) for n in done])
+        self._compacted, self._pending = merged, {}
+        self._last_compaction = time.monotonic()
+        return len(merged)
+
+    def replace_records(self, records: list[ShardRecord]) -> None:
+        """Rewrite the manifest with ``records`` (e.g. new checksums after a rescore)."""
+        self.committed()
+        self._pending = {}
+        self._compacted = {r.stem: r for r in records}
+        self.store.put_parquet(schema.MANIFEST_FILE, _records_table(sorted(records, key=lambda r: r.stem)))
+        for name in self.store.list(schema.COMPLETIONS_DIR):
+            self.store.rm(f"{schema.COMPLETIONS_DIR}/{name}")
+
+    # -- failures -------------------------------------------------------------------------
     def quarantined(self) -> dict[str, dict[str, Any]]:
         """Shards that kept failing, by stem, with their error; a later commit clears one."""
-        out: dict[str, dict[str, Any]] = {}
-        for record in self._manifest_records():
-            stem = record.get("stem")
-            if record.get("state") == "quarantined":
-                out[stem] = record
-            elif stem in out:
-                del out[stem]
+        names = [n for n in self.store.list(schema.FAILED_DIR) if n.endswith(".json")]
+        out = {}
+        for name, data in zip(names, self._get_many([f"{schema.FAILED_DIR}/{n}" for n in names])):
+            if data is not None:
+                out[name[: -len(".json")]] = json.loads(data)
         return out
 
     def quarantine(self, shard: str, stem: str, error: str, attempts: int) -> None:
         """Record that ``shard`` failed ``attempts`` times; it stays uncommitted (a rerun retries it)."""
-        self._append_line({"state": "quarantined", "shard": shard, "stem": stem, "error": error, "attempts": attempts})
+        record = {"state": "quarantined", "shard": shard, "stem": stem, "error": error, "attempts": attempts}
+        self.store.put(f"{schema.FAILED_DIR}/{stem}.json", json.dumps(record, sort_keys=True).encode())
+        if self._failed_stems is not None:
+            self._failed_stems.add(stem)
 
-    def commit(self, entry_fields: Mapping[str, Any], tables: Mapping[str, pa.Table]) -> ManifestEntry:
-        """Write each ``tables[file_name]`` atomically, then append the manifest line.
-
-        ``entry_fields`` holds the ManifestEntry fields except ``output`` and ``sha256``,
-        which are those of the first table (the scores). The time spent writing is added
-        to ``timings["write"]``.
-        """
-        first = next(iter(tables))
-        started = time.perf_counter()
-        for name, table in tables.items():
-            atomic_write_parquet(self.path / name, table)
-        fields = dict(entry_fields)
-        timings = dict(fields.pop("timings", {}))
-        timings["write"] = round(timings.get("write", 0.0) + time.perf_counter() - started, 4)
-        entry = ManifestEntry(output=first, sha256=sha256_file(self.path / first), timings=timings, **fields)
-        self._append_manifest(entry)
-        return entry
-
-    def _append_manifest(self, entry: ManifestEntry) -> None:
-        self._append_line(entry.to_json())
-
-    def _append_line(self, record: Mapping[str, Any]) -> None:
-        line = json.dumps(record, sort_keys=True) + "\n"
-        # A torn tail from an earlier crash must not swallow this line: start on a new one.
-        prefix = ""
-        if self.manifest_file.exists() and self.manifest_file.stat().st_size > 0:
-            with open(self.manifest_file, "rb") as fh:
-                fh.seek(-1, os.SEEK_END)
-                prefix = "" if fh.read(1) == b"\n" else "\n"
-        with open(self.manifest_file, "a", encoding="utf-8") as fh:
-            fh.write(prefix + line)
-            fh.flush()
-            os.fsync(fh.fileno())
-
-    def iter_committed_tables(self) -> Iterator[tuple[ManifestEntry, Path]]:
-        """(entry, path of its scores Parquet) for every committed shard, in spec order."""
+    # -- reading the results --------------------------------------------------------------
+    def iter_committed(self) -> Iterator[ShardRecord]:
+        """The record of every committed shard, in spec order."""
         spec = self.read_spec()
-        entries = self.manifest()
+        entries = self.committed()
         order = [shard_stem(u) for u in spec.shards] if spec else sorted(entries)
         for stem in order:
             if stem in entries:
-                yield entries[stem], self.path / entries[stem].output
+                yield entries[stem]
 
-    def embeddings_path(self, stem: str) -> Path:
-        """Where the embedding sidecar of ``stem`` lives."""
-        return self.path / f"{stem}.emb.parquet"
+    def read_scores(self, record: ShardRecord, columns: list[str] | None = None) -> pa.Table:
+        """The score table of a committed shard."""
+        return self.store.read_parquet(record.output, columns=columns)
+
+    def has_embeddings(self, record: ShardRecord) -> bool:
+        """Whether the shard's sidecar was written."""
+        return record.emb_output is not None and self.store.exists(record.emb_output)
+
+    def read_embeddings_table(self, record: ShardRecord) -> pa.Table:
+        """The sidecar table of a committed shard (raises ``InputError`` when absent)."""
+        if record.emb_output is None or not self.store.exists(record.emb_output):
+            raise InputError(f"{self.store.url(self.emb_name(record.stem))} is missing: score with --embeddings")
+        return self.store.read_parquet(record.emb_output)
 
 
 def _spec_diff(old: JobSpec, new: JobSpec) -> str:
@@ -351,8 +474,3 @@ def _spec_diff(old: JobSpec, new: JobSpec) -> str:
         else:
             parts.append(f"{key}: {a[key]!r} before, {b[key]!r} now")
     return "; ".join(parts)
-
-
-def now_iso() -> str:
-    """UTC time stamp for logs (never written into Parquet: outputs stay reproducible)."""
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

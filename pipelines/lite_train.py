@@ -270,7 +270,7 @@ def save_heads(path: Path, state: dict[str, Any], recipe: HeadRecipe, metrics: d
     """Write the heads as safetensors with config, recipe and metrics in the metadata; returns sha256."""
     from safetensors.torch import save_file
 
-    from .job import sha256_file
+    from .storage import sha256_file
 
     meta = {
         "open_clip_config": json.dumps(lite_config(recipe), sort_keys=True),

@@ -39,8 +39,7 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
     """Summarise ``out``: status counts, noisy fraction, GMM noise rate, weight histogram."""
     spec = out.read_spec()
     table = load_scores(out)
-    first_path = next(out.iter_committed_tables())[1]
-    meta = json.loads(pq.read_schema(first_path).metadata[schema.META_KEY])
+    meta = json.loads(table.schema.metadata[schema.META_KEY])
     status = np.asarray(table.column(schema.COL_STATUS).to_pylist())
     ok = status == schema.STATUS_OK
     sims = table.column(schema.COL_SIMILARITY).to_numpy()[ok]
@@ -55,7 +54,7 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
     values, occurrences = np.unique(status, return_counts=True)
     return Summary(
         shards_total=len(spec.shards) if spec else 0,
-        shards_committed=len(out.manifest()),
+        shards_committed=len(out.committed()),
         pairs=table.num_rows,
         statuses={str(k): int(v) for k, v in zip(values, occurrences)},
         beta=meta["beta"]["value"],
@@ -73,11 +72,10 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
 def _noise_similarities(out: OutputDir, seed: int, limit: int = 200_000) -> np.ndarray | None:
     """Similarities of random mismatched pairs from the embedding sidecars (None without them)."""
     img_parts, txt_parts, rows = [], [], 0
-    for entry, _ in out.iter_committed_tables():
-        path = out.embeddings_path(entry.stem)
-        if not path.exists():
+    for record in out.iter_committed():
+        if not out.has_embeddings(record):
             return None
-        img, txt = read_embeddings(path)
+        img, txt = read_embeddings(out.read_embeddings_table(record))
         img_parts.append(img)
         txt_parts.append(txt)
         rows += len(img)

@@ -10,16 +10,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from . import osa, schema
 from .calibration import calibrate
 from .errors import InputError
-from .job import Calibration, JobSpec, OutputDir, atomic_write_bytes, sha256_file
+from .job import Calibration, JobSpec, OutputDir, ShardRecord, spec_digest
 from .scoring import output_metadata, scores_table
 
 __all__ = ["load_scores", "rescore"]
@@ -27,15 +25,14 @@ __all__ = ["load_scores", "rescore"]
 
 def load_scores(out: OutputDir) -> pa.Table:
     """All committed scores of a job as one table, shards in spec order."""
-    tables = [pq.read_table(path) for _, path in out.iter_committed_tables()]
+    tables = [out.read_scores(record) for record in out.iter_committed()]
     if not tables:
-        raise InputError(f"{out.path} holds no committed shard")
+        raise InputError(f"{out.uri} holds no committed shard")
     return pa.concat_tables(tables, promote_options="default")
 
 
-def read_embeddings(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """(image, text) float32 embeddings of the ok rows of one sidecar file: (n, D) each."""
-    table = pq.read_table(path)
+def read_embeddings(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """(image, text) float32 embeddings of the ok rows of one sidecar table: (n, D) each."""
     valid = pa.array(table.column(schema.COL_IMAGE_EMB).is_valid().to_numpy(zero_copy_only=False))
     out = []
     for name in (schema.COL_IMAGE_EMB, schema.COL_TEXT_EMB):
@@ -45,15 +42,10 @@ def read_embeddings(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return out[0], out[1]
 
 
-def _embeddings(out: OutputDir, stems: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def _embeddings(out: OutputDir, records: list[ShardRecord]) -> tuple[np.ndarray, np.ndarray]:
     img_parts, txt_parts = [], []
-    for stem in stems:
-        path = out.embeddings_path(stem)
-        if not path.exists():
-            raise InputError(
-                f"{path} is missing: the shuffled and gmm recipes need embeddings; score with --embeddings"
-            )
-        img, txt = read_embeddings(path)
+    for record in records:
+        img, txt = read_embeddings(out.read_embeddings_table(record))
         img_parts.append(img)
         txt_parts.append(txt)
     return np.concatenate(img_parts), np.concatenate(txt_parts)
@@ -70,7 +62,7 @@ def rescore(
     """Rewrite every committed scores file of ``out`` under a new recipe and weighting.
 
     ``random_beta(spec)`` supplies the random-inputs beta (it needs the model; the CLI
-    passes a cached loader). Updates ``_job.json``, ``_calibration.json`` and the manifest's
+    passes a cached loader). Updates the job's spec, its calibration and the records'
     checksums; each file is replaced atomically.
     """
     if beta_recipe not in osa.BETA_RECIPES:
@@ -79,12 +71,12 @@ def rescore(
         raise InputError(f"unknown weighting {weighting!r}; choose one of {', '.join(osa.WEIGHTINGS)}")
     old_spec = out.read_spec()
     if old_spec is None:
-        raise InputError(f"{out.path} is not a pairclean output folder (no {schema.JOB_FILE})")
+        raise InputError(f"{out.uri} is not a pairclean output folder (no {schema.JOB_FILE})")
     spec = replace(old_spec, beta_recipe=beta_recipe, weighting=weighting, beta_k=beta_k or old_spec.beta_k)
-    committed = list(out.iter_committed_tables())
+    committed = list(out.iter_committed())
     if not committed:
-        raise InputError(f"{out.path} holds no committed shard")
-    tables = [(entry, pq.read_table(path)) for entry, path in committed]
+        raise InputError(f"{out.uri} holds no committed shard")
+    tables = [(record, out.read_scores(record)) for record in committed]
     ok_sims = [
         t.column(schema.COL_SIMILARITY).to_numpy()[
             np.asarray(t.column(schema.COL_STATUS).to_pylist()) == schema.STATUS_OK
@@ -95,20 +87,21 @@ def rescore(
     sims = np.concatenate(ok_sims)[:n].astype(np.float32)
     img = txt = None
     if beta_recipe in ("shuffled", "gmm") or spec.embeddings:
-        img, txt = _embeddings(out, [e.stem for e, _ in tables])
+        img, txt = _embeddings(out, [r for r, _ in tables])
         img, txt = img[:n], txt[:n]
     calibration = calibrate(
         beta_recipe=beta_recipe, k=spec.beta_k, seed=spec.seed, weighting=weighting,
         batch_size=spec.batch_size, similarities=sims, image_emb=img, text_emb=txt,
         random_beta=(lambda: random_beta(spec)) if random_beta else _no_model,
     )
-    for entry, table in tables:
-        _rewrite(out, entry.output, table, calibration)
-    _rewrite_manifest(out)
-    doc = json.loads(out.job_file.read_text())
+    digest = spec_digest(spec)
+    records = [_rewrite(out, record, table, calibration, digest) for record, table in tables]
+    out.replace_records(records)
+    doc = out.read_job_doc() or {}
     doc["spec"] = spec.to_json()
+    doc["spec_sha256"] = digest
     doc.setdefault("rescored_from", []).append({k: old_spec.to_json()[k] for k in ("beta_recipe", "weighting", "beta_k")})
-    atomic_write_bytes(out.job_file, json.dumps(doc, indent=2).encode())
+    out.write_job_doc(doc)
     out.write_calibration(calibration)
     return calibration
 
@@ -117,11 +110,9 @@ def _no_model() -> float:
     raise InputError("the random-inputs recipe needs the estimator; none was given")
 
 
-def _rewrite(out: OutputDir, name: str, table: pa.Table, calibration: Calibration) -> None:
-    from .job import atomic_write_parquet
-
+def _rewrite(out: OutputDir, record: ShardRecord, table: pa.Table, calibration: Calibration, digest: str) -> ShardRecord:
     old_meta = json.loads(table.schema.metadata[schema.META_KEY])
-    extra = {k: old_meta[k] for k in ("shard", "recipe") if k in old_meta}
+    extra = {k: old_meta[k] for k in ("shard", "recipe") if k in old_meta} | {"job": digest}
     meta = output_metadata(old_meta["model"], calibration, extra)
     cols = set(table.column_names)
     new = scores_table(
@@ -136,20 +127,5 @@ def _rewrite(out: OutputDir, name: str, table: pa.Table, calibration: Calibratio
         uid=table.column(schema.COL_UID).to_pylist() if schema.COL_UID in cols else None,
         url=table.column(schema.COL_URL).to_pylist() if schema.COL_URL in cols else None,
     )
-    atomic_write_parquet(out.path / name, new)
-
-
-def _rewrite_manifest(out: OutputDir) -> None:
-    """Refresh the checksums of committed lines; keep every other line (quarantines) as is."""
-    committed = out.manifest()
-    lines = []
-    for line in out.manifest_file.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn line from an old crash
-        stem = record.get("stem")
-        if record.get("state", "committed") == "committed" and stem in committed:
-            record["sha256"] = sha256_file(out.path / committed[stem].output)
-        lines.append(json.dumps(record, sort_keys=True))
-    atomic_write_bytes(out.manifest_file, ("\n".join(lines) + "\n").encode())
+    info = out.write_table(record.output, new)
+    return replace(record, sha256=info.sha256, bytes=info.bytes)

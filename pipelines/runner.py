@@ -1,47 +1,48 @@
-"""The job loop: plan, resume, calibrate, commit, whatever executes the scoring.
+"""The driver's job loop: plan, lock, calibrate, dispatch, record completions.
 
-``run_job`` owns the output folder; a ``ShardSource`` produces scored shards. The local
-source below scores in this process; ``pairclean_workers`` provides a Ray source with
-the same interface, so both paths share planning, calibration and the atomic commit
-(the driver is the only writer: a shard is committed exactly once).
+``run_job`` owns the job's bookkeeping; a ``ShardSource`` does the work. The local source
+below works in this process; ``pairclean_workers`` provides a Ray source with the same
+interface. Either way a job has two phases:
 
-Shards already in the manifest are skipped. A shard that cannot be read (or keeps failing
-on workers) is quarantined in the manifest with its error and left uncommitted; a rerun
-retries it. The job ends SUCCEEDED, PARTIAL (failed fraction within the allowed one) or
-FAILED.
+1. calibration: one worker scores the first shards in order until ``calibration_pairs``
+   ok pairs are seen, freezes beta and the weighting parameters, and writes those shards
+   (skipped when the calibration is already frozen or needs no corpus);
+2. scoring: every other shard goes to the workers, which apply the frozen calibration and
+   write their own outputs.
+
+The driver receives only small ``ShardRecord``s and writes one completion record per
+shard (the commit point), so every shard is committed exactly once and the driver's cost
+per shard does not grow with the shard. Shards already committed are skipped. A shard
+that cannot be read (or keeps failing on workers) is quarantined with its error and left
+uncommitted; a rerun retries it. The job ends SUCCEEDED, PARTIAL (failed fraction within
+the allowed one) or FAILED.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
-
-from . import __version__, schema
-from .calibration import calibrate, cached_random_beta, needs_corpus
 from .errors import InputError
 from .estimators import Estimator
-from .job import Calibration, JobSpec, OutputDir
-from .scoring import ScoreOptions, ShardResult, embeddings_table, output_metadata, score_shard, scores_table
-from .uris import shard_size
+from .job import Calibration, JobSpec, OutputDir, ShardRecord
+from .lock import RunLock
+from .scoring import ScoreOptions
+from .work import CalibrationOutcome, ShardOutcome, ShardWork
 
 __all__ = [
     "SUCCEEDED",
     "PARTIAL",
     "FAILED",
     "Progress",
-    "ShardOutcome",
     "ShardSource",
     "LocalSource",
     "JobReport",
+    "DriverCost",
     "run_job",
-    "commit_result",
-    "random_beta_fn",
     "score_options",
 ]
 
@@ -60,48 +61,17 @@ class Progress(Protocol):
     def shard_failed(self, uri: str, error: str) -> None: ...
 
 
-@dataclass(frozen=True)
-class ShardOutcome:
-    """What became of one shard: a result, or an error after ``attempts`` tries."""
-
-    uri: str
-    result: ShardResult | None
-    error: str | None = None
-    attempts: int = 1
-
-
 class ShardSource(Protocol):
-    """Scores shards. ``results`` may yield in any order, one outcome per given URI."""
+    """Does the work of a job. ``results`` may yield in any order, one outcome per URI."""
 
     def model_info(self) -> dict[str, Any]: ...
 
-    def random_beta(self, k: int, seed: int) -> float: ...
+    def calibrate(self, uris: Sequence[str]) -> CalibrationOutcome: ...
 
-    def results(self, uris: Sequence[str]) -> Iterator[ShardOutcome]: ...
-
-
-def random_beta_fn(estimator: Estimator, k: int, seed: int) -> Callable[[], float]:
-    """beta of the random-inputs recipe for ``estimator`` (disk-cached per model identity)."""
-    from .osa import beta_from_cross
-
-    info = estimator.info
-    identity = {
-        "model_id": info.model_id,
-        "checkpoint_sha256": info.checkpoint_sha256,
-        "precision": info.precision,
-        "device_type": info.device.split(":")[0],
-        "k": k,
-        "seed": seed,
-    }
-
-    def compute() -> float:
-        img, txt = estimator.random_input_embeddings(k, seed)
-        return beta_from_cross(img, txt)
-
-    return lambda: cached_random_beta(identity, compute)
+    def results(self, uris: Sequence[str], calibration: Calibration) -> Iterator[ShardOutcome]: ...
 
 
-def score_options(spec: JobSpec, storage_options: dict[str, Any] | None = None) -> ScoreOptions:
+def score_options(spec: JobSpec, storage_options: dict[str, Any] | None = None, decode_workers: int = 1) -> ScoreOptions:
     """The per-shard reading and batching options a job spec implies."""
     from .shards import ReadOptions
 
@@ -109,28 +79,44 @@ def score_options(spec: JobSpec, storage_options: dict[str, Any] | None = None) 
         batch_size=spec.batch_size,
         max_pixels=spec.max_pixels,
         read=ReadOptions(caption_field=spec.caption_field, storage_options=storage_options or {}),
+        decode_workers=decode_workers,
     )
 
 
 class LocalSource:
-    """Scores shards one after another in this process with one estimator."""
+    """Works through the shards one after another in this process with one estimator."""
 
-    def __init__(self, estimator: Estimator, options: ScoreOptions) -> None:
-        self.estimator = estimator
-        self.options = options
+    def __init__(self, estimator: Estimator, spec: JobSpec, out: OutputDir, options: ScoreOptions) -> None:
+        self.work = ShardWork(estimator, spec, out, options)
 
     def model_info(self) -> dict[str, Any]:
-        return self.estimator.info.as_dict()
+        return self.work.model_info
 
-    def random_beta(self, k: int, seed: int) -> float:
-        return random_beta_fn(self.estimator, k, seed)()
+    def calibrate(self, uris: Sequence[str]) -> CalibrationOutcome:
+        return self.work.calibrate(uris)
 
-    def results(self, uris: Sequence[str]) -> Iterator[ShardOutcome]:
+    def results(self, uris: Sequence[str], calibration: Calibration) -> Iterator[ShardOutcome]:
         for uri in uris:
             try:
-                yield ShardOutcome(uri, score_shard(uri, self.estimator, self.options))
+                yield ShardOutcome(uri, self.work.score(uri, calibration))
             except InputError as exc:
                 yield ShardOutcome(uri, None, str(exc))
+
+
+@dataclass
+class DriverCost:
+    """What the driver spent on bookkeeping in the scoring phase: CPU seconds of the whole
+    driver process (all its threads, Ray's client included) and the pickled bytes of the
+    records it received."""
+
+    shards: int = 0
+    cpu_s: float = 0.0
+    record_bytes: int = 0
+
+    def per_shard(self) -> dict[str, float]:
+        """Mean CPU milliseconds and record bytes per committed shard."""
+        n = max(1, self.shards)
+        return {"cpu_ms_per_shard": 1000 * self.cpu_s / n, "bytes_per_shard": self.record_bytes / n}
 
 
 @dataclass
@@ -146,6 +132,7 @@ class JobReport:
     failed: list[tuple[str, str]] = field(default_factory=list)
     calibration: Calibration | None = None
     max_failed_fraction: float = 0.0
+    driver: DriverCost = field(default_factory=DriverCost)
 
     @property
     def complete(self) -> bool:
@@ -160,118 +147,29 @@ class JobReport:
         return FAILED
 
 
-def commit_result(out: OutputDir, spec: JobSpec, result: ShardResult, stem: str, calibration: Calibration, model_info: dict[str, Any]) -> None:
-    """Write the scores (and embeddings) of one shard and append its manifest line."""
-    started = time.perf_counter()
-    meta = output_metadata(model_info, calibration, {"shard": result.uri, "recipe": _recipe(spec)})
-    tables = {
-        f"{stem}.parquet": scores_table(
-            result.uri, result.keys, result.idx, result.status, result.error,
-            result.similarity, calibration, meta, result.uid, result.url,
-        )
-    }
-    if spec.embeddings:
-        # The sidecar holds no beta: it stays valid when the job is rescored.
-        emb_meta = {schema.META_KEY: json.dumps({"pairclean_version": __version__, "model": model_info}, sort_keys=True).encode()}
-        tables[f"{stem}.emb.parquet"] = embeddings_table(result.keys, result.image_emb, result.text_emb, result.ok_mask, emb_meta)
-    timings = dict(result.timings)
-    # "write": weighting and table building here, plus the atomic writes (added by commit).
-    timings["write"] = round(time.perf_counter() - started, 4)
-    out.commit(
-        {"shard": result.uri, "stem": stem, "size": shard_size(result.uri), "rows": len(result),
-         "statuses": result.status_counts(), "timings": timings},
-        tables,
-    )
+class _Recorder:
+    """The driver's side of a commit: completion records, quarantine, the report."""
 
-
-def _recipe(spec: JobSpec) -> dict[str, Any]:
-    return {
-        "batch_size": spec.batch_size,
-        "max_pixels": spec.max_pixels,
-        "caption_field": spec.caption_field,
-        "calibration_pairs": spec.calibration_pairs,
-    }
-
-
-def _calibrate_from(results: list[ShardResult], spec: JobSpec, source: ShardSource, dim: int) -> Calibration:
-    """Calibrate on the first ``spec.calibration_pairs`` ok pairs of ``results`` (may be empty)."""
-    masks = [r.ok_mask for r in results]
-    n = spec.calibration_pairs
-    sims = np.concatenate([np.zeros(0, np.float32)] + [r.similarity[m] for r, m in zip(results, masks)])[:n]
-    img = np.concatenate([np.zeros((0, dim), np.float32)] + [r.image_emb[m] for r, m in zip(results, masks)])[:n]
-    txt = np.concatenate([np.zeros((0, dim), np.float32)] + [r.text_emb[m] for r, m in zip(results, masks)])[:n]
-    # Calibrate on float16-rounded embeddings, exactly what the sidecar stores, so that
-    # `pairclean rescore` reproduces a fresh score bit for bit.
-    img, txt = img.astype(np.float16).astype(np.float32), txt.astype(np.float16).astype(np.float32)
-    try:
-        return calibrate(
-            beta_recipe=spec.beta_recipe, k=spec.beta_k, seed=spec.seed, weighting=spec.weighting,
-            batch_size=spec.batch_size, similarities=sims, image_emb=img, text_emb=txt,
-            random_beta=lambda: source.random_beta(spec.beta_k, spec.seed),
-        )
-    except ValueError as exc:
-        raise InputError(f"cannot calibrate beta recipe {spec.beta_recipe!r} on this job: {exc}") from exc
-
-
-class _Committer:
-    """Commits outcomes; until the calibration is frozen, holds them and calibrates on the
-    first ``calibration_pairs`` ok pairs *in shard order*, whatever order results arrive in,
-    so every executor freezes the same beta."""
-
-    def __init__(self, spec: JobSpec, out: OutputDir, source: ShardSource, order: list[str], report: JobReport, progress: Progress | None) -> None:
-        self.spec, self.out, self.source, self.report, self.progress = spec, out, source, report, progress
+    def __init__(self, spec: JobSpec, out: OutputDir, lock: RunLock, report: JobReport, progress: Progress | None) -> None:
+        self.out, self.lock, self.report, self.progress = out, lock, report, progress
         self.stems = spec.stems()
-        self.model_info = source.model_info()
-        self.calibration = out.read_calibration()
-        self.order = order
-        self.held: dict[str, ShardOutcome] = {}
-        self.cursor = 0  # shards of `order` before it have arrived
-        self.prefix_ok = 0
 
     def add(self, outcome: ShardOutcome) -> None:
-        if outcome.result is None:
+        # A run that lost its lock must not commit: another run owns the folder now.
+        self.lock.check()
+        if outcome.record is None:
             self._fail(outcome)
-            if self.calibration is None:
-                self.held[outcome.uri] = outcome
-                self._try_calibrate(final=False)
-            return
-        if self.calibration is not None:
-            self._commit(outcome.result)
-            return
-        self.held[outcome.uri] = outcome
-        self._try_calibrate(final=False)
+        else:
+            self._commit(outcome.record)
 
-    def finish(self) -> None:
-        if self.calibration is None and self.held:
-            self._try_calibrate(final=True)
-
-    def _try_calibrate(self, final: bool) -> None:
-        while self.cursor < len(self.order) and self.order[self.cursor] in self.held:
-            result = self.held[self.order[self.cursor]].result
-            self.prefix_ok += int(result.ok_mask.sum()) if result is not None else 0
-            self.cursor += 1
-        if not final and self.prefix_ok < self.spec.calibration_pairs and self.cursor < len(self.order):
-            return
-        prefix = [self.held[u].result for u in self.order[: self.cursor] if u in self.held and self.held[u].result is not None]
-        if not prefix and not any(o.result is not None for o in self.held.values()):
-            return  # every shard so far failed: nothing to calibrate on or commit yet
-        dim = int(self.model_info["embed_dim"])
-        self.calibration = _calibrate_from(prefix, self.spec, self.source, dim)  # type: ignore[arg-type]
-        self.out.write_calibration(self.calibration)
-        held, self.held = self.held, {}
-        for outcome in held.values():
-            if outcome.result is not None:
-                self._commit(outcome.result)
-
-    def _commit(self, result: ShardResult) -> None:
-        assert self.calibration is not None
-        commit_result(self.out, self.spec, result, self.stems[result.uri], self.calibration, self.model_info)
+    def _commit(self, record: ShardRecord) -> None:
+        self.out.record_completion(record)
         self.report.committed += 1
-        self.report.pairs += len(result)
-        for status, count in result.status_counts().items():
+        self.report.pairs += record.rows
+        for status, count in record.statuses.items():
             self.report.statuses[status] = self.report.statuses.get(status, 0) + count
         if self.progress:
-            self.progress.shard_done(self.stems[result.uri], len(result))
+            self.progress.shard_done(record.stem, record.rows)
 
     def _fail(self, outcome: ShardOutcome) -> None:
         error = outcome.error or "unknown error"
@@ -290,35 +188,66 @@ def run_job(
     overwrite: bool = False,
     progress: Progress | None = None,
     max_failed_fraction: float = 0.0,
+    lock_ttl_s: float | None = None,
 ) -> JobReport:
     """Score every shard of ``spec`` not yet committed in ``out`` with the source ``make_source``
     builds (only built when there is work).
 
-    Raises ``SpecMismatchError`` if ``out`` belongs to another spec, ``InputError`` for
-    job-level input problems. Shard failures are quarantined and reported.
+    Raises ``ForeignOutputError`` for a folder of other files, ``OutputBusyError`` when
+    another live run holds the folder, ``SpecMismatchError`` if it belongs to another spec,
+    ``InputError`` for job-level input problems. Shard failures are quarantined and reported.
     """
     started = time.perf_counter()
     stems = spec.stems()
-    out.prepare(spec, overwrite)
-    committed = out.manifest()
+    out.check_owned()  # before the lock: never write even a lock into someone else's folder
+    lock = RunLock(out.store, ttl_s=lock_ttl_s)
+    lock.acquire()
+    try:
+        out.prepare(spec, overwrite)
+        report = _run(spec, out, stems, make_source, lock, progress, max_failed_fraction)
+        out.compact()
+    finally:
+        lock.release()
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _run(spec: JobSpec, out: OutputDir, stems: dict[str, str], make_source: Callable[[], ShardSource],
+         lock: RunLock, progress: Progress | None, max_failed_fraction: float) -> JobReport:
+    committed = out.committed()
     todo = [uri for uri in spec.shards if stems[uri] not in committed]
     report = JobReport(total_shards=len(spec.shards), skipped=len(spec.shards) - len(todo), max_failed_fraction=max_failed_fraction)
+    report.calibration = out.read_calibration()
     if not todo:
         if progress:
             progress.start(len(spec.shards), report.skipped)
-        report.calibration = out.read_calibration()
         return report
     source = make_source()
-    committer = _Committer(spec, out, source, todo, report, progress)
-    if committer.calibration is None and not needs_corpus(spec.beta_recipe, spec.weighting):
-        committer.calibration = _calibrate_from([], spec, source, int(committer.model_info["embed_dim"]))
-        out.write_calibration(committer.calibration)
+    recorder = _Recorder(spec, out, lock, report, progress)
     if progress:
-        # after the model load and beta, so that pairs/s and ETA describe the scoring
+        # after the model load, so that pairs/s and ETA describe the scoring
         progress.start(len(spec.shards), report.skipped)
-    for outcome in source.results(todo):
-        committer.add(outcome)
-    committer.finish()
-    report.calibration = committer.calibration or out.read_calibration()
-    report.seconds = time.perf_counter() - started
+    if report.calibration is None:
+        phase = source.calibrate(todo)
+        if phase.calibration is not None:
+            out.write_calibration(phase.calibration)
+            report.calibration = phase.calibration
+        for outcome in phase.outcomes:
+            recorder.add(outcome)
+        todo = todo[len(phase.outcomes):]
+        if phase.calibration is None:
+            return report  # every shard failed: nothing to calibrate on
+    _score_phase(source, todo, report.calibration, recorder, report)
     return report
+
+
+def _score_phase(source: ShardSource, todo: list[str], calibration: Calibration, recorder: _Recorder, report: JobReport) -> None:
+    import pickle
+
+    cpu0 = time.process_time()
+    for outcome in source.results(todo, calibration):
+        recorder.add(outcome)
+        if outcome.record is not None:
+            report.driver.shards += 1
+            report.driver.record_bytes += len(pickle.dumps(outcome, protocol=5))
+    report.driver.cpu_s += time.process_time() - cpu0

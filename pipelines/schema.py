@@ -29,8 +29,16 @@ __all__ = [
     "META_KEY",
     "scores_schema",
     "embeddings_schema",
+    "STATE_DIR",
+    "EMB_DIR",
     "JOB_FILE",
+    "CALIBRATION_FILE",
     "MANIFEST_FILE",
+    "COMPLETIONS_DIR",
+    "FAILED_DIR",
+    "LOCK_FILE",
+    "EXPORTS_FILE",
+    "EXPORT_DIR",
 ]
 
 STATUS_OK: Final = "ok"
@@ -65,8 +73,19 @@ COL_TEXT_EMB: Final = "text_emb"
 #: ``pairclean.job.score_metadata``) so that readers need one ``json.loads``.
 META_KEY: Final = b"pairclean"
 
-JOB_FILE: Final = "_job.json"
-MANIFEST_FILE: Final = "_manifest.jsonl"
+# The output folder's layout (see ``pairclean.job``). Names starting with "_" are skipped by
+# pyarrow's dataset discovery, pandas, duckdb's OUT/*.parquet and Ray Data: OUT reads as
+# exactly the score tables.
+STATE_DIR: Final = "_pairclean"
+EMB_DIR: Final = "_emb"
+EXPORT_DIR: Final = "_export"
+JOB_FILE: Final = f"{STATE_DIR}/job.json"
+CALIBRATION_FILE: Final = f"{STATE_DIR}/calibration.json"
+MANIFEST_FILE: Final = f"{STATE_DIR}/manifest.parquet"
+COMPLETIONS_DIR: Final = f"{STATE_DIR}/completions"
+FAILED_DIR: Final = f"{STATE_DIR}/failed"
+LOCK_FILE: Final = f"{STATE_DIR}/lock.json"
+EXPORTS_FILE: Final = f"{STATE_DIR}/exports.json"
 
 
 def scores_schema(with_uid: bool, with_url: bool) -> pa.Schema:
@@ -92,7 +111,7 @@ def scores_schema(with_uid: bool, with_url: bool) -> pa.Schema:
 
 
 def embeddings_schema(dim: int) -> pa.Schema:
-    """The schema of the sidecar ``OUT/<stem>.emb.parquet``: float16 L2-normalised embeddings.
+    """The schema of the sidecar ``OUT/_emb/<stem>.parquet``: float16 L2-normalised embeddings.
 
     Rows whose status is not ``ok`` carry null embeddings.
     """

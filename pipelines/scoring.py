@@ -1,18 +1,22 @@
 """Scoring one shard: pairs in, similarities and embeddings out; then the output tables.
 
-``score_shard`` reads and decodes in a background thread (bounded queue) while the
-calling thread runs the model, so decoding overlaps the forward pass. It never fails
-for a bad sample (that becomes a status row), only for a bad shard.
+``score_shard`` reads in a background thread (bounded queue) that decodes on a thread
+pool (``decode_workers``) or a GPU (``decode_device``) while the calling thread runs the
+model, so decoding overlaps the forward pass. It never fails for a bad sample (that
+becomes a status row), only for a bad shard.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import queue
+import re
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +25,8 @@ import pyarrow as pa
 from numpy.typing import NDArray
 
 from . import __version__, osa, schema
-from .decode import DEFAULT_MAX_PIXELS, DecodeFailure, decode_image
+from .decode import DEFAULT_MAX_PIXELS, DecodeFailure, TensorPreprocess, decode_and_preprocess, decode_jpeg_batch, tensor_preprocess_of
+from .errors import InputError
 from .estimators import Estimator
 from .job import Calibration
 from .shards import PairSample, ReadOptions, iter_pairs
@@ -35,15 +40,37 @@ __all__ = [
     "output_metadata",
 ]
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class ScoreOptions:
-    """How pairs are read and batched. ``prefetch``: decoded batches buffered ahead."""
+    """How pairs are read, decoded and batched.
+
+    ``prefetch``: decoded batches buffered ahead of the model. ``decode_workers``:
+    threads that decode and preprocess the images of a batch in parallel (size it to the
+    CPUs the process is given, e.g. a Ray actor's ``num_cpus``); any value gives the same
+    results, bit for bit. ``decode_device``: ``cpu``, or ``cuda[:i]`` to decode JPEGs in
+    one nvJPEG call per batch and preprocess on that GPU (other images are decoded on the
+    CPU, with the same statuses); an estimator whose preprocess is not a plain
+    resize / centre-crop / normalise stays on the CPU path.
+    """
 
     batch_size: int = 64
     max_pixels: int = DEFAULT_MAX_PIXELS
     read: ReadOptions = ReadOptions()
     prefetch: int = 2
+    decode_workers: int = 1
+    decode_device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.decode_workers < 1:
+            raise InputError(f"decode_workers must be >= 1, got {self.decode_workers}")
+        if not _DEVICE_RE.fullmatch(self.decode_device):
+            raise InputError(f"decode_device must be cpu, cuda or cuda:N, got {self.decode_device!r}")
+
+
+_DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 @dataclass
@@ -79,7 +106,7 @@ class ShardResult:
 
 @dataclass
 class _Batch:
-    seconds: float  # reading and decoding this batch took
+    seconds: float  # the reader thread's time on this batch (reading, decoding; not queue waits)
     rows: list[PairSample]
     statuses: list[str]
     errors: list[str | None]
@@ -89,31 +116,110 @@ class _Batch:
 
 
 _DONE = object()
+#: Outcome of decoding one ok row: its preprocessed tensor, or why it failed.
+_Outcome = Any
 
 
-def _prepare_batch(rows: list[PairSample], estimator: Estimator, options: ScoreOptions, started: float) -> _Batch:
+class _Decoder:
+    """Decodes and preprocesses the ok images of batches: on a thread pool, on a GPU, or
+    serially in the calling thread. One per ``score_shard`` call; ``close`` it.
+
+    In two steps so the reader can hand batch k+1 to the pool before it waits on batch
+    k (``lookahead``): the pool never idles at a batch boundary.
+    """
+
+    def __init__(self, estimator: Estimator, options: ScoreOptions) -> None:
+        self.estimator = estimator
+        self.max_pixels = options.max_pixels
+        self.device = options.decode_device
+        self.gpu = _gpu_preprocess(estimator, options.decode_device)
+        self.pool = (
+            ThreadPoolExecutor(options.decode_workers, thread_name_prefix="pairclean-decode")
+            if options.decode_workers > 1
+            else None
+        )
+
+    @property
+    def lookahead(self) -> int:
+        """Batches to start before collecting the oldest (only the CPU pool runs ahead)."""
+        return 1 if self.pool is not None and self.gpu is None else 0
+
+    def start(self, rows: list[PairSample]) -> list[Future[_Outcome]] | None:
+        """Submit the CPU decodes of ``rows``' ok images to the pool; None when there is
+        nothing to run ahead (no pool, or the GPU path, which decodes a batch at once)."""
+        if self.lookahead == 0:
+            return None
+        assert self.pool is not None
+        return [self.pool.submit(self._decode_cpu, data) for data in _ok_images(rows)]
+
+    def outcomes(self, rows: list[PairSample], started: list[Future[_Outcome]] | None) -> list[_Outcome]:
+        """One outcome per ok row of ``rows``, in order (waiting for ``start``'s futures)."""
+        if started is not None:
+            return [future.result() for future in started]
+        images = _ok_images(rows)
+        if self.gpu is not None:
+            gpu = self.gpu
+            return decode_jpeg_batch(
+                images, self.max_pixels, gpu.image_size, gpu.mean, gpu.std, self.device, gpu.interpolation, self.pool
+            )
+        return [self._decode_cpu(data) for data in images]
+
+    def close(self) -> None:
+        """Stop the pool: queued decodes are cancelled, running ones finish (no thread outlives it)."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def _decode_cpu(self, data: bytes) -> _Outcome:
+        est = self.estimator
+        return decode_and_preprocess(data, self.max_pixels, est.preprocess, draft_size=est.image_size)
+
+
+def _gpu_preprocess(estimator: Estimator, device: str) -> TensorPreprocess | None:
+    """The tensor preprocessing for ``device``'s batched JPEG path; None means the CPU path."""
+    if device == "cpu":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        raise InputError(f"decode_device {device!r} requested but no CUDA device is visible")
+    gpu = tensor_preprocess_of(estimator.preprocess)
+    if gpu is None:
+        log.info("preprocess of %s is not a plain resize/crop/normalise: decoding on the CPU", estimator.info.model_id)
+    return gpu
+
+
+def _ok_images(rows: list[PairSample]) -> list[bytes]:
+    images = []
+    for row in rows:
+        if row.status == schema.STATUS_OK:
+            assert row.image is not None and row.text is not None
+            images.append(row.image)
+    return images
+
+
+def _prepare_batch(rows: list[PairSample], outcomes: list[_Outcome], image_size: int, started: float) -> _Batch:
+    """Assemble a batch from ``rows`` and the decode outcomes of their ok rows (in order)."""
     import torch
 
     statuses, errors, tensors, texts, ok_positions = [], [], [], [], []
+    decoded = iter(outcomes)
     for pos, row in enumerate(rows):
         status, error = row.status, row.error
         if status == schema.STATUS_OK:
-            assert row.image is not None and row.text is not None
-            img = decode_image(row.image, options.max_pixels, draft_size=estimator.image_size)
-            if isinstance(img, DecodeFailure):
-                status, error = img.status, img.error
+            outcome = next(decoded)
+            if isinstance(outcome, DecodeFailure):
+                status, error = outcome.status, outcome.error
             else:
-                tensors.append(estimator.preprocess(img))
+                tensors.append(outcome)
                 texts.append(row.text)
                 ok_positions.append(pos)
         statuses.append(status)
         errors.append(error)
-    size = estimator.image_size
-    pixels = torch.stack(tensors) if tensors else torch.zeros((0, 3, size, size))
+    pixels = torch.stack(tensors) if tensors else torch.zeros((0, 3, image_size, image_size))
     return _Batch(time.perf_counter() - started, rows, statuses, errors, pixels, texts, ok_positions)
 
 
-def _batches(uri: str, estimator: Estimator, options: ScoreOptions) -> Iterator[list[PairSample]]:
+def _batches(uri: str, options: ScoreOptions) -> Iterator[list[PairSample]]:
     rows: list[PairSample] = []
     for pair in iter_pairs(uri, options.read):
         rows.append(pair)
@@ -124,29 +230,57 @@ def _batches(uri: str, estimator: Estimator, options: ScoreOptions) -> Iterator[
         yield rows
 
 
-def _producer(uri: str, estimator: Estimator, options: ScoreOptions, out: queue.Queue[Any], stop: threading.Event) -> None:
+def _put(out: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
+    """Put ``item`` unless the consumer has stopped (then False): never blocks forever."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _producer(uri: str, decoder: _Decoder, options: ScoreOptions, out: queue.Queue[Any], stop: threading.Event) -> None:
+    """Reader thread: read the tar (here, in order), decode via ``decoder``, queue batches.
+
+    Ends with ``_DONE`` or the exception that stopped it, or silently once ``stop`` is set.
+    """
+    size = decoder.estimator.image_size
     try:
         started = time.perf_counter()
-        for rows in _batches(uri, estimator, options):
-            batch = _prepare_batch(rows, estimator, options, started)
-            while not stop.is_set():
-                try:
-                    out.put(batch, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if stop.is_set():
+        pending: deque[tuple[list[PairSample], list[Future[_Outcome]] | None]] = deque()
+        for rows in _batches(uri, options):
+            pending.append((rows, decoder.start(rows)))
+            if len(pending) <= decoder.lookahead:
+                continue
+            rows, futures = pending.popleft()
+            if not _put(out, _prepare_batch(rows, decoder.outcomes(rows, futures), size, started), stop):
                 return
             started = time.perf_counter()
-        out.put(_DONE)
+        while pending:
+            rows, futures = pending.popleft()
+            if not _put(out, _prepare_batch(rows, decoder.outcomes(rows, futures), size, started), stop):
+                return
+            started = time.perf_counter()
+        _put(out, _DONE, stop)
     except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises
-        out.put(exc)
+        _put(out, exc, stop)
 
 
 def _prepared_batches(uri: str, estimator: Estimator, options: ScoreOptions) -> Iterator[_Batch]:
+    """Batches of ``uri`` in tar order, read and decoded ahead in a background thread.
+
+    At most ``prefetch`` prepared batches wait in the queue (plus the one or two the
+    reader is working on), so memory stays bounded. When the consumer stops early or
+    raises, closing this generator stops the reader and shuts the decode pool down.
+    """
+    decoder = _Decoder(estimator, options)
     q: queue.Queue[Any] = queue.Queue(maxsize=max(1, options.prefetch))
     stop = threading.Event()
-    thread = threading.Thread(target=_producer, args=(uri, estimator, options, q, stop), daemon=True)
+    thread = threading.Thread(
+        target=_producer, args=(uri, decoder, options, q, stop), name="pairclean-reader", daemon=True
+    )
     thread.start()
     try:
         while True:
@@ -158,7 +292,9 @@ def _prepared_batches(uri: str, estimator: Estimator, options: ScoreOptions) -> 
             yield item
     finally:
         stop.set()
+        # The reader notices ``stop`` at its next queue put; a decode it waits on is short.
         thread.join(timeout=5)
+        decoder.close()
 
 
 def score_shard(uri: str, estimator: Estimator, options: ScoreOptions | None = None) -> ShardResult:

@@ -310,7 +310,7 @@ def _shard_states(job: JobRow) -> list[ShardPublic]:
     spec = out.read_spec()
     if spec is None:
         return []  # the job has not started writing yet
-    committed, failed = out.manifest(), out.quarantined()
+    committed, failed = out.committed(), out.quarantined()
     items = []
     for uri in spec.shards:
         stem = shard_stem(uri)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -37,7 +37,7 @@ class Metrics:
         for state, count in counts.items():
             self.jobs.labels(state=state).set(count)
 
-    def shard_committed(self, record: dict[str, Any], scores_path: Path) -> None:
+    def shard_committed(self, record: dict[str, Any], read_scores: Callable[[list[str]], Any]) -> None:
         """Account for one committed shard: statuses, stage times, weight/similarity histograms."""
         self.shards.labels(state="committed").inc()
         for status, count in record.get("statuses", {}).items():
@@ -45,17 +45,15 @@ class Metrics:
         for stage, seconds in record.get("timings", {}).items():
             if stage in STAGES:
                 self.stage.labels(stage=stage).observe(seconds)
-        self._observe_values(scores_path)
+        self._observe_values(read_scores)
 
     def shard_quarantined(self, attempts: int) -> None:
         self.shards.labels(state="quarantined").inc()
         self.retries.inc(attempts)
 
-    def _observe_values(self, path: Path) -> None:
+    def _observe_values(self, read_scores: Callable[[list[str]], Any]) -> None:
         try:
-            import pyarrow.parquet as pq
-
-            table = pq.read_table(path, columns=["status", "similarity", "weight"])
+            table = read_scores(["status", "similarity", "weight"])
         except Exception:  # noqa: BLE001 - metrics must never fail a job
             return
         ok = [s == "ok" for s in table.column("status").to_pylist()]

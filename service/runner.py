@@ -3,7 +3,7 @@
 The API process never loads a model: each job is its own process (the batch CLI, which
 runs on Ray by default), so one job's crash never touches another or the service. The
 runner thread launches QUEUED jobs up to ``max_running_jobs``, reaps finished ones (the
-CLI's exit code gives the state), and reads progress from the job's ``_manifest.jsonl``.
+CLI's exit code gives the state), and reads progress from the job's completion records.
 After a service restart, jobs left RUNNING are resumed: their process group is ended if
 it survived, and the same command reruns, which skips every committed shard.
 """
@@ -55,6 +55,7 @@ class _Running:
     log_path: Path
     seen_stems: set[str]
     seen_failed: set[str] = field(default_factory=set)
+    out: OutputDir | None = None  # kept between looks: completion records already read are cached
 
 
 class JobRunner:
@@ -149,8 +150,10 @@ class JobRunner:
         job = self.store.get(run.job_id)
         if job is None:
             return
-        out = OutputDir(job.request["output"])
-        committed, failed = out.manifest(), out.quarantined()
+        if run.out is None:
+            run.out = OutputDir(job.request["output"])
+        out = run.out
+        committed, failed = out.committed(), out.quarantined()
         for stem, record in failed.items():
             if stem not in run.seen_failed:
                 run.seen_failed.add(stem)
@@ -158,7 +161,7 @@ class JobRunner:
         for stem, entry in committed.items():
             if stem not in run.seen_stems:
                 run.seen_stems.add(stem)
-                self.metrics.shard_committed(entry.to_json(), out.path / entry.output)
+                self.metrics.shard_committed(entry.to_json(), lambda cols, e=entry: out.read_scores(e, cols))
         calibration = out.read_calibration()
         self.store.update(
             run.job_id, shards_done=len(committed), shards_failed=len(failed),

@@ -68,16 +68,19 @@ def make_shards(tmp_path: Path, dev_images: list[Any]) -> ShardMaker:
 
 def kill_after_commits(cmd: list[str], out: Path, commits: int, timeout: float = 180) -> None:
     """Run ``cmd`` (a ``pairclean score`` into ``out``) and SIGKILL it, with its process
-    group, once the manifest holds ``commits`` lines: a crash in the middle of a job."""
+    group, once ``commits`` shards are committed: a crash in the middle of a job."""
     import os
     import signal
     import subprocess
     import time
 
+    from pairclean.job import OutputDir
+
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    manifest = out / "_manifest.jsonl"
     deadline = time.time() + timeout
-    while time.time() < deadline and not (manifest.exists() and manifest.read_text().count("\n") >= commits):
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "_pairclean").exists() and len(OutputDir(str(out)).committed()) >= commits:
+            break
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()

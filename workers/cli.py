@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     score = sub.add_parser("score", help="score shards into OUT/<shard>.parquet (resumable)")
     score.add_argument("shards", nargs="+", help="shard URIs, brace ranges, globs or @list.txt")
-    score.add_argument("--out", required=True, help="output folder (local)")
+    score.add_argument("--out", required=True, help="output folder: a local path, file://, s3:// or gs:// (written by the workers)")
     _add_estimator_args(score)
     score.add_argument("--beta-recipe", default="auto", choices=("auto", *osa.BETA_RECIPES), help="auto: the estimator's measured default")
     score.add_argument("--beta-k", type=int, default=osa.DEFAULT_K)
@@ -63,15 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS)
     score.add_argument("--caption-field", default=None, help="take the caption from this json field")
     score.add_argument("--calibration-pairs", type=int, default=4096, help="ok pairs that corpus recipes calibrate on")
-    score.add_argument("--embeddings", action=argparse.BooleanOptionalAction, default=True, help="write OUT/<shard>.emb.parquet")
-    score.add_argument("--overwrite", action="store_true", help="discard earlier outputs in --out and start over")
+    score.add_argument("--embeddings", action=argparse.BooleanOptionalAction, default=True, help="write the embedding sidecars OUT/_emb/<shard>.parquet")
+    score.add_argument("--overwrite", action="store_true", help="delete what this job wrote into --out earlier (only files its records list) and start over")
     score.add_argument("--max-failed-fraction", type=float, default=0.05, help="a job with at most this fraction of failed shards ends PARTIAL, not FAILED")
-    score.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", help="fsspec option for remote shards (repeatable)")
+    score.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", help="fsspec option for remote shards and outputs, e.g. endpoint_url=http://... (repeatable)")
+    score.add_argument("--lock-ttl", type=float, default=None, help="seconds without a heartbeat after which a crashed run's lock on --out is taken over (default 60, or $PAIRCLEAN_LOCK_TTL_S)")
     score.add_argument("--no-progress", action="store_true")
     ray_group = score.add_argument_group("execution")
     ray_group.add_argument("--executor", choices=("ray", "local"), default="ray", help="ray (default: a local Ray, or --ray-address) or local (this process only)")
     ray_group.add_argument("--ray-address", default=None, help="existing Ray cluster (default: $RAY_ADDRESS, else start one here)")
     ray_group.add_argument("--num-actors", type=int, default=None, help="scoring actors (default: one per GPU, else one per 2 CPUs)")
+    ray_group.add_argument("--cpus-per-actor", type=float, default=1.0, help="CPUs Ray reserves for each actor; its decode pool has as many threads (on GPU nodes: the CPUs per GPU)")
     ray_group.add_argument("--max-retries", type=int, default=3, help="retries of a shard whose worker died or timed out")
     ray_group.add_argument("--shard-timeout", type=float, default=None, help="seconds before a shard's worker is killed and the shard retried")
 
@@ -87,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--rows", type=int, default=10)
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
 
-    export = sub.add_parser("export", help="write sizes.json, shard_weights.json and datacomp_keep.npy beside the output")
+    export = sub.add_parser("export", help="write sizes.json, shard_weights.json and datacomp_keep.npy into OUT/_export/")
     export.add_argument("out")
 
     demo = sub.add_parser("demo", help="score the bundled sample and show the swapped captions")
@@ -173,30 +175,31 @@ def cmd_score(args: argparse.Namespace) -> int:
     if args.executor == "local":
         _set_threads(args.threads)
     bar = _Bar(enabled=not args.no_progress)
+    out = OutputDir(args.out, storage)
     try:
         report = run_job(
-            spec, OutputDir(args.out), lambda: _make_source(args, est_spec, score_options(spec, storage)),
-            overwrite=args.overwrite, progress=bar, max_failed_fraction=args.max_failed_fraction,
+            spec, out, lambda: _make_source(args, est_spec, spec, out, score_options(spec, storage)),
+            overwrite=args.overwrite, progress=bar, max_failed_fraction=args.max_failed_fraction, lock_ttl_s=args.lock_ttl,
         )
     finally:
         bar.close()
-    return _print_report(report, args.out)
+    return _print_report(report, out.uri)
 
 
-def _make_source(args: argparse.Namespace, est_spec: Any, options: Any) -> Any:
+def _make_source(args: argparse.Namespace, est_spec: Any, spec: Any, out: Any, options: Any) -> Any:
     """The shard source the options ask for: a Ray actor pool (default) or this process."""
     from pairclean.estimators import load_estimator
     from pairclean.runner import LocalSource
 
     if args.executor == "local":
-        return LocalSource(load_estimator(est_spec), options)
+        return LocalSource(load_estimator(est_spec), spec, out, options)
     from pairclean_workers.ray_exec import RayOptions, RaySource
 
     ray_opts = RayOptions(
         address=args.ray_address, num_actors=args.num_actors, threads_per_actor=args.threads,
-        max_retries=args.max_retries, shard_timeout_s=args.shard_timeout,
+        max_retries=args.max_retries, shard_timeout_s=args.shard_timeout, cpus_per_actor=args.cpus_per_actor,
     )
-    return RaySource(est_spec, options, ray_opts)
+    return RaySource(est_spec, spec, out, options, ray_opts)
 
 
 def _print_report(report: Any, out: str) -> int:
@@ -221,7 +224,7 @@ def cmd_rescore(args: argparse.Namespace) -> int:
     from pairclean.estimators import EstimatorSpec, load_estimator
     from pairclean.job import JobSpec, OutputDir
     from pairclean.rescore import rescore
-    from pairclean.runner import random_beta_fn
+    from pairclean.work import random_beta_fn
 
     def random_beta(spec: JobSpec) -> float:
         est = load_estimator(EstimatorSpec(spec.model, spec.checkpoint, spec.pretrained, spec.precision, args.device))
@@ -287,7 +290,7 @@ def _demo_truth(out: str) -> tuple[set[str], set[str]]:
     from pairclean.shards import iter_raw_samples
 
     swapped = {s.key for s in iter_raw_samples(sample_shard()) if json.loads(s.files["json"]).get("swapped")}
-    rows = pq.read_table(os.path.join(out, "demo-000000.parquet"), columns=["key", "noisy"]).to_pylist()
+    rows = pq.read_table(os.path.join(out, "demo-000000.parquet"), columns=["key", "noisy"]).to_pylist()  # a local folder
     return swapped, {r["key"] for r in rows if r["noisy"]}
 
 

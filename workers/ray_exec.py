@@ -1,16 +1,19 @@
-"""Scoring on Ray: a pool of actors that each load the estimator once; the driver commits.
+"""Scoring on Ray: a pool of actors that each load the estimator once and write their own outputs.
 
-The shard is the unit of work. Each actor reads, decodes (in a background thread) and
-embeds whole shards with ``pairclean.scoring.score_shard``; the driver (``run_job``)
-calibrates and commits, so the atomic commit and manifest are the single-process ones
-and every shard is committed exactly once.
+The shard is the unit of work. Each actor holds a ``pairclean.work.ShardWork``: it reads,
+decodes (a thread pool sized to the CPUs Ray gives the actor) and embeds whole shards,
+applies the frozen calibration and writes the score table and sidecar straight into the
+output folder (local or object store). The driver (``pairclean.runner.run_job``) gets back
+only a small ``ShardRecord`` per shard and writes the completion record, so every shard
+is committed exactly once and no embedding passes through the driver or Ray's object store.
 
-Fault tolerance: an actor that dies (or overruns ``shard_timeout_s`` and is killed) is
-replaced and its shard retried after an exponential backoff, up to ``max_retries``
-times; then the shard is quarantined with its last error. A shard that is unreadable
-(an ``InputError`` raised by the reader) is quarantined at once: retrying cannot help.
-At most ``num_actors * tasks_per_actor`` shards are in flight, which bounds memory
-whatever the corpus size.
+Fault tolerance: an actor that dies (its process, or its whole node) or overruns
+``shard_timeout_s`` and is killed is replaced and its shard retried after an exponential
+backoff, up to ``max_retries`` times; then the shard is quarantined with its last error. A
+shard that is unreadable (an ``InputError`` raised by the reader) is quarantined at once:
+retrying cannot help. A retried shard rewrites the same bytes, so a worker lost after
+writing but before reporting leaves nothing half-done. At most ``num_actors *
+tasks_per_actor`` shards are in flight, which bounds memory whatever the corpus size.
 
 All Ray-specific options live in ``RayOptions``; ``ShardScorer`` is a plain class, so the
 actor's logic is testable without Ray.
@@ -23,13 +26,14 @@ import os
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pairclean.errors import InputError, ModelLoadError
 from pairclean.estimators import EstimatorSpec, load_estimator
-from pairclean.runner import ShardOutcome, random_beta_fn
-from pairclean.scoring import ScoreOptions, ShardResult, score_shard
+from pairclean.job import Calibration, JobSpec, OutputDir
+from pairclean.scoring import ScoreOptions
+from pairclean.work import CalibrationOutcome, ShardOutcome, ShardWork
 
 __all__ = ["RayOptions", "ShardScorer", "RaySource", "init_ray"]
 
@@ -57,38 +61,46 @@ class RayOptions:
     shard_timeout_s: float | None = None
     tasks_per_actor: int = 2
     runtime_env: dict[str, Any] = field(default_factory=dict)
+    #: Custom Ray resources each actor needs (e.g. ``{"scoring_node": 1}`` to keep actors
+    #: off the head node).
+    actor_resources: dict[str, float] = field(default_factory=dict)
 
 
 class ShardScorer:
-    """What one actor does: load the estimator once, then score shards on request."""
+    """What one actor does: load the estimator once, then calibrate or score shards on request."""
 
-    def __init__(self, estimator_spec: EstimatorSpec, options: ScoreOptions, threads: int | None) -> None:
+    def __init__(self, estimator_spec: EstimatorSpec, spec: JobSpec, out: OutputDir, options: ScoreOptions, threads: int | None) -> None:
         import torch
 
         torch.set_num_threads(threads or os.cpu_count() or 1)
-        self.estimator = load_estimator(estimator_spec)
-        self.options = options
+        self.work = ShardWork(load_estimator(estimator_spec), spec, out, options)
         self._warm_up()
 
     def _warm_up(self) -> None:
         """One small forward pass, so the first shard does not pay for kernel set-up."""
         import torch
 
-        size = self.estimator.image_size
-        self.estimator.encode_images(torch.zeros((2, 3, size, size)))
-        self.estimator.encode_texts(["warm up", "a photo"])
+        estimator = self.work.estimator
+        size = estimator.image_size
+        estimator.encode_images(torch.zeros((2, 3, size, size)))
+        estimator.encode_texts(["warm up", "a photo"])
 
     def model_info(self) -> dict[str, Any]:
-        return self.estimator.info.as_dict()
+        return self.work.model_info
 
-    def random_beta(self, k: int, seed: int) -> float:
-        return random_beta_fn(self.estimator, k, seed)()
+    def calibrate(self, uris: Sequence[str]) -> CalibrationOutcome:
+        return self.work.calibrate(uris)
 
-    def score(self, uri: str) -> ShardResult:
-        return score_shard(uri, self.estimator, self.options)
+    def score(self, uri: str, calibration: Calibration) -> Any:
+        return self.work.score(uri, calibration)
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
 
 def init_ray(options: RayOptions) -> None:
@@ -122,14 +134,17 @@ class RaySource:
     clock starts when the shard before it finishes.
     """
 
-    def __init__(self, estimator_spec: EstimatorSpec, score_opts: ScoreOptions, options: RayOptions) -> None:
+    def __init__(self, estimator_spec: EstimatorSpec, spec: JobSpec, out: OutputDir, score_opts: ScoreOptions, options: RayOptions) -> None:
         import ray
 
         init_ray(options)
         self.ray = ray
         self.options = options
         self.estimator_spec = estimator_spec
-        self.score_opts = score_opts
+        self.spec = spec
+        self.out = out
+        # Decode on as many threads as the CPUs Ray reserves for the actor.
+        self.score_opts = replace(score_opts, decode_workers=max(1, int(options.cpus_per_actor)))
         resources = ray.cluster_resources()
         gpus = int(resources.get("GPU", 0))
         cpus = int(resources.get("CPU", 1))
@@ -153,7 +168,9 @@ class RaySource:
         opts: dict[str, Any] = {"num_cpus": self.options.cpus_per_actor, "max_restarts": 0, "max_concurrency": 1}
         if self.use_gpu:
             opts["num_gpus"] = 1
-        return self.actor_cls.options(**opts).remote(self.estimator_spec, self.score_opts, self.threads)
+        if self.options.actor_resources:
+            opts["resources"] = dict(self.options.actor_resources)
+        return self.actor_cls.options(**opts).remote(self.estimator_spec, self.spec, self.out, self.score_opts, self.threads)
 
     def _replace(self, task: _Task) -> None:
         """Refill the slot of a lost actor, once (its other tasks fail the same way)."""
@@ -163,15 +180,35 @@ class RaySource:
     def model_info(self) -> dict[str, Any]:
         return self._info
 
-    def random_beta(self, k: int, seed: int) -> float:
-        return float(self.ray.get(self.actors[0].random_beta.remote(k, seed)))
+    def calibrate(self, uris: Sequence[str]) -> CalibrationOutcome:
+        """The calibration phase on one actor; retried (from the start: it is deterministic)
+        when the actor is lost."""
+        ray = self.ray
+        for attempt in range(1, self.options.max_retries + 2):
+            actor = self.actors[0]
+            try:
+                return ray.get(actor.calibrate.remote(list(uris)))
+            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError) as exc:
+                log.warning("worker lost during calibration (attempt %d): %s", attempt, exc)
+                if self.actors[0] is actor:
+                    self.actors[0] = self._new_actor()
+                self.retries += 1
+                time.sleep(self.options.backoff_s * 2 ** (attempt - 1))
+            except ray.exceptions.RayTaskError as exc:
+                cause = exc.cause if hasattr(exc, "cause") else exc
+                if isinstance(cause, InputError):
+                    raise cause from None
+                raise
+        raise ModelLoadError(f"the calibration phase lost its worker {self.options.max_retries + 1} times")
 
     def actor_pids(self) -> list[int]:
         """PIDs of the pool's actor processes (for fault-injection tests)."""
         return [self.ray.get(a.pid.remote()) for a in self.actors]
 
-    def results(self, uris: Sequence[str]) -> Iterator[ShardOutcome]:
-        """Score ``uris`` on the pool; yields one outcome per URI as shards finish."""
+    def results(self, uris: Sequence[str], calibration: Calibration) -> Iterator[ShardOutcome]:
+        """Score ``uris`` on the pool with the frozen ``calibration``; yields one outcome per
+        URI as shards finish."""
+        self._calibration = self.ray.put(calibration)
         ray = self.ray
         queue: deque[tuple[str, int, float]] = deque((u, 1, 0.0) for u in uris)  # uri, attempt, not-before
         running: dict[Any, _Task] = {}
@@ -215,7 +252,7 @@ class RaySource:
                 queue.append((uri, attempt, not_before))
                 continue
             actor = self.actors[slot]
-            ref = actor.score.remote(uri)
+            ref = actor.score.remote(uri, self._calibration)
             self.load[slot] += 1
             running[ref] = _Task(uri, attempt, slot, actor, ref, now)
 

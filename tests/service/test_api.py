@@ -141,8 +141,9 @@ def test_server_killed_mid_job_restarts_and_resumes(make_shards, tmp_path: Path)
     try:
         done = client.wait(job_id, timeout=300, poll=0.3)
         assert done["progress"]["shards_done"] == 8
-        lines = [json.loads(x) for x in (tmp_path / "out" / "_manifest.jsonl").read_text().splitlines()]
-        stems = [m["stem"] for m in lines if m.get("state", "committed") == "committed"]
+        from pairclean.job import OutputDir
+
+        stems = [r.stem for r in OutputDir(str(tmp_path / "out")).iter_committed()]
         assert sorted(stems) == sorted(set(stems)) and len(stems) == 8  # each shard committed once
     finally:
         second.send_signal(signal.SIGINT)

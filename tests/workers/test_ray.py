@@ -32,8 +32,7 @@ def ray_local():
 
 
 def _committed(out: Path) -> list[str]:
-    lines = [json.loads(x) for x in (out / schema.MANIFEST_FILE).read_text().splitlines()]
-    return [m["stem"] for m in lines if m.get("state", "committed") == "committed"]
+    return [r.stem for r in OutputDir(str(out)).iter_committed()]
 
 
 def test_ray_path_equals_single_process_path(ray_local, make_shards, tmp_path: Path) -> None:
@@ -49,8 +48,8 @@ def test_ray_path_equals_single_process_path(ray_local, make_shards, tmp_path: P
                 x["key"] == y["key"] and x["noisy"] == y["noisy"] and abs(x["weight"] - y["weight"]) < 1e-6
                 for x, y in zip(a, b)
             )
-        assert json.loads((local / "_calibration.json").read_text())["beta"] == pytest.approx(
-            json.loads((viaray / "_calibration.json").read_text())["beta"], abs=1e-6
+        assert json.loads((local / schema.CALIBRATION_FILE).read_text())["beta"] == pytest.approx(
+            json.loads((viaray / schema.CALIBRATION_FILE).read_text())["beta"], abs=1e-6
         )
 
 
@@ -87,9 +86,9 @@ def test_a_killed_worker_is_replaced_and_every_shard_committed_once(ray_local, m
 
     shards = [str(s) for s in make_shards(n_shards=4, per_shard=24)]
     spec = _spec(shards)
-    source = RaySource(EstimatorSpec("pairclean-tiny-test", precision="fp32", device="cpu"), score_options(spec), RayOptions(num_actors=2, threads_per_actor=1, backoff_s=0.1))
-    victims = source.actor_pids()
     out = OutputDir(str(tmp_path / "out"))
+    source = RaySource(EstimatorSpec("pairclean-tiny-test", precision="fp32", device="cpu"), spec, out, score_options(spec), RayOptions(num_actors=2, threads_per_actor=1, backoff_s=0.1))
+    victims = source.actor_pids()
     report = run_job(spec, out, lambda: source, progress=_KillAfterFirst(victims))
     assert report.state == "SUCCEEDED" and report.committed == 4
     assert source.retries >= 1 and not set(victims) & set(source.actor_pids())
@@ -107,8 +106,8 @@ def test_stragglers_time_out_and_end_quarantined(ray_local, make_shards, tmp_pat
     shards = [str(s) for s in make_shards(n_shards=2, per_shard=200)]
     spec = _spec(shards)
     opts = RayOptions(num_actors=1, threads_per_actor=1, shard_timeout_s=0.05, max_retries=1, backoff_s=0.05, tasks_per_actor=1)
-    source = RaySource(EstimatorSpec("pairclean-tiny-test", precision="fp32", device="cpu"), score_options(spec), opts)
     out = OutputDir(str(tmp_path / "out"))
+    source = RaySource(EstimatorSpec("pairclean-tiny-test", precision="fp32", device="cpu"), spec, out, score_options(spec), opts)
     report = run_job(spec, out, lambda: source, max_failed_fraction=0.5)
     assert report.state == "FAILED" and report.committed == 0
     quarantined = out.quarantined()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pairclean import schema
+from pairclean.job import OutputDir
 from pairclean_workers.cli import main
 
 TINY = ["--model", "pairclean-tiny-test", "--no-progress", "--batch-size", "4", "--executor", "local"]
@@ -26,9 +28,8 @@ def _rows(out: Path, stem: str) -> list[dict]:
 
 
 def _manifest(out: Path) -> list[dict]:
-    """Committed lines of the manifest (quarantine lines have state 'quarantined')."""
-    lines = [json.loads(line) for line in (out / schema.MANIFEST_FILE).read_text().splitlines()]
-    return [m for m in lines if m.get("state", "committed") == "committed"]
+    """Completion records of committed shards, in spec order."""
+    return [r.to_json() for r in OutputDir(str(out)).iter_committed()]
 
 
 def test_score_writes_one_keyed_parquet_per_shard_with_metadata(make_shards, tmp_path: Path) -> None:
@@ -55,7 +56,7 @@ def test_score_writes_one_keyed_parquet_per_shard_with_metadata(make_shards, tmp
     assert meta["model"]["model_id"] == "pairclean-tiny-test"
     assert meta["beta"]["recipe"] == "random-inputs" and meta["beta"]["k"] == 256
     assert meta["weighting"]["name"] == "paper" and meta["pairclean_version"]
-    emb = pq.read_table(out / "part-00000.emb.parquet")
+    emb = pq.read_table(out / "_emb" / "part-00000.parquet")
     assert emb.column("key").to_pylist() == [r["key"] for r in first]
     assert emb.column("image_emb").null_count == 3
     manifest = _manifest(out)
@@ -127,14 +128,12 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
     captured = capsys.readouterr()
     assert "junk.tar" in captured.err and "FAILED" in captured.out
     assert [m["stem"] for m in _manifest(tmp_path / "o3")] == ["part-00000"]  # the good one
-    lines = [json.loads(x) for x in (tmp_path / "o3" / schema.MANIFEST_FILE).read_text().splitlines()]
-    assert [(m["stem"], m["state"]) for m in lines if "state" in m] == [("junk", "quarantined")]
+    failed = OutputDir(str(tmp_path / "o3")).quarantined()
+    assert list(failed) == ["junk"] and failed["junk"]["state"] == "quarantined" and "junk.tar" in failed["junk"]["error"]
     assert _score(good + [str(junk)], tmp_path / "o3", "--max-failed-fraction", "0.5") == 4  # PARTIAL
     assert "PARTIAL" in capsys.readouterr().out
     # rescoring keeps the quarantine record
     assert main(["rescore", str(tmp_path / "o3"), "--beta-recipe", "gmm", "--weighting", "paper"]) == 0
-    from pairclean.job import OutputDir
-
     assert sorted(OutputDir(str(tmp_path / "o3")).quarantined()) == ["junk"]
 
 
@@ -144,14 +143,21 @@ def test_kill_9_mid_job_then_rerun_commits_every_shard_exactly_once(make_shards,
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "pairclean_workers.cli", "score", str(shards[0].parent / "part-{00000..00007}.tar"), "--out", str(out), *TINY]
     crash_mid_job(cmd, out, commits=2)
-    manifest = out / schema.MANIFEST_FILE
-    done_before = manifest.read_text().count("\n")
-    assert 2 <= done_before < 8, "the kill should land in the middle of the job"
-    assert subprocess.run(cmd, capture_output=True, timeout=300).returncode == 0
-    stems = [m["stem"] for m in _manifest(out)]
-    assert sorted(stems) == [f"part-{i:05d}" for i in range(8)] and len(set(stems)) == 8
+    before = {m["stem"]: (out / m["output"]).stat().st_mtime_ns for m in _manifest(out)}
+    assert 2 <= len(before) < 8, "the kill should land in the middle of the job"
+    result = subprocess.run(cmd, capture_output=True, timeout=300, text=True)
+    assert result.returncode == 0, result.stderr
+    assert f"{len(before)} already done" in result.stdout
+    manifest = _manifest(out)
+    stems = [m["stem"] for m in manifest]
+    assert stems == [f"part-{i:05d}" for i in range(8)]
+    # committed before the kill: not redone (same file, untouched)
+    assert all((out / f"{stem}.parquet").stat().st_mtime_ns == t for stem, t in before.items())
     visible = sorted(p.name for p in out.iterdir() if not p.name.startswith("_"))
-    assert visible == sorted([f"part-{i:05d}.parquet" for i in range(8)] + [f"part-{i:05d}.emb.parquet" for i in range(8)])
-    assert not list(out.glob(".*"))  # no temporary left behind
-    for m in _manifest(out):
+    assert visible == sorted(f"part-{i:05d}.parquet" for i in range(8))
+    assert sorted(p.name for p in (out / "_emb").iterdir()) == sorted(f"part-{i:05d}.parquet" for i in range(8))
+    assert not list(out.rglob(".*"))  # no temporary left behind
+    for m in manifest:
+        data = (out / m["output"]).read_bytes()
         assert pq.read_table(out / m["output"]).num_rows == m["rows"] == 8
+        assert hashlib.sha256(data).hexdigest() == m["sha256"] and len(data) == m["bytes"]

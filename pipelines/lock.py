@@ -1,0 +1,152 @@
+"""One run per output folder: a lock object with a heartbeat and a time-to-live.
+
+The lock is ``OUT/_pairclean/lock.json`` (holder's run id, host, pid, heartbeat time). It
+works on any store, object stores included (no rename, no append, no conditional write
+needed):
+
+- a run takes the lock when there is none, when the holder's heartbeat is older than its
+  TTL (the holder crashed), or when the holder ran on this host and its process is gone;
+- otherwise it is refused with ``OutputBusyError`` naming the live holder;
+- after writing, the run waits ``settle_s`` and reads the lock back: of two runs racing
+  for a free lock, the one whose write landed last wins and the other one is refused;
+- while running, a background thread rewrites the heartbeat every TTL/4. If it finds
+  another holder's lock (this run stalled for longer than the TTL and was taken over), it
+  sets ``lost`` and stops; the job loop then stops committing.
+
+Why not a library: fsspec offers no lock, filelock only works on local disks, and a
+lock service (etcd, a database) would be one more thing for every user to run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+from . import schema
+from .errors import OutputBusyError
+from .storage import Store
+
+__all__ = ["DEFAULT_TTL_S", "RunLock", "lock_ttl_from_env"]
+
+#: A crashed run's lock is taken over after this long without a heartbeat.
+DEFAULT_TTL_S = 60.0
+
+
+def lock_ttl_from_env() -> float:
+    """``$PAIRCLEAN_LOCK_TTL_S`` or ``DEFAULT_TTL_S``."""
+    value = os.environ.get("PAIRCLEAN_LOCK_TTL_S")
+    return float(value) if value else DEFAULT_TTL_S
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process, alive
+    return True
+
+
+class RunLock:
+    """The lock of the folder ``store``; use as a context manager or acquire/release."""
+
+    def __init__(self, store: Store, ttl_s: float | None = None, settle_s: float | None = None) -> None:
+        self.store = store
+        self.ttl_s = ttl_s if ttl_s is not None else lock_ttl_from_env()
+        # Long enough for a racing writer's PUT to land before we read back.
+        self.settle_s = settle_s if settle_s is not None else (0.05 if store.local else 0.5)
+        self.run_id = uuid.uuid4().hex
+        self.host = socket.gethostname()
+        self.pid = os.getpid()
+        self.started = time.time()
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def describe(self, doc: dict[str, Any]) -> str:
+        """A holder, as users see it in messages."""
+        age = time.time() - float(doc.get("heartbeat", 0))
+        return f"run {doc.get('run_id', '?')[:12]} (pid {doc.get('pid')} on host {doc.get('host')}, last heartbeat {age:.0f} s ago)"
+
+    def _doc(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "host": self.host, "pid": self.pid, "started": self.started,
+                "heartbeat": time.time(), "ttl_s": self.ttl_s}
+
+    def read(self) -> dict[str, Any] | None:
+        """The current holder's document, or None."""
+        data = self.store.get(schema.LOCK_FILE)
+        if data is None:
+            return None
+        try:
+            doc = json.loads(data)
+        except json.JSONDecodeError:
+            return None  # cannot happen with whole-object writes; treat as free
+        return doc if isinstance(doc, dict) else None
+
+    def _is_live(self, doc: dict[str, Any]) -> bool:
+        if doc.get("run_id") == self.run_id:
+            return False
+        if time.time() - float(doc.get("heartbeat", 0)) > float(doc.get("ttl_s", self.ttl_s)):
+            return False
+        # Same host: a holder whose process is gone is dead, whatever its heartbeat says.
+        return not (doc.get("host") == self.host and not _pid_alive(int(doc.get("pid", 0))))
+
+    def acquire(self) -> None:
+        """Take the lock and start the heartbeat; raises ``OutputBusyError`` naming a live holder."""
+        holder = self.read()
+        if holder is not None and self._is_live(holder):
+            raise self._busy(holder)
+        self.store.put(schema.LOCK_FILE, json.dumps(self._doc()).encode())
+        time.sleep(self.settle_s)
+        holder = self.read()
+        if holder is None or holder.get("run_id") != self.run_id:
+            raise self._busy(holder or {})
+        self._thread = threading.Thread(target=self._beat, name="pairclean-lock-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _busy(self, holder: dict[str, Any]) -> OutputBusyError:
+        return OutputBusyError(
+            f"output {self.store.url()} is in use by another pairclean {self.describe(holder)}; wait for it "
+            f"to finish or stop it (a crashed run's lock expires {holder.get('ttl_s', self.ttl_s):.0f} s after its last heartbeat)"
+        )
+
+    def _beat(self) -> None:
+        interval = max(0.05, self.ttl_s / 4)
+        while not self._stop.wait(interval):
+            with contextlib.suppress(OSError):  # a transient store error: try again next beat
+                holder = self.read()
+                if holder is not None and holder.get("run_id") != self.run_id:
+                    self.lost.set()
+                    return
+                self.store.put(schema.LOCK_FILE, json.dumps(self._doc()).encode())
+
+    def check(self) -> None:
+        """Raise ``OutputBusyError`` when another run has taken the lock over."""
+        if self.lost.is_set():
+            raise OutputBusyError(
+                f"lost the lock of {self.store.url()} to another run (this run stalled for longer than "
+                f"{self.ttl_s:.0f} s); stopping without committing more"
+            )
+
+    def release(self) -> None:
+        """Stop the heartbeat and delete the lock if it is still ours."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        holder = self.read()
+        if holder is not None and holder.get("run_id") == self.run_id:
+            self.store.rm(schema.LOCK_FILE)
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

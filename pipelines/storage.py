@@ -1,0 +1,240 @@
+"""Where outputs go: a folder on any filesystem fsspec reaches, written one whole object at a time.
+
+``Store`` wraps an fsspec filesystem and a root folder (a local path, ``file://``,
+``s3://``, ``gs://``). Every write is *complete or absent*:
+
+- local files are written under a hidden temporary name in the same folder, fsynced and
+  renamed into place (a rename is atomic on POSIX);
+- object stores receive the final object in one request (``pipe_file``: a single PUT, or
+  for large objects a multipart upload that becomes visible only when completed). Nothing
+  is ever appended, because object stores cannot append.
+
+Readers never see a partial file, so a crash at any point leaves either the old object,
+the new one, or none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .errors import InputError, UnsupportedSchemeError
+
+__all__ = ["OUTPUT_SCHEMES", "Store", "WriteInfo", "parquet_bytes", "write_file_atomic", "sha256_file"]
+
+#: Where outputs may go. HTTP has no portable write; pipe: would run a command.
+OUTPUT_SCHEMES = frozenset({"", "file", "s3", "gs", "gcs"})
+_TMP_MARK = ".tmp-"
+
+
+@dataclass(frozen=True)
+class WriteInfo:
+    """What was written: bytes and their sha256 (computed from the bytes sent, no re-read)."""
+
+    bytes: int
+    sha256: str
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    """``table`` serialised as one zstd-compressed Parquet file in memory.
+
+    Serialising first is what makes object-store writes a single complete PUT; score
+    tables and sidecars of a shard are tens of MB at most.
+    """
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd")
+    return sink.getvalue()
+
+
+def _scheme(uri: str) -> str:
+    scheme = urlparse(uri).scheme.lower()
+    return scheme if len(scheme) > 1 else ""  # one letter: a Windows drive
+
+
+class Store:
+    """A folder at ``uri`` (created on demand); names are ``/``-separated paths inside it.
+
+    Raises ``UnsupportedSchemeError`` for schemes outputs cannot go to and
+    ``InputError`` when the filesystem's package is missing.
+    """
+
+    def __init__(self, uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        scheme = _scheme(uri)
+        if scheme not in OUTPUT_SCHEMES:
+            raise UnsupportedSchemeError(
+                f"output {uri!r}: unsupported scheme {scheme!r}; use a local path, file://, s3:// or gs://",
+                uri=uri,
+            )
+        self.uri = uri.rstrip("/") or uri
+        self.storage_options = dict(storage_options or {})
+        self.local = scheme in ("", "file")
+        if self.local:
+            path = urlparse(uri).path if scheme == "file" else uri
+            self.root = os.path.abspath(path)
+            self.fs: Any = None
+        else:
+            import fsspec
+
+            try:
+                # Listings must be fresh: another process (a worker) writes into this folder.
+                self.fs, root = fsspec.core.url_to_fs(uri, use_listings_cache=False, **self.storage_options)
+            except ImportError as exc:
+                raise InputError(f"writing to {uri!r} needs an extra package: {exc}", uri=uri) from exc
+            self.root = root.rstrip("/")
+            self.scheme = scheme
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Ray ships a Store to workers: rebuild the filesystem there rather than pickle it.
+        return (Store, (self.uri, self.storage_options))
+
+    # -- names ------------------------------------------------------------------------------
+    def path(self, name: str = "") -> str:
+        """The filesystem path of ``name`` inside the folder."""
+        return f"{self.root}/{name}" if name else self.root
+
+    def url(self, name: str = "") -> str:
+        """A URI users can paste (``s3://b/out/x.parquet`` or a local path)."""
+        if self.local:
+            return os.path.join(self.root, name) if name else self.root
+        return f"{self.scheme}://{self.path(name)}"
+
+    # -- writing ----------------------------------------------------------------------------
+    def put(self, name: str, data: bytes) -> WriteInfo:
+        """Write ``data`` as ``name``, complete or not at all; replaces an existing object."""
+        if self.local:
+            write_file_atomic(self.path(name), data)
+        else:
+            self.fs.pipe_file(self.path(name), data)
+        return WriteInfo(len(data), hashlib.sha256(data).hexdigest())
+
+    def put_parquet(self, name: str, table: pa.Table) -> WriteInfo:
+        """Write ``table`` as Parquet at ``name`` (see ``put``)."""
+        return self.put(name, parquet_bytes(table))
+
+    def rm(self, name: str) -> bool:
+        """Delete ``name`` if present; True when something was deleted. Callers decide what is theirs."""
+        try:
+            if self.local:
+                os.unlink(self.path(name))
+            else:
+                self.fs.rm_file(self.path(name))
+            return True
+        except FileNotFoundError:
+            return False
+
+    # -- reading ----------------------------------------------------------------------------
+    def get(self, name: str) -> bytes | None:
+        """The bytes of ``name``, or None when it does not exist."""
+        try:
+            if self.local:
+                with open(self.path(name), "rb") as fh:
+                    return fh.read()
+            return bytes(self.fs.cat_file(self.path(name)))
+        except FileNotFoundError:
+            return None
+
+    def exists(self, name: str) -> bool:
+        """Whether the object ``name`` exists."""
+        if self.local:
+            return os.path.exists(self.path(name))
+        return bool(self.fs.exists(self.path(name)))
+
+    def size(self, name: str) -> int | None:
+        """Size of ``name`` in bytes, None when absent."""
+        try:
+            if self.local:
+                return os.path.getsize(self.path(name))
+            return int(self.fs.size(self.path(name)))
+        except FileNotFoundError:
+            return None
+
+    def list(self, folder: str = "") -> list[str]:
+        """Names of the entries directly inside ``folder`` (files and sub-folders), sorted;
+        [] when the folder does not exist."""
+        try:
+            if self.local:
+                return sorted(os.listdir(self.path(folder)))
+            entries = self.fs.ls(self.path(folder), detail=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        base = self.path(folder).rstrip("/") + "/"
+        return sorted({e.rstrip("/")[len(base):] for e in entries if e.rstrip("/").startswith(base)} - {""})
+
+    def open_read(self, name: str) -> Any:
+        """A binary file object for ``name`` (random access; for Parquet footers)."""
+        if self.local:
+            return open(self.path(name), "rb")
+        return self.fs.open(self.path(name), "rb")
+
+    def read_parquet(self, name: str, columns: list[str] | None = None) -> pa.Table:
+        """Read the Parquet file ``name``."""
+        with self.open_read(name) as fh:
+            return pq.read_table(fh, columns=columns)
+
+    def parquet_metadata(self, name: str) -> dict[bytes, bytes] | None:
+        """Key-value metadata of the Parquet file ``name`` (footer only), or None when the
+        object is missing or is not Parquet."""
+        try:
+            with self.open_read(name) as fh:
+                return dict(pq.ParquetFile(fh).schema_arrow.metadata or {})
+        except FileNotFoundError:
+            return None
+        except (pa.ArrowInvalid, OSError):
+            return None
+
+    def remove_temporaries(self, folder: str = "") -> int:
+        """Delete hidden temporaries our own local writes left behind after a crash."""
+        if not self.local:
+            return 0  # object stores have no temporaries: a PUT is all or nothing
+        removed = 0
+        for name in self.list(folder):
+            if name.startswith(".") and _TMP_MARK in name:
+                removed += self.rm(f"{folder}/{name}" if folder else name)
+        return removed
+
+
+def write_file_atomic(final: str | os.PathLike[str], data: bytes) -> None:
+    """Write a local file complete or not at all: hidden temporary, fsync, rename."""
+    final = os.fspath(final)
+    folder = os.path.dirname(final) or "."
+    os.makedirs(folder, exist_ok=True)
+    # Unique per writer: two processes racing on one name never share a temporary.
+    tmp = os.path.join(folder, f".{os.path.basename(final)}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    _fsync_dir(folder)
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a local file."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

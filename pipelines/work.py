@@ -1,0 +1,188 @@
+"""What one worker does: score shards, apply the frozen calibration, write its own outputs.
+
+A worker (a Ray actor, or the driver itself with ``--executor local``) holds one loaded
+estimator and an ``OutputDir``. It has two kinds of work:
+
+- ``calibrate(uris)``: the calibration phase. Scores shards *in order* until
+  ``spec.calibration_pairs`` ok pairs are seen (or the shards run out), freezes beta and
+  the weighting parameters from them, then writes those shards' outputs with it. Only a
+  ``Calibration`` and small records go back to the driver.
+- ``score(uri, calibration)``: the scoring phase. Scores one shard, applies the frozen
+  calibration, writes the score table and the sidecar, and returns a ``ShardRecord``.
+
+Embeddings never leave the worker except into the sidecar files. Data flows
+shard -> samples -> embeddings -> similarity -> calibration -> weight -> table -> commit:
+``scoring`` does the first four, ``calibration``/``osa`` the next two, this module the
+tables, and the driver (``runner``) the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import __version__, schema
+from .calibration import calibrate, cached_random_beta, needs_corpus
+from .errors import InputError
+from .estimators import Estimator
+from .job import Calibration, JobSpec, OutputDir, ShardRecord, spec_digest
+from .scoring import ScoreOptions, ShardResult, embeddings_table, output_metadata, score_shard, scores_table
+from .uris import shard_size, shard_stem
+
+__all__ = ["ShardOutcome", "CalibrationOutcome", "ShardWork", "random_beta_fn"]
+
+
+@dataclass(frozen=True)
+class ShardOutcome:
+    """What became of one shard: its record, or an error after ``attempts`` tries."""
+
+    uri: str
+    record: ShardRecord | None
+    error: str | None = None
+    attempts: int = 1
+
+
+@dataclass(frozen=True)
+class CalibrationOutcome:
+    """The frozen calibration (None when every shard failed) and the shards the calibration
+    phase scored, written or failed, in shard order."""
+
+    calibration: Calibration | None
+    outcomes: list[ShardOutcome] = field(default_factory=list)
+
+
+def random_beta_fn(estimator: Estimator, k: int, seed: int) -> Any:
+    """A callable giving beta of the random-inputs recipe for ``estimator`` (disk-cached
+    per model identity)."""
+    from .osa import beta_from_cross
+
+    info = estimator.info
+    identity = {
+        "model_id": info.model_id,
+        "checkpoint_sha256": info.checkpoint_sha256,
+        "precision": info.precision,
+        "device_type": info.device.split(":")[0],
+        "k": k,
+        "seed": seed,
+    }
+
+    def compute() -> float:
+        img, txt = estimator.random_input_embeddings(k, seed)
+        return beta_from_cross(img, txt)
+
+    return lambda: cached_random_beta(identity, compute)
+
+
+def _recipe(spec: JobSpec) -> dict[str, Any]:
+    return {
+        "batch_size": spec.batch_size,
+        "max_pixels": spec.max_pixels,
+        "caption_field": spec.caption_field,
+        "calibration_pairs": spec.calibration_pairs,
+    }
+
+
+def calibrate_on(results: Sequence[ShardResult], spec: JobSpec, random_beta: Any, dim: int) -> Calibration:
+    """Calibrate on the first ``spec.calibration_pairs`` ok pairs of ``results`` (in order; may be empty)."""
+    masks = [r.ok_mask for r in results]
+    n = spec.calibration_pairs
+    sims = np.concatenate([np.zeros(0, np.float32)] + [r.similarity[m] for r, m in zip(results, masks)])[:n]
+    img = np.concatenate([np.zeros((0, dim), np.float32)] + [r.image_emb[m] for r, m in zip(results, masks)])[:n]
+    txt = np.concatenate([np.zeros((0, dim), np.float32)] + [r.text_emb[m] for r, m in zip(results, masks)])[:n]
+    # Calibrate on float16-rounded embeddings, exactly what the sidecar stores, so that
+    # `pairclean rescore` reproduces a fresh score bit for bit.
+    img, txt = img.astype(np.float16).astype(np.float32), txt.astype(np.float16).astype(np.float32)
+    try:
+        return calibrate(
+            beta_recipe=spec.beta_recipe, k=spec.beta_k, seed=spec.seed, weighting=spec.weighting,
+            batch_size=spec.batch_size, similarities=sims, image_emb=img, text_emb=txt, random_beta=random_beta,
+        )
+    except ValueError as exc:
+        raise InputError(f"cannot calibrate beta recipe {spec.beta_recipe!r} on this job: {exc}") from exc
+
+
+class ShardWork:
+    """One worker's state: a loaded estimator, the job spec and the output folder."""
+
+    def __init__(self, estimator: Estimator, spec: JobSpec, out: OutputDir, options: ScoreOptions) -> None:
+        self.estimator = estimator
+        self.spec = spec
+        self.out = out
+        self.options = options
+        self.model_info = estimator.info.as_dict()
+        self.digest = spec_digest(spec)
+
+    def random_beta(self) -> float:
+        """beta of the random-inputs recipe for this estimator (cached on disk)."""
+        return float(random_beta_fn(self.estimator, self.spec.beta_k, self.spec.seed)())
+
+    def calibrate(self, uris: Sequence[str]) -> CalibrationOutcome:
+        """The calibration phase over ``uris`` (in shard order); see the module docstring.
+
+        Shards that cannot be read are reported as failed outcomes (attempts 1); any other
+        exception propagates (the caller retries the whole phase, which is deterministic).
+        """
+        dim = int(self.model_info["embed_dim"])
+        if not needs_corpus(self.spec.beta_recipe, self.spec.weighting):
+            return CalibrationOutcome(calibrate_on([], self.spec, self.random_beta, dim))
+        held: list[ShardResult] = []
+        outcomes: list[tuple[str, ShardResult | None, str | None]] = []
+        ok = 0
+        for uri in uris:
+            if ok >= self.spec.calibration_pairs:
+                break
+            try:
+                result = score_shard(uri, self.estimator, self.options)
+            except InputError as exc:
+                outcomes.append((uri, None, str(exc)))
+                continue
+            held.append(result)
+            outcomes.append((uri, result, None))
+            ok += int(result.ok_mask.sum())
+        if not held:
+            return CalibrationOutcome(None, [ShardOutcome(u, None, e) for u, _, e in outcomes])
+        calibration = calibrate_on(held, self.spec, self.random_beta, dim)
+        written = [
+            ShardOutcome(u, self.write(r, calibration) if r is not None else None, e) for u, r, e in outcomes
+        ]
+        return CalibrationOutcome(calibration, written)
+
+    def score(self, uri: str, calibration: Calibration) -> ShardRecord:
+        """Score one shard with the frozen ``calibration``, write its outputs, return its record.
+
+        Raises ``InputError`` for a shard that cannot be read (the caller quarantines it).
+        """
+        return self.write(score_shard(uri, self.estimator, self.options), calibration)
+
+    def write(self, result: ShardResult, calibration: Calibration) -> ShardRecord:
+        """Build the score table (and sidecar) of ``result`` and write them into the folder."""
+        started = time.perf_counter()
+        stem = shard_stem(result.uri)
+        meta = output_metadata(self.model_info, calibration, {"shard": result.uri, "recipe": _recipe(self.spec), "job": self.digest})
+        scores = scores_table(
+            result.uri, result.keys, result.idx, result.status, result.error,
+            result.similarity, calibration, meta, result.uid, result.url,
+        )
+        emb_name = emb_bytes = None
+        if self.spec.embeddings:
+            # The sidecar holds no beta: it stays valid when the job is rescored.
+            emb_meta = {schema.META_KEY: json.dumps(
+                {"pairclean_version": __version__, "model": self.model_info, "job": self.digest}, sort_keys=True
+            ).encode()}
+            table = embeddings_table(result.keys, result.image_emb, result.text_emb, result.ok_mask, emb_meta)
+            emb_name = self.out.emb_name(stem)
+            emb_bytes = self.out.write_table(emb_name, table).bytes
+        # The score table last: once it exists, its sidecar does too.
+        info = self.out.write_table(self.out.score_name(stem), scores)
+        timings = dict(result.timings)
+        timings["write"] = round(time.perf_counter() - started, 4)
+        return ShardRecord(
+            shard=result.uri, stem=stem, size=shard_size(result.uri, self.options.read.storage_options),
+            rows=len(result), output=self.out.score_name(stem), sha256=info.sha256, bytes=info.bytes,
+            statuses=result.status_counts(), emb_output=emb_name, emb_bytes=emb_bytes, timings=timings,
+        )
