@@ -10,7 +10,11 @@ the pairclean-lite estimator's preprocessing, prints JSON lines:
 - ``gpu``: images/s of ``decode_jpeg_batch`` on CUDA (nvJPEG), only where a GPU is
   visible; otherwise ``{"section": "gpu", "skipped": "no CUDA device"}``.
 
-    python benchmarks/decode_bench.py [--images 512] [--threads N] [--batch-size 64]
+``--torch-threads`` sets torch's intra-op threads first: the preprocess's tensor ops
+(ToTensor, Normalize) use them, and in every pool thread at once, which oversubscribes
+the cores when both are the CPU count.
+
+    python benchmarks/decode_bench.py [--images 512] [--threads N] [--torch-threads T]
 """
 
 from __future__ import annotations
@@ -107,6 +111,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--model", default="pairclean-lite")
+    parser.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     args = parser.parse_args()
 
     photos = _photos(args.images)
@@ -121,6 +126,8 @@ def main() -> None:
     from pairclean.estimators import EstimatorSpec, load_estimator
     from pairclean.evaldata import write_pair_shards
 
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     estimator = load_estimator(EstimatorSpec(args.model, precision="fp32", device="cpu"))
     datas = [data for _, data, _ in photos]
     common = {"model": args.model, "image_size": estimator.image_size, "images": len(datas), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}

@@ -7,7 +7,7 @@ sums, DataComp keep list. (The ``_`` folder keeps them out of ``OUT`` read as a 
   shards in proportion to their clean content;
 - ``datacomp_keep.npy``: the ``uid`` of every kept pair (status ok, not flagged noisy)
   as sorted ``u8,u8`` records (the 128-bit hex uid split in two), which DataComp's
-  resharder reads as a subset file. Written only when the shards carry ``uid``.
+  resharder reads as a subset file. Written only when the shards carry DataComp uids.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def write_exports(out: OutputDir) -> dict[str, str]:
     files: dict[str, bytes] = {
         name: json.dumps(doc, indent=1, sort_keys=True).encode() for name, doc in (("sizes.json", sizes), ("shard_weights.json", sums))
     }
-    if has_uid:
+    # DataComp's subset file needs its 128-bit hex uids; other uids get no keep list.
+    if has_uid and all(_is_datacomp_uid(u) for u in keep):
         import io
 
         buf = io.BytesIO()
@@ -76,3 +77,13 @@ def write_exports(out: OutputDir) -> dict[str, str]:
         out.store.put(f"{schema.EXPORT_DIR}/{name}", data)
         written[name] = out.store.url(f"{schema.EXPORT_DIR}/{name}")
     return written
+
+
+def _is_datacomp_uid(uid: str) -> bool:
+    if len(uid) != 32:
+        return False
+    try:
+        int(uid, 16)
+    except ValueError:
+        return False
+    return True

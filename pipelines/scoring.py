@@ -42,6 +42,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: Accepted ``ScoreOptions.decode_device`` values.
+_DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
+
 
 @dataclass(frozen=True)
 class ScoreOptions:
@@ -68,9 +71,6 @@ class ScoreOptions:
             raise InputError(f"decode_workers must be >= 1, got {self.decode_workers}")
         if not _DEVICE_RE.fullmatch(self.decode_device):
             raise InputError(f"decode_device must be cpu, cuda or cuda:N, got {self.decode_device!r}")
-
-
-_DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 @dataclass

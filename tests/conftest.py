@@ -66,9 +66,10 @@ def make_shards(tmp_path: Path, dev_images: list[Any]) -> ShardMaker:
     return make
 
 
-def kill_after_commits(cmd: list[str], out: Path, commits: int, timeout: float = 180) -> None:
+def kill_after_commits(cmd: list[str], out: Any, commits: int, timeout: float = 180) -> None:
     """Run ``cmd`` (a ``pairclean score`` into ``out``) and SIGKILL it, with its process
-    group, once ``commits`` shards are committed: a crash in the middle of a job."""
+    group, once ``commits`` shards are committed: a crash in the middle of a job. ``out`` is
+    a local folder or an ``OutputDir`` (for object stores)."""
     import os
     import signal
     import subprocess
@@ -79,9 +80,14 @@ def kill_after_commits(cmd: list[str], out: Path, commits: int, timeout: float =
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        if (out / "_pairclean").exists() and len(OutputDir(str(out)).committed()) >= commits:
+        if isinstance(out, OutputDir):
+            if len(out.committed()) >= commits:
+                break
+        elif (out / "_pairclean").exists() and len(OutputDir(str(out)).committed()) >= commits:
             break
         time.sleep(0.05)
+    if proc.poll() is not None:
+        raise AssertionError(f"the job ended (exit {proc.returncode}) before {commits} commits: {cmd}")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
@@ -90,3 +96,21 @@ def kill_after_commits(cmd: list[str], out: Path, commits: int, timeout: float =
 def crash_mid_job() -> Callable[..., None]:
     """``kill_after_commits``, as a fixture (test modules do not import each other)."""
     return kill_after_commits
+
+
+@pytest.fixture
+def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A loopback S3 server (moto's real HTTP server; no S3-compatible server binary installs
+    from the registries reachable here). Yields its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()

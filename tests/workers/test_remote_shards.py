@@ -70,22 +70,6 @@ def test_http_missing_shard_is_reported_by_uri(http_root: tuple[str, Path], tmp_
     assert f"{base}/nope.tar" in capsys.readouterr().err
 
 
-@pytest.fixture
-def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
-
-
 def test_s3_shards_with_brace_glob_and_list(make_shards, s3_endpoint: str, tmp_path: Path) -> None:
     import s3fs
 

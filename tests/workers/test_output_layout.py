@@ -1,0 +1,193 @@
+"""The output folder as users meet it: on S3, read by dataset tools, beside other people's
+files, and claimed by one run at a time."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pairclean import schema
+from pairclean.job import OutputDir
+from pairclean_workers.cli import main
+
+TINY = ["--model", "pairclean-tiny-test", "--no-progress", "--batch-size", "4", "--executor", "local"]
+SCORE_COLUMNS = ["key", "shard", "idx", "status", "error", "similarity", "weight", "noisy", "uid", "url"]
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under ``folder`` with its mtime and bytes."""
+    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _img2dataset_folder(root: Path, make_shards) -> Path:
+    """A folder shaped like img2dataset's output: tars, per-shard .parquet and _stats.json."""
+    import pyarrow as pa
+
+    for i, made in enumerate(make_shards(n_shards=2, per_shard=3, folder=root)):
+        shard = made.rename(root / f"{i:05d}.tar")
+        stem = shard.name[: -len(".tar")]
+        pq.write_table(pa.table({"url": ["https://x/1.jpg"], "key": ["000000000"], "status": ["success"]}), root / f"{stem}.parquet")
+        (root / f"{stem}_stats.json").write_text(json.dumps({"count": 3, "successes": 3}))
+    return root
+
+
+# -- S3 in, S3 out -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_s3_in_s3_out_reads_as_one_dataset_and_resumes_after_kill_9(make_shards, s3_endpoint: str, tmp_path: Path, crash_mid_job) -> None:
+    import pyarrow.dataset as ds
+    import s3fs
+
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint)
+    fs.mkdir("shards")
+    fs.mkdir("weights")
+    for i, path in enumerate(make_shards(n_shards=10, per_shard=4)):
+        fs.put(str(path), f"shards/{i:05d}.tar")
+    opts = ["--storage-option", f"endpoint_url={s3_endpoint}"]
+    cmd = [sys.executable, "-m", "pairclean_workers.cli", "score", "s3://shards/{00000..00009}.tar", "--out", "s3://weights/job", *TINY, *opts]
+    storage = {"endpoint_url": s3_endpoint}
+    crash_mid_job(cmd, OutputDir("s3://weights/job", storage), commits=3)
+    done_before = len(OutputDir("s3://weights/job", storage).committed())
+    assert 3 <= done_before < 10, "the kill should land in the middle of the job"
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert f"{done_before} already done" in rerun.stdout
+    out = OutputDir("s3://weights/job", storage)
+    records = list(out.iter_committed())
+    assert [r.stem for r in records] == [f"{i:05d}" for i in range(10)]
+    for record in records:
+        data = fs.cat_file(f"weights/job/{record.output}")
+        assert len(data) == record.bytes and __import__("hashlib").sha256(data).hexdigest() == record.sha256
+    # every object is a finished file: score tables, sidecars, state; nothing else
+    objects = sorted(p[len("weights/job/"):] for p in fs.find("weights/job"))
+    assert [o for o in objects if not o.startswith("_")] == [f"{i:05d}.parquet" for i in range(10)]
+    assert [o for o in objects if o.startswith("_emb/")] == [f"_emb/{i:05d}.parquet" for i in range(10)]
+    assert schema.MANIFEST_FILE in objects and schema.LOCK_FILE not in objects
+    # OUT on S3 reads as exactly the score tables
+    dataset = ds.dataset("weights/job", filesystem=fs, format="parquet")
+    assert dataset.schema.names == SCORE_COLUMNS and dataset.count_rows() == 40
+
+
+# -- readers ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_out_reads_as_exactly_the_score_tables_in_every_reader(make_shards, tmp_path: Path) -> None:
+    shards = [str(s) for s in make_shards(n_shards=3, per_shard=5)]
+    out = tmp_path / "out"
+    assert main(["score", *shards, "--out", str(out), *TINY]) == 0
+    assert main(["export", str(out)]) == 0  # export files must not disturb readers either
+    import pyarrow.dataset as ds
+
+    dataset = ds.dataset(out)
+    assert dataset.schema.names == SCORE_COLUMNS and dataset.count_rows() == 15
+    assert sorted(Path(f).name for f in dataset.files) == [f"part-{i:05d}.parquet" for i in range(3)]
+    pd = pytest.importorskip("pandas")
+    frame = pd.read_parquet(out)
+    assert list(frame.columns) == SCORE_COLUMNS and len(frame) == 15
+    duckdb = pytest.importorskip("duckdb")
+    rows = duckdb.sql(f"select count(*), count(distinct shard), min(weight) >= 0 from '{out}/*.parquet'").fetchall()
+    assert rows == [(15, 3, True)]
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        from ray.data import DataContext
+
+        DataContext.get_current().enable_progress_bars = False
+        rd = ray.data.read_parquet(str(out))
+        assert rd.schema().names == SCORE_COLUMNS and rd.count() == 15
+    finally:
+        ray.shutdown()
+    # the sidecars read as their own dataset
+    emb = ds.dataset(out / "_emb")
+    assert emb.schema.names == ["key", "image_emb", "text_emb"] and emb.count_rows() == 15
+
+
+# -- other people's files ------------------------------------------------------------------------
+
+
+def test_a_folder_of_other_files_is_refused_and_left_untouched(make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = _img2dataset_folder(tmp_path / "img2dataset", make_shards)
+    before = _snapshot(folder)
+    shards = [str(p) for p in sorted(folder.glob("*.tar"))]
+    for extra in ([], ["--overwrite"]):
+        assert main(["score", *shards, "--out", str(folder), *TINY, *extra]) == 1
+        err = capsys.readouterr().err
+        assert "did not write" in err and "00000.parquet" in err and "Traceback" not in err
+        assert _snapshot(folder) == before
+        assert not (folder / schema.STATE_DIR).exists()
+
+
+def test_overwrite_deletes_only_what_the_job_wrote(make_shards, tmp_path: Path) -> None:
+    shards = [str(s) for s in make_shards(n_shards=3, per_shard=4)]
+    out = tmp_path / "out"
+    assert main(["score", *shards, "--out", str(out), *TINY]) == 0
+    assert main(["export", str(out)]) == 0
+    # a user's files put into the job's folder afterwards
+    (out / "notes.txt").write_text("mine")
+    (out / "_emb" / "mine.parquet").write_bytes(b"PAR1 not really")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"x": [1]}), out / "user-table.parquet")
+    mine = {name: data for name, (_, data) in _snapshot(out).items() if name in ("notes.txt", "_emb/mine.parquet", "user-table.parquet")}
+    # a leftover of a crashed attempt: a score table with no completion record
+    stray = out / "part-00009.parquet"
+    stray.write_bytes((out / "part-00002.parquet").read_bytes())
+    assert main(["score", *shards[:2], "--out", str(out), *TINY, "--weighting", "reference", "--overwrite"]) == 0
+    left = _snapshot(out)
+    assert {name: left[name][1] for name in mine} == mine  # untouched
+    assert "part-00002.parquet" not in left and "_emb/part-00002.parquet" not in left  # the old job's shard
+    assert "part-00009.parquet" not in left  # its metadata named the old job as writer
+    assert not any(name.startswith(schema.EXPORT_DIR) for name in left)  # the old job's exports
+    assert [r.stem for r in OutputDir(str(out)).iter_committed()] == ["part-00000", "part-00001"]
+
+
+def test_a_foreign_file_in_the_way_of_a_shard_is_kept_and_the_shard_fails(make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shards = [str(s) for s in make_shards(n_shards=2, per_shard=3)]
+    out = tmp_path / "out"
+    assert main(["score", *shards, "--out", str(out), *TINY]) == 0
+    # Shard 1 is uncommitted again (as after a crash), and a user's file took its name.
+    out_dir = OutputDir(str(out))
+    out_dir.replace_records([r for r in out_dir.iter_committed() if r.stem == "part-00000"])
+    (out / "part-00001.parquet").write_bytes(b"user data")
+    capsys.readouterr()
+    assert main(["score", *shards, "--out", str(out), *TINY, "--max-failed-fraction", "0.6"]) == 4  # PARTIAL
+    assert (out / "part-00001.parquet").read_bytes() == b"user data"
+    assert "not written by pairclean" in capsys.readouterr().err
+    assert list(OutputDir(str(out)).quarantined()) == ["part-00001"]
+
+
+# -- one run per output ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_second_run_is_refused_while_the_first_lives_and_takes_over_after_kill_9(make_shards, tmp_path: Path) -> None:
+    shards = make_shards(n_shards=6, per_shard=24)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "pairclean_workers.cli", "score", str(shards[0].parent / "part-{00000..00005}.tar"), "--out", str(out), *TINY]
+    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not (out / schema.LOCK_FILE).exists() and time.time() < deadline:
+            time.sleep(0.05)
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 1
+        assert "in use by another pairclean run" in second.stderr and f"pid {first.pid}" in second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    # the holder is dead (same host, no such process): the lock is taken over at once
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert sorted(r.stem for r in OutputDir(str(out)).iter_committed()) == [f"part-{i:05d}" for i in range(6)]
+    assert not (out / schema.LOCK_FILE).exists()
