@@ -43,11 +43,14 @@ class _Timer:
         raise RuntimeError(error)
 
 
-def timed_run(spec: Any, out: Path, make_source: Callable[[], Any]) -> tuple[float, int]:
-    """Run a job; returns (pairs/s of the scoring loop, pairs)."""
+def timed_run(spec: Any, out: Path, make_source: Callable[[Any], Any]) -> tuple[float, int, Any]:
+    """Run a job into ``out``; ``make_source(output_dir)`` builds the source. Returns
+    (pairs/s of the scoring loop, pairs, the job report)."""
     from pairclean.job import OutputDir
+
     from pairclean.runner import run_job
 
     timer = _Timer()
-    report = run_job(spec, OutputDir(str(out)), make_source, progress=timer)
-    return report.pairs / (timer.last - timer.first), report.pairs
+    folder = OutputDir(str(out))
+    report = run_job(spec, folder, lambda: make_source(folder), progress=timer)
+    return report.pairs / (timer.last - timer.first), report.pairs, report

@@ -7,6 +7,10 @@ Prints JSON lines:
   seconds and the peak RSS of the whole process tree (driver, raylet, actors).
 - ``memory``: peak RSS of the Ray path for a small and a 20x larger job (tiny model, so the
   run stays short; streaming does not depend on the model): flat means bounded.
+- ``driver_cost``: what the driver spends per committed shard in the scoring phase (CPU
+  seconds of the whole driver process, Ray's client threads included, and the pickled
+  bytes of the record it receives) for small and 16x larger shards: it must not grow with
+  the shard (goal: under 10 kB and 5 ms per shard).
 - ``gpu``: pairs/s per GPU, model alone and end to end, when a CUDA device is present.
 
     python benchmarks/ray_bench.py [--pairs 1024] [--per-shard 256] [--model pairclean-lite]
@@ -79,13 +83,16 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--model", default="pairclean-lite")
     parser.add_argument("--memory-pairs", type=int, nargs=2, default=[1000, 20000])
+    parser.add_argument("--driver-shards", type=int, default=48, help="shards per driver-cost run")
+    parser.add_argument("--driver-shard-sizes", type=int, nargs="+", default=[32, 512], help="pairs per shard in the driver-cost runs")
     args = parser.parse_args()
 
     import ray
     import torch
 
     from pairclean.estimators import EstimatorSpec, load_estimator
-    from pairclean.runner import LocalSource, random_beta_fn, score_options
+    from pairclean.runner import LocalSource, score_options
+    from pairclean.work import random_beta_fn
     from pairclean_workers.ray_exec import RayOptions, RaySource
 
     threads = os.cpu_count() or 1
@@ -96,14 +103,13 @@ def main() -> None:
         spec = bench_spec(shards, args.model, args.batch_size)
         estimator = load_estimator(est_spec)
         random_beta_fn(estimator, 256, 0)()  # cached for both paths
-        local = LocalSource(estimator, score_options(spec))
-        local_rate, pairs = timed_run(spec, Path(tmp) / "local", lambda src=local: src)
-        del local, estimator  # free the in-process model before Ray's actors load theirs
+        local_rate, pairs, _ = timed_run(spec, Path(tmp) / "local", lambda out: LocalSource(estimator, spec, out, score_options(spec)))
+        del estimator  # free the in-process model before Ray's actors load theirs
         t0 = time.perf_counter()
         ray.init(include_dashboard=False, log_to_driver=False)
         startup = time.perf_counter() - t0
         with PeakRss() as rss:
-            ray_rate, _ = timed_run(spec, Path(tmp) / "ray", lambda: RaySource(est_spec, score_options(spec), RayOptions()))
+            ray_rate, _, _ = timed_run(spec, Path(tmp) / "ray", lambda out: RaySource(est_spec, spec, out, score_options(spec), RayOptions()))
         print(json.dumps({
             "benchmark": "ray_vs_local", "model": args.model, "pairs": pairs, "cpus": threads,
             "local_pairs_per_s": round(local_rate, 2), "ray_pairs_per_s": round(ray_rate, 2),
@@ -116,17 +122,35 @@ def main() -> None:
             mem_shards = build_shards(Path(tmp) / f"m{n}", n, 500)
             mspec = bench_spec(mem_shards, "pairclean-tiny-test", args.batch_size)
             with PeakRss() as rss:
-                timed_run(mspec, Path(tmp) / f"mo{n}", lambda: RaySource(tiny, score_options(mspec), RayOptions()))
+                timed_run(mspec, Path(tmp) / f"mo{n}", lambda out, ms=mspec: RaySource(tiny, ms, out, score_options(ms), RayOptions()))
             peaks.append(rss.peak / 2**30)
         print(json.dumps({
             "benchmark": "memory", "pairs": args.memory_pairs, "peak_rss_gb": [round(p, 2) for p in peaks],
             "ratio_large_to_small": round(peaks[1] / peaks[0], 3),
         }), flush=True)
+        for per_shard in args.driver_shard_sizes:
+            print(json.dumps(_driver_cost(Path(tmp), tiny, per_shard, args.driver_shards, args.batch_size)), flush=True)
         ray.shutdown()
         if torch.cuda.is_available():
             print(json.dumps(_gpu(est_spec, shards, spec)), flush=True)
         else:
             print(json.dumps({"benchmark": "gpu", "skipped": "no CUDA device on this machine"}), flush=True)
+
+
+def _driver_cost(tmp: Path, tiny, per_shard: int, n_shards: int, batch_size: int) -> dict:
+    """Driver CPU ms and record bytes per committed shard (tiny model: the driver's cost
+    does not depend on the model, and a fast model makes the driver's share the largest)."""
+    from pairclean.runner import score_options
+    from pairclean_workers.ray_exec import RayOptions, RaySource
+
+    shards = build_shards(tmp / f"d{per_shard}", per_shard * n_shards, per_shard)
+    spec = bench_spec(shards, "pairclean-tiny-test", batch_size)
+    _, pairs, report = timed_run(spec, tmp / f"do{per_shard}", lambda out: RaySource(tiny, spec, out, score_options(spec), RayOptions()))
+    cost = report.driver.per_shard()
+    return {
+        "benchmark": "driver_cost", "pairs_per_shard": per_shard, "shards": report.driver.shards,
+        "driver_cpu_ms_per_shard": round(cost["cpu_ms_per_shard"], 3), "record_bytes_per_shard": round(cost["bytes_per_shard"]),
+    }
 
 
 def _gpu(est_spec, shards: list[str], spec) -> dict:
@@ -154,7 +178,7 @@ def _gpu(est_spec, shards: list[str], spec) -> dict:
     torch.cuda.synchronize()
     model_rate = len(texts) / (time.perf_counter() - t0)
     with tempfile.TemporaryDirectory() as tmp:
-        e2e, _ = timed_run(spec, Path(tmp), lambda: LocalSource(est, score_options(spec)))
+        e2e, _, _ = timed_run(spec, Path(tmp), lambda out: LocalSource(est, spec, out, score_options(spec)))
     return {"benchmark": "gpu", "device": torch.cuda.get_device_name(0), "model_pairs_per_s": round(model_rate, 1), "end_to_end_pairs_per_s": round(e2e, 1)}
 
 

@@ -68,7 +68,8 @@ def main() -> None:
     import torch
 
     from pairclean.estimators import EstimatorSpec, load_estimator
-    from pairclean.runner import LocalSource, random_beta_fn, score_options
+    from pairclean.runner import LocalSource, score_options
+    from pairclean.work import random_beta_fn
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -78,7 +79,7 @@ def main() -> None:
         spec = bench_spec(shards, args.model, args.batch_size, args.precision)
         random_beta_fn(estimator, 256, 0)()  # beta computed (and cached) before timing the loop
         estimator.encode_images(torch.zeros((2, 3, estimator.image_size, estimator.image_size)))
-        command, pairs = timed_run(spec, Path(tmp) / "out", lambda: LocalSource(estimator, score_options(spec)))
+        command, pairs, _ = timed_run(spec, Path(tmp) / "out", lambda out: LocalSource(estimator, spec, out, score_options(spec)))
         wall_s = time.perf_counter() - t_wall
         bare = _bare(estimator, shards, args.batch_size)
     print(json.dumps({

@@ -7,7 +7,7 @@ Layout of ``OUT/`` (any fsspec location, see ``pairclean.storage``)::
     _pairclean/job.json               the frozen spec and the expanded shard list
     _pairclean/calibration.json       beta (value, recipe, K, seed) and weighting parameters
     _pairclean/completions/<stem>.json  one small record per committed shard: the commit point
-    _pairclean/manifest.parquet       compacted completion records (rewritten periodically)
+    _pairclean/manifest/<seq>.parquet  compacted completion records, in a few segments
     _pairclean/failed/<stem>.json     shards that kept failing, with their error
     _pairclean/lock.json              the running job's lock and heartbeat
     _pairclean/exports.json           names written by ``pairclean export``
@@ -46,10 +46,15 @@ __all__ = [
     "OutputDir",
 ]
 
-#: Completion records since the last compaction that trigger a new compaction.
-COMPACT_EVERY = 1000
+#: Completion records since the last compaction that trigger a new compaction. Resuming
+#: reads at most this many single records, so it stays small.
+COMPACT_EVERY = 200
 #: ... or this many seconds since the last one, whichever comes first.
 COMPACT_SECONDS = 120.0
+#: Manifest segments that trigger a merge into one. Each compaction writes only its new
+#: records (cost O(COMPACT_EVERY)); a merge rewrites everything (O(shards)) but only once
+#: every MAX_SEGMENTS compactions, and resuming reads at most MAX_SEGMENTS + 1 segments.
+MAX_SEGMENTS = 32
 
 
 @dataclass(frozen=True)
@@ -192,8 +197,10 @@ class OutputDir:
     def __init__(self, uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
         self.store = Store(uri, storage_options)
         self.uri = self.store.url()
-        # The compacted manifest as last read or written, and records committed since.
+        # The compacted manifest as last read or written (records and segment names), and
+        # records committed since.
         self._compacted: dict[str, ShardRecord] | None = None
+        self._segments: list[str] = []
         self._pending: dict[str, ShardRecord] = {}
         self._failed_stems: set[str] | None = None
         self._last_compaction = time.monotonic()
@@ -284,7 +291,8 @@ class OutputDir:
         exports = self.store.get(schema.EXPORTS_FILE)
         if exports is not None:
             names += list(json.loads(exports).get("written", [])) + [schema.EXPORTS_FILE]
-        names += [schema.MANIFEST_FILE, schema.CALIBRATION_FILE, schema.JOB_FILE]
+        names += [f"{schema.MANIFEST_DIR}/{n}" for n in self.store.list(schema.MANIFEST_DIR)]
+        names += [schema.CALIBRATION_FILE, schema.JOB_FILE]
         removed = [n for n in names if self.store.rm(n)]
         self._compacted, self._pending, self._failed_stems = {}, {}, set()
         return removed
@@ -339,10 +347,11 @@ class OutputDir:
 
     # -- completion records (written by the driver) ---------------------------------------
     def committed(self) -> dict[str, ShardRecord]:
-        """Committed shards by stem: the compacted manifest plus the records since.
+        """Committed shards by stem: the manifest segments plus the records since.
 
-        Costs one read of the manifest and a listing of the completions written since the
-        last compaction (at most about ``COMPACT_EVERY``), whatever the job's size.
+        Costs a listing and read of at most ``MAX_SEGMENTS + 1`` segments and of the
+        completion records written since the last compaction (at most about
+        ``COMPACT_EVERY``), whatever the job's size.
         """
         compacted = self._read_manifest()
         names = self.store.list(schema.COMPLETIONS_DIR)
@@ -356,15 +365,18 @@ class OutputDir:
         return {**compacted, **self._pending}
 
     def _read_manifest(self) -> dict[str, ShardRecord]:
-        data = self.store.get(schema.MANIFEST_FILE)
-        if data is None:
-            self._compacted = {}
-        else:
-            import pyarrow.parquet as pq
+        import pyarrow.parquet as pq
 
-            table = pq.read_table(pa.BufferReader(data))
-            self._compacted = {r.stem: r for r in _table_records(table)}
-        return self._compacted
+        segments = sorted(n for n in self.store.list(schema.MANIFEST_DIR) if n.endswith(".parquet"))
+        if self._compacted is not None and segments == self._segments:
+            return self._compacted  # nothing new since the last look
+        records: dict[str, ShardRecord] = {}
+        # Later segments win: a merge that crashed before deleting leaves duplicates only.
+        for data in self._get_many([f"{schema.MANIFEST_DIR}/{n}" for n in segments]):
+            if data is not None:
+                records.update((r.stem, r) for r in _table_records(pq.read_table(pa.BufferReader(data))))
+        self._compacted, self._segments = records, segments
+        return records
 
     def _get_many(self, names: list[str]) -> list[bytes | None]:
         if not names:
@@ -376,9 +388,18 @@ class OutputDir:
         got = self.store.fs.cat(paths, on_error="omit")
         return [got.get(p) for p in paths]
 
+    def _rm_many(self, names: list[str]) -> None:
+        if not names:
+            return
+        if self.store.local:
+            for name in names:
+                self.store.rm(name)
+        else:
+            self.store.fs.rm([self.store.path(n) for n in names])  # batched deletes
+
     def record_completion(self, record: ShardRecord) -> None:
         """Commit a shard: write its completion record, clear a failure record, and compact
-        the manifest every ``COMPACT_EVERY`` records or ``COMPACT_SECONDS`` seconds."""
+        every ``COMPACT_EVERY`` records or ``COMPACT_SECONDS`` seconds."""
         self.store.put(f"{schema.COMPLETIONS_DIR}/{record.stem}.json", json.dumps(record.to_json(), sort_keys=True).encode())
         self._pending[record.stem] = record
         if self._failed_stems is None:
@@ -390,37 +411,42 @@ class OutputDir:
             self.compact()
 
     def compact(self) -> int:
-        """Fold the completion records into ``manifest.parquet``, then delete those records.
+        """Fold the completion records into a new manifest segment, then delete them; merge
+        the segments into one when there are more than ``MAX_SEGMENTS``.
 
-        Crash-safe: the manifest is written (atomically) before any record is deleted, and
-        a record that is also in the manifest is a harmless duplicate. Returns the rows.
+        Crash-safe: a segment is written (whole) before anything it replaces is deleted, and
+        a record that is also in a segment is a harmless duplicate. Returns the rows.
         """
-        if self._compacted is None:
-            self._read_manifest()
-        assert self._compacted is not None
-        if not self._pending:
-            self._last_compaction = time.monotonic()
-            return len(self._compacted)
-        merged = {**self._compacted, **self._pending}
-        self.store.put_parquet(schema.MANIFEST_FILE, _records_table([merged[s] for s in sorted(merged)]))
-        done = [f"{schema.COMPLETIONS_DIR}/{s}.json" for s in self._pending]
-        if self.store.local:
-            for name in done:
-                self.store.rm(name)
-        else:
-            self.store.fs.rm([self.store.path(n) for n in done])
-        self._compacted, self._pending = merged, {}
+        compacted = self._read_manifest()
         self._last_compaction = time.monotonic()
+        if not self._pending:
+            return len(compacted)
+        pending, merged = self._pending, {**compacted, **self._pending}
+        if len(self._segments) + 1 > MAX_SEGMENTS:
+            written, replaced = self._write_segment(merged), list(self._segments)
+        else:
+            written, replaced = self._write_segment(pending), []
+        self._rm_many([f"{schema.COMPLETIONS_DIR}/{s}.json" for s in pending])
+        self._rm_many([f"{schema.MANIFEST_DIR}/{n}" for n in replaced])
+        self._segments = sorted(set(self._segments) - set(replaced) | {written})
+        self._compacted, self._pending = merged, {}
         return len(merged)
 
+    def _write_segment(self, records: Mapping[str, ShardRecord]) -> str:
+        last = max((int(n.split(".")[0]) for n in self._segments), default=-1)
+        name = f"{last + 1:08d}.parquet"
+        self.store.put_parquet(f"{schema.MANIFEST_DIR}/{name}", _records_table([records[s] for s in sorted(records)]))
+        return name
+
     def replace_records(self, records: list[ShardRecord]) -> None:
-        """Rewrite the manifest with ``records`` (e.g. new checksums after a rescore)."""
+        """Rewrite the manifest as exactly ``records`` (e.g. new checksums after a rescore)."""
         self.committed()
-        self._pending = {}
-        self._compacted = {r.stem: r for r in records}
-        self.store.put_parquet(schema.MANIFEST_FILE, _records_table(sorted(records, key=lambda r: r.stem)))
-        for name in self.store.list(schema.COMPLETIONS_DIR):
-            self.store.rm(f"{schema.COMPLETIONS_DIR}/{name}")
+        old = list(self._segments)
+        name = self._write_segment({r.stem: r for r in records})
+        self._rm_many([f"{schema.COMPLETIONS_DIR}/{n}" for n in self.store.list(schema.COMPLETIONS_DIR)])
+        self._rm_many([f"{schema.MANIFEST_DIR}/{n}" for n in old])
+        self._segments = [name]
+        self._compacted, self._pending = {r.stem: r for r in records}, {}
 
     # -- failures -------------------------------------------------------------------------
     def quarantined(self) -> dict[str, dict[str, Any]]:

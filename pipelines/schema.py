@@ -33,7 +33,7 @@ __all__ = [
     "EMB_DIR",
     "JOB_FILE",
     "CALIBRATION_FILE",
-    "MANIFEST_FILE",
+    "MANIFEST_DIR",
     "COMPLETIONS_DIR",
     "FAILED_DIR",
     "LOCK_FILE",
@@ -81,7 +81,7 @@ EMB_DIR: Final = "_emb"
 EXPORT_DIR: Final = "_export"
 JOB_FILE: Final = f"{STATE_DIR}/job.json"
 CALIBRATION_FILE: Final = f"{STATE_DIR}/calibration.json"
-MANIFEST_FILE: Final = f"{STATE_DIR}/manifest.parquet"
+MANIFEST_DIR: Final = f"{STATE_DIR}/manifest"
 COMPLETIONS_DIR: Final = f"{STATE_DIR}/completions"
 FAILED_DIR: Final = f"{STATE_DIR}/failed"
 LOCK_FILE: Final = f"{STATE_DIR}/lock.json"
