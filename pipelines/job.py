@@ -243,7 +243,14 @@ class OutputDir:
         """
         if self.store.exists(schema.JOB_FILE):
             return
-        foreign = [name for name in self.store.list() if name != schema.STATE_DIR]
+        entries = self.store.list()
+        if "_job.json" in entries and "_manifest.jsonl" in entries:
+            raise ForeignOutputError(
+                f"output {self.uri} was written by an earlier pairclean with the old layout (_job.json, "
+                "_manifest.jsonl beside the tables); it is left as it is: score into a new folder",
+                uri=self.uri,
+            )
+        foreign = [name for name in entries if name != schema.STATE_DIR]
         if foreign:
             shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
             raise ForeignOutputError(

@@ -1,7 +1,7 @@
 """OSA, one-step anti-noise scoring (seed 004), as pure functions over arrays.
 
 Notation: ``s`` is the cosine of an L2-normalised image embedding and text embedding;
-``beta`` the space shift; ``d = s - beta``. See ``shared/docs/methods.md``.
+``beta`` the space shift; ``d = s - beta``. See ``docs/methods.md``.
 
 Beta recipes (how ``beta`` is measured):
 

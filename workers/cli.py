@@ -41,6 +41,11 @@ def _add_estimator_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
 
+def _add_storage_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="fsspec option for remote shards and outputs, e.g. endpoint_url=http://... (repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every sub-command."""
     from pairclean import osa
@@ -66,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--embeddings", action=argparse.BooleanOptionalAction, default=True, help="write the embedding sidecars OUT/_emb/<shard>.parquet")
     score.add_argument("--overwrite", action="store_true", help="delete what this job wrote into --out earlier (only files its records list) and start over")
     score.add_argument("--max-failed-fraction", type=float, default=0.05, help="a job with at most this fraction of failed shards ends PARTIAL, not FAILED")
-    score.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", help="fsspec option for remote shards and outputs, e.g. endpoint_url=http://... (repeatable)")
+    _add_storage_arg(score)
     score.add_argument("--lock-ttl", type=float, default=None, help="seconds without a heartbeat after which a crashed run's lock on --out is taken over (default 60, or $PAIRCLEAN_LOCK_TTL_S)")
     score.add_argument("--no-progress", action="store_true")
     ray_group = score.add_argument_group("execution")
@@ -83,14 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
     rescore.add_argument("--weighting", required=True, choices=osa.WEIGHTINGS)
     rescore.add_argument("--beta-k", type=int, default=None)
     rescore.add_argument("--device", default="auto")
+    _add_storage_arg(rescore)
 
     inspect = sub.add_parser("inspect", help="print pairs, status counts, noise-rate estimate, weight histogram")
     inspect.add_argument("out")
     inspect.add_argument("--rows", type=int, default=10)
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_storage_arg(inspect)
 
     export = sub.add_parser("export", help="write sizes.json, shard_weights.json and datacomp_keep.npy into OUT/_export/")
     export.add_argument("out")
+    _add_storage_arg(export)
 
     demo = sub.add_parser("demo", help="score the bundled sample and show the swapped captions")
     demo.add_argument("--out", default="demo-out")
@@ -230,7 +238,7 @@ def cmd_rescore(args: argparse.Namespace) -> int:
         est = load_estimator(EstimatorSpec(spec.model, spec.checkpoint, spec.pretrained, spec.precision, args.device))
         return random_beta_fn(est, spec.beta_k, spec.seed)()
 
-    cal = rescore(OutputDir(args.out), beta_recipe=args.beta_recipe, weighting=args.weighting, beta_k=args.beta_k, random_beta=random_beta)
+    cal = rescore(OutputDir(args.out, _storage_options(args.storage_option)), beta_recipe=args.beta_recipe, weighting=args.weighting, beta_k=args.beta_k, random_beta=random_beta)
     print(f"rescored {args.out}: beta {cal.beta:+.4f} ({cal.recipe}), weighting {cal.weighting}")
     return EXIT_OK
 
@@ -242,7 +250,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from pairclean.job import OutputDir
     from pairclean.report import format_summary, summarize
 
-    summary = summarize(OutputDir(args.out), rows=args.rows)
+    summary = summarize(OutputDir(args.out, _storage_options(args.storage_option)), rows=args.rows)
     print(json.dumps(asdict(summary), default=str) if args.json else format_summary(summary))
     return EXIT_OK
 
@@ -252,7 +260,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from pairclean.exports import write_exports
     from pairclean.job import OutputDir
 
-    for name, path in write_exports(OutputDir(args.out)).items():
+    for name, path in write_exports(OutputDir(args.out, _storage_options(args.storage_option))).items():
         print(f"wrote {name}: {path}")
     return EXIT_OK
 
