@@ -105,18 +105,27 @@ class LocalSource:
 
 @dataclass
 class DriverCost:
-    """What the driver spent on bookkeeping in the scoring phase: CPU seconds of the whole
-    driver process (all its threads, Ray's client included) and the pickled bytes of the
-    records it received."""
+    """What the driver spent in the scoring phase.
+
+    ``commit_cpu_s``: CPU seconds of the driver's job loop handling records (receiving,
+    writing completion records, compacting): the per-shard cost. ``process_cpu_s`` and
+    ``wall_s``: the whole driver process (Ray's client threads and the lock heartbeat
+    included), which costs per second of wall time, not per shard. ``record_bytes``: the
+    pickled size of the records received.
+    """
 
     shards: int = 0
-    cpu_s: float = 0.0
+    commit_cpu_s: float = 0.0
+    process_cpu_s: float = 0.0
+    wall_s: float = 0.0
     record_bytes: int = 0
 
     def per_shard(self) -> dict[str, float]:
-        """Mean CPU milliseconds and record bytes per committed shard."""
+        """Mean commit CPU milliseconds and record bytes per committed shard, and the
+        whole process's CPU use as a fraction of one core."""
         n = max(1, self.shards)
-        return {"cpu_ms_per_shard": 1000 * self.cpu_s / n, "bytes_per_shard": self.record_bytes / n}
+        return {"cpu_ms_per_shard": 1000 * self.commit_cpu_s / n, "bytes_per_shard": self.record_bytes / n,
+                "process_cpu_fraction": self.process_cpu_s / max(self.wall_s, 1e-9)}
 
 
 @dataclass
@@ -244,10 +253,14 @@ def _run(spec: JobSpec, out: OutputDir, stems: dict[str, str], make_source: Call
 def _score_phase(source: ShardSource, todo: list[str], calibration: Calibration, recorder: _Recorder, report: JobReport) -> None:
     import pickle
 
-    cpu0 = time.process_time()
+    cost = report.driver
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     for outcome in source.results(todo, calibration):
+        t0 = time.thread_time()
         recorder.add(outcome)
+        cost.commit_cpu_s += time.thread_time() - t0
         if outcome.record is not None:
-            report.driver.shards += 1
-            report.driver.record_bytes += len(pickle.dumps(outcome, protocol=5))
-    report.driver.cpu_s += time.process_time() - cpu0
+            cost.shards += 1
+            cost.record_bytes += len(pickle.dumps(outcome, protocol=5))
+    cost.process_cpu_s += time.process_time() - cpu0
+    cost.wall_s += time.perf_counter() - wall0

@@ -8,7 +8,8 @@ imported here). ``import pairclean.sampler`` is safe in any training environment
 - ``weight_stage`` is a WebDataset pipeline stage (a function from an iterator of samples
   to an iterator of samples): mode ``loss`` adds ``sample["weight"]``, ``sample`` keeps a
   sample with probability ``min(1, w / w_cap)`` (seeded, deterministic per rank), ``keep``
-  drops pairs flagged noisy.
+  drops pairs flagged noisy, ``pseudo`` replaces a noisy pair's caption and weight by its
+  RCSL pseudo-caption (``pairclean.pseudo.PseudoCaptions``, from ``pairclean pseudo-pair``).
 - ``WeightedSampler`` draws indices of a map-style dataset in proportion to weights, for
   any number of weights (no 2^24 limit), each rank its own slice, reseeded by ``set_epoch``.
 """
@@ -28,7 +29,7 @@ from numpy.typing import NDArray
 
 __all__ = ["MISSING_POLICIES", "MODES", "WeightStore", "weight_stage", "WeightedSampler"]
 
-MODES = ("loss", "sample", "keep")
+MODES = ("loss", "sample", "keep", "pseudo")
 MISSING_POLICIES = ("error", "skip", "default")
 _CHUNK = 1 << 20  # weights processed per chunk: bounds temporary memory
 
@@ -90,6 +91,7 @@ class _StageConfig:
     default: float
     seed: int
     rank: int
+    pseudo: Any = None  # a PseudoCaptions in mode "pseudo"
 
 
 def weight_stage(
@@ -101,12 +103,16 @@ def weight_stage(
     default: float = 1.0,
     seed: int = 0,
     rank: int = 0,
+    pseudo: Any = None,
 ) -> Callable[[Iterable[dict[str, Any]]], Iterator[dict[str, Any]]]:
     """A WebDataset stage joining pairclean weights by ``__key__`` (and ``__url__``'s shard).
 
     Use as ``wds.WebDataset(urls).compose(weight_stage(out, "sample"))`` or as a stage of
     ``wds.DataPipeline``. ``missing``: ``error`` raises ``KeyError``, ``skip`` drops the
-    sample, ``default`` uses ``default`` as its weight (and counts it as clean).
+    sample, ``default`` uses ``default`` as its weight (and counts it as clean). Mode
+    ``pseudo``: like ``loss``, but a noisy pair with a pseudo-pair gets the pseudo-caption
+    (same field, e.g. ``txt``) and its weight, and ``sample["pseudo"] = True``; ``pseudo``
+    is a ``PseudoCaptions`` (default: one over ``output_dir``).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -115,7 +121,11 @@ def weight_stage(
     if w_cap <= 0:
         raise ValueError("w_cap must be positive")
     store = WeightStore(output_dir)
-    cfg = _StageConfig(mode, w_cap, missing, default, seed, rank)
+    if mode == "pseudo" and pseudo is None:
+        from .pseudo import PseudoCaptions
+
+        pseudo = PseudoCaptions(output_dir)
+    cfg = _StageConfig(mode, w_cap, missing, default, seed, rank, pseudo)
 
     def stage(samples: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         for sample in samples:
@@ -141,6 +151,8 @@ def _apply(sample: dict[str, Any], store: WeightStore, cfg: _StageConfig) -> dic
     if cfg.mode == "sample":
         return sample if _unit_hash(cfg.seed, cfg.rank, url, key) < min(1.0, weight / cfg.w_cap) else None
     sample["weight"] = weight
+    if cfg.mode == "pseudo":
+        sample["pseudo"] = bool(noisy) and cfg.pseudo.substitute(sample, url, key)
     return sample
 
 

@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pairclean_workers.train_cli import add_train_parser
 
     add_train_parser(sub)
+    from pairclean_workers.pseudo_cli import add_pseudo_parser
+
+    add_pseudo_parser(sub)
     return parser
 
 
@@ -310,9 +313,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from pairclean_workers.pseudo_cli import cmd_pseudo_pair
     from pairclean_workers.train_cli import cmd_train_lite
 
-    handler = {**COMMANDS, "train-lite": cmd_train_lite}[args.command]
+    handler = {**COMMANDS, "train-lite": cmd_train_lite, "pseudo-pair": cmd_pseudo_pair}[args.command]
     try:
         return handler(args)
     except PaircleanError as exc:

@@ -1,0 +1,233 @@
+"""Nearest-neighbour search for pseudo-pairing (RCSL, docs/methods.md): which FAISS index,
+how to build it with bounded memory, and chunked top-k search.
+
+Inner product on L2-normalised vectors is cosine. Index choice by pool size:
+
+- ``flat`` (exact) up to ``FLAT_MAX`` vectors: a full scan per query, which is
+  O(n^2 d) over the pool, about 10 s per direction at 50,000 x 512 on 2 cores;
+- ``ivf`` (IVF-Flat: exact distances inside the probed cells) up to ``IVF_MAX``;
+- ``ivfpq`` above: product-quantised codes (``d / PQ_DIM_PER_CODE`` bytes a vector) so the
+  index of hundreds of millions of vectors fits in memory. PQ distances are coarse, so
+  ``search`` takes ``refine_k`` candidates and re-ranks them by exact inner product with
+  the stored vectors (FAISS's IndexRefine does the same, but would keep a float32 copy of
+  every vector in memory; ours may be a float16 memmap).
+
+``nlist`` is the power of two nearest ``4 sqrt(n)`` (FAISS's guideline is 4-16 sqrt(n));
+``nprobe`` is ``nlist / 64`` (at least 8), which kept recall@1 against exact search above
+0.95 on the 1,000,000-vector benchmark (``benchmarks/pseudo_bench.py``). Every parameter
+is recorded in ``IndexPlan`` and, through it, in the output's metadata.
+
+Vectors are added and queried in chunks of ``chunk`` rows, converted to float32 one chunk
+at a time, so the only O(n) memory is the index itself (plus the caller's vectors, which
+may be a ``numpy.memmap``). k-means training uses a seeded sample of at most
+``TRAIN_PER_LIST * nlist`` vectors.
+
+GPU: with the ``faiss-gpu`` extra installed (instead of ``faiss-cpu``: the two cannot share
+a virtualenv) and ``faiss.get_num_gpus() > 0``, the built index is moved to all GPUs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Final
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .errors import InputError
+
+__all__ = [
+    "INDEX_KINDS",
+    "FLAT_MAX",
+    "IVF_MAX",
+    "IndexPlan",
+    "choose_index",
+    "build_index",
+    "search",
+    "gpu_count",
+]
+
+INDEX_KINDS: Final = ("auto", "flat", "ivf", "ivfpq")
+#: Largest pool searched exactly when ``kind="auto"``.
+FLAT_MAX: Final = 50_000
+#: Largest pool put into an IVF-Flat index (float32 vectors: 2 GB at 1M x 512) when
+#: ``kind="auto"``; above it IVF-PQ codes keep the index small.
+IVF_MAX: Final = 5_000_000
+#: Training vectors per inverted list (FAISS warns below 39).
+TRAIN_PER_LIST: Final = 48
+#: Dimensions per PQ sub-quantizer byte (8: 64 bytes per 512-d vector).
+PQ_DIM_PER_CODE: Final = 8
+#: IVF-PQ candidates re-ranked exactly per query.
+REFINE_K: Final = 64
+#: Rows converted to float32 and handed to FAISS at once.
+DEFAULT_CHUNK: Final = 65_536
+
+
+@dataclass(frozen=True)
+class IndexPlan:
+    """What index to build, with every parameter that decides its results.
+
+    ``kind``: flat | ivf | ivfpq; ``nlist``/``nprobe``: inverted lists and lists probed
+    per query (ivf, ivfpq); ``pq_m``/``pq_bits``: PQ sub-quantizers and bits each
+    (ivfpq); ``train_size``: vectors k-means trains on; ``seed``: training sample and
+    k-means seed; ``device``: cpu or gpu (filled by ``build_index``).
+    """
+
+    kind: str
+    n: int
+    dim: int
+    nlist: int | None = None
+    nprobe: int | None = None
+    pq_m: int | None = None
+    pq_bits: int | None = None
+    train_size: int | None = None
+    refine_k: int | None = None
+    seed: int = 0
+    device: str = "cpu"
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dict."""
+        return asdict(self)
+
+
+def _pow2_near(x: float) -> int:
+    return int(2 ** round(math.log2(max(x, 1.0))))
+
+
+def choose_index(n: int, dim: int, kind: str = "auto", seed: int = 0, nprobe: int | None = None) -> IndexPlan:
+    """The index for a pool of ``n`` vectors of ``dim`` dimensions.
+
+    ``kind="auto"`` picks by size (see the module docstring); an explicit kind is honoured
+    except that IVF on fewer vectors than one list per ``TRAIN_PER_LIST`` falls back to
+    fewer lists (k-means needs data). Raises ``InputError`` for an unknown kind or n < 1.
+    """
+    if kind not in INDEX_KINDS:
+        raise InputError(f"unknown index {kind!r}; choose one of {', '.join(INDEX_KINDS)}")
+    if n < 1:
+        raise InputError("cannot build an index over an empty pool")
+    if kind == "auto":
+        kind = "flat" if n <= FLAT_MAX else "ivf" if n <= IVF_MAX else "ivfpq"
+    if kind == "flat":
+        return IndexPlan("flat", n, dim, seed=seed)
+    # Lists: ~4 sqrt(n), but never so many that a list gets fewer than TRAIN_PER_LIST points.
+    nlist = max(1, min(_pow2_near(4 * math.sqrt(n)), 65_536, n // TRAIN_PER_LIST or 1))
+    probe = nprobe if nprobe is not None else min(nlist, max(8, nlist // 64))
+    train = min(n, TRAIN_PER_LIST * nlist)
+    plan = IndexPlan(kind, n, dim, nlist=nlist, nprobe=min(probe, nlist), train_size=train, seed=seed)
+    if kind == "ivfpq":
+        m = _pq_m(dim)
+        # PQ with 2^bits centroids needs training points for each; shrink bits on tiny pools.
+        bits = 8 if train >= 256 * 39 else max(1, int(math.log2(max(2, train // 39))))
+        plan = replace(plan, pq_m=m, pq_bits=bits, refine_k=REFINE_K)
+    return plan
+
+
+def _pq_m(dim: int) -> int:
+    """The largest divisor of ``dim`` not above ``dim / PQ_DIM_PER_CODE`` (PQ needs m | d)."""
+    target = max(1, dim // PQ_DIM_PER_CODE)
+    return next(m for m in range(target, 0, -1) if dim % m == 0)
+
+
+def gpu_count() -> int:
+    """GPUs FAISS can use here (0 with ``faiss-cpu``)."""
+    import faiss
+
+    get = getattr(faiss, "get_num_gpus", None)
+    return int(get()) if get is not None else 0
+
+
+def _f32(rows: NDArray[Any]) -> NDArray[np.float32]:
+    return np.ascontiguousarray(rows, dtype=np.float32)
+
+
+def _train_sample(vectors: NDArray[Any], size: int, seed: int) -> NDArray[np.float32]:
+    if size >= vectors.shape[0]:
+        return _f32(vectors[:])
+    # Sorted ids: sequential reads when ``vectors`` is a memmap.
+    ids = np.sort(np.random.default_rng(seed).choice(vectors.shape[0], size=size, replace=False))
+    return _f32(vectors[ids])
+
+
+def build_index(plan: IndexPlan, vectors: NDArray[Any], chunk: int = DEFAULT_CHUNK, use_gpu: bool | None = None) -> tuple[Any, IndexPlan, dict[str, float]]:
+    """Build the index of ``plan`` over (n, dim) ``vectors`` (any float dtype, may be a memmap).
+
+    Returns ``(index, plan with its device, {"train_s", "add_s"})``. Vectors are added in
+    chunks of ``chunk`` rows; ids are row numbers. ``use_gpu``: None = when FAISS sees one.
+    """
+    import faiss
+
+    n, dim = vectors.shape
+    if (n, dim) != (plan.n, plan.dim):
+        raise ValueError(f"plan is for {plan.n} x {plan.dim}, vectors are {n} x {dim}")
+    timings = {"train_s": 0.0, "add_s": 0.0}
+    if plan.kind == "flat":
+        index = faiss.IndexFlatIP(dim)
+    else:
+        quantizer = faiss.IndexFlatIP(dim)
+        assert plan.nlist is not None
+        if plan.kind == "ivf":
+            index = faiss.IndexIVFFlat(quantizer, dim, plan.nlist, faiss.METRIC_INNER_PRODUCT)
+        else:
+            assert plan.pq_m is not None and plan.pq_bits is not None
+            index = faiss.IndexIVFPQ(quantizer, dim, plan.nlist, plan.pq_m, plan.pq_bits, faiss.METRIC_INNER_PRODUCT)
+        index.cp.seed = plan.seed  # k-means initialisation: the same lists for the same seed
+        t0 = time.perf_counter()
+        index.train(_train_sample(vectors, plan.train_size or n, plan.seed))
+        timings["train_s"] = time.perf_counter() - t0
+        index.nprobe = plan.nprobe
+    gpus = gpu_count() if use_gpu is None else (gpu_count() if use_gpu else 0)
+    if gpus > 0:
+        index = faiss.index_cpu_to_all_gpus(index)
+        plan = replace(plan, device="gpu")
+    t0 = time.perf_counter()
+    for start in range(0, n, chunk):
+        index.add(_f32(vectors[start : start + chunk]))
+    timings["add_s"] = time.perf_counter() - t0
+    return index, plan, timings
+
+
+def search(index: Any, queries: NDArray[Any], k: int, chunk: int = DEFAULT_CHUNK,
+           data: NDArray[Any] | None = None, refine_k: int | None = None) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
+    """Top-``k`` neighbours of each row of (m, dim) ``queries``: ``(scores, ids)``, (m, k) each.
+
+    Queried in chunks of ``chunk`` rows (float32 one chunk at a time). With ``data`` (the
+    indexed vectors, row = id) and ``refine_k`` > k, ``refine_k`` candidates are fetched and
+    re-ranked by exact inner product (for IVF-PQ). Missing neighbours (fewer than k vectors,
+    or empty probed lists) have id -1 and score -inf.
+    """
+    m = queries.shape[0]
+    k = max(1, int(k))
+    refine = data is not None and refine_k is not None and refine_k > k
+    fetch = min(int(refine_k), data.shape[0]) if refine else k  # type: ignore[union-attr]
+    if refine:
+        chunk = max(1, min(chunk, (1 << 21) // fetch))  # bounds the gathered candidates
+    scores = np.empty((m, k), dtype=np.float32)
+    ids = np.empty((m, k), dtype=np.int64)
+    for start in range(0, m, chunk):
+        q = _f32(queries[start : start + chunk])
+        d, i = index.search(q, fetch)
+        if refine:
+            d, i = _rerank(q, i, data, k)
+        elif fetch < k:
+            d = np.pad(d, ((0, 0), (0, k - fetch)), constant_values=-np.inf)
+            i = np.pad(i, ((0, 0), (0, k - fetch)), constant_values=-1)
+        scores[start : start + chunk], ids[start : start + chunk] = d, i
+    scores[ids < 0] = -np.inf
+    return scores, ids
+
+
+def _rerank(q: NDArray[np.float32], cand: NDArray[np.int64], data: Any, k: int) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
+    """Exact inner products of each query with its candidates; the best k, best first."""
+    flat = cand.ravel()
+    vecs = np.asarray(data[np.clip(flat, 0, None)], dtype=np.float32).reshape(*cand.shape, -1)
+    exact = np.einsum("qd,qcd->qc", q, vecs)
+    exact[cand < 0] = -np.inf
+    order = np.argsort(-exact, axis=1, kind="stable")[:, :k]
+    ids = np.take_along_axis(cand, order, axis=1)
+    best = np.take_along_axis(exact, order, axis=1).astype(np.float32)
+    if ids.shape[1] < k:
+        best = np.pad(best, ((0, 0), (0, k - ids.shape[1])), constant_values=-np.inf)
+        ids = np.pad(ids, ((0, 0), (0, k - ids.shape[1])), constant_values=-1)
+    return best, ids

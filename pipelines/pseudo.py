@@ -1,0 +1,480 @@
+"""RCSL-style pseudo-pairs (seed 002, docs/methods.md "RCSL"): recover pairs from the noisy ones.
+
+Pairs a job judged noisy are the *unpaired pool*. For each pool image we find its nearest
+pool caption and for each pool caption its nearest pool image (cosine of the stored
+embeddings, FAISS via ``pairclean.ann``), score every pseudo-pair with the job's own OSA
+calibration and write them to ``OUT/_pseudo/<image shard stem>.parquet``.
+
+Decisions (visible as options, recorded in each file's metadata):
+
+- candidates are restricted to the pool (the paper; the code searched everything):
+  ``pool="noisy"`` (default) is the ok pairs flagged noisy, ``pool="all"`` every ok pair;
+- an image's own caption is never its pseudo-caption (it was judged mismatched; with
+  ``pool="all"`` it would be the trivial answer): we search one extra neighbour and drop it;
+- a pseudo-pair found from both sides (the image's nearest caption, whose nearest image is
+  that image) is *mutual*; it is written once (as ``i2t``). ``mutual_only`` keeps only those;
+- ``similarity`` is the exact cosine of the stored float16 embeddings, whatever the index
+  (IVF-PQ distances are approximate); ``weight`` is the job's OSA weighting of it;
+- ``rank`` is the caption's position among the image's neighbours (``i2t`` rows) or the
+  image's among the caption's (``t2i`` rows), 0 = nearest; ``neighbours`` > 1 writes more.
+
+The output is under ``_pseudo/`` (not ``pseudo/`` as first proposed): folders starting with
+"_" are skipped by pyarrow, pandas, duckdb and Ray Data, so ``OUT`` still reads as exactly
+the score tables.
+
+Memory: the pool's embeddings are copied, float16, into memory-mapped files in a temporary
+folder (2 bytes x dim per vector and modality, on disk), indexes are built and queried in
+chunks, and one index is alive at a time. Captions are read back from the shards (only
+those shards holding a chosen caption), since score tables do not store text.
+
+``PseudoCaptions`` is the trainer side: it maps ``(shard, key)`` of an image to its best
+pseudo-caption and weight, loading one shard's file at a time (numpy and pyarrow only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+import pyarrow as pa
+from numpy.typing import NDArray
+
+if TYPE_CHECKING:
+    from .job import Calibration, OutputDir
+
+__all__ = [
+    "POOLS",
+    "PSEUDO_DIR",
+    "PseudoOptions",
+    "Pool",
+    "PairResult",
+    "PseudoReport",
+    "load_pool",
+    "nearest_pairs",
+    "exact_cosine",
+    "pseudo_pair",
+    "PseudoCaptions",
+]
+
+POOLS: Final = ("noisy", "all")
+#: Folder of the output, under OUT (the "_" keeps it out of dataset discovery).
+PSEUDO_DIR: Final = "_pseudo"
+#: Columns of ``OUT/_pseudo/<stem>.parquet``.
+COLUMNS: Final = ("image_shard", "image_key", "caption_shard", "caption_key", "caption", "similarity", "weight", "mutual", "rank", "direction")
+_CHUNK: Final = 65_536
+
+
+def _schema() -> pa.Schema:
+    return pa.schema(
+        [
+            pa.field("image_shard", pa.string(), nullable=False),
+            pa.field("image_key", pa.string(), nullable=False),
+            pa.field("caption_shard", pa.string(), nullable=False),
+            pa.field("caption_key", pa.string(), nullable=False),
+            pa.field("caption", pa.string()),
+            pa.field("similarity", pa.float32(), nullable=False),
+            pa.field("weight", pa.float32(), nullable=False),
+            pa.field("mutual", pa.bool_(), nullable=False),
+            pa.field("rank", pa.int32(), nullable=False),
+            pa.field("direction", pa.string(), nullable=False),
+        ]
+    )
+
+
+@dataclass(frozen=True)
+class PseudoOptions:
+    """How to pseudo-pair. ``index``: auto | flat | ivf | ivfpq (``pairclean.ann``);
+    ``min_weight``: drop pseudo-pairs weighted below it; ``seed``: None = the job's seed;
+    ``nprobe``: override the IVF probes; ``chunk``: rows per FAISS call."""
+
+    pool: str = "noisy"
+    mutual_only: bool = False
+    index: str = "auto"
+    min_weight: float = 0.0
+    neighbours: int = 1
+    seed: int | None = None
+    nprobe: int | None = None
+    chunk: int = _CHUNK
+
+
+# -- the pool ---------------------------------------------------------------------------------
+@dataclass
+class Pool:
+    """The unpaired pool: row ``g`` is pair ``keys[g]`` of shard ``stems[shard_of[g]]``.
+
+    ``image``/``text``: (n, dim) float16 L2-normalised embeddings (memory-mapped files).
+    """
+
+    stems: list[str]
+    uris: list[str]
+    shard_of: NDArray[np.int32]
+    keys: list[str]
+    image: NDArray[np.float16]
+    text: NDArray[np.float16]
+
+    @property
+    def size(self) -> int:
+        return len(self.keys)
+
+
+def _pool_rows(table: pa.Table, pool: str) -> NDArray[np.int64]:
+    from . import schema
+
+    ok = np.asarray(table.column(schema.COL_STATUS).to_pylist(), dtype=object) == schema.STATUS_OK
+    if pool == "noisy":
+        ok &= table.column(schema.COL_NOISY).to_numpy(zero_copy_only=False).astype(bool)
+    return np.flatnonzero(ok)
+
+
+def _fixed_list_rows(col: pa.ChunkedArray, rows: NDArray[np.int64]) -> NDArray[np.float16]:
+    taken = col.combine_chunks().take(pa.array(rows, type=pa.int64()))
+    dim = taken.type.list_size
+    return taken.flatten().to_numpy(zero_copy_only=False).astype(np.float16, copy=False).reshape(-1, dim)
+
+
+def load_pool(out: OutputDir, pool: str, workdir: str | os.PathLike[str]) -> Pool:
+    """Read the pool of a scored job: score tables first (small columns, to size it), then
+    the sidecars one shard at a time into float16 memmaps under ``workdir``.
+
+    Raises ``InputError`` (one line) for a folder that is not a scored job, a job without
+    sidecars, or an empty pool.
+    """
+    from . import schema
+    from .errors import InputError
+
+    if pool not in POOLS:
+        raise InputError(f"unknown pool {pool!r}; choose one of {', '.join(POOLS)}")
+    spec = out.read_spec()
+    if spec is None:
+        raise InputError(f"{out.uri} is not a pairclean output folder (no {schema.JOB_FILE})")
+    records = list(out.iter_committed())
+    if not records:
+        raise InputError(f"{out.uri} holds no committed shard: run pairclean score first")
+    lacking = [r.stem for r in records if not out.has_embeddings(r)]
+    if lacking:
+        raise InputError(
+            f"{out.uri} has no embedding sidecars for {len(lacking)} shard(s) (e.g. {lacking[0]}): "
+            "pseudo-pairing needs them; rescore into a new folder with pairclean score --embeddings"
+        )
+    uri_of = {stem: uri for uri, stem in spec.stems().items()}
+    rows = [_pool_rows(out.read_scores(r, [schema.COL_KEY, schema.COL_STATUS, schema.COL_NOISY]), pool) for r in records]
+    n = int(sum(len(r) for r in rows))
+    if n == 0:
+        which = "flagged noisy" if pool == "noisy" else "with status ok"
+        raise InputError(f"the pool of {out.uri} is empty: no pair is {which}" + ("; try --pool all" if pool == "noisy" else ""))
+    dim = out.read_embeddings_table(records[0]).schema.field(schema.COL_IMAGE_EMB).type.list_size
+    image = np.lib.format.open_memmap(os.path.join(workdir, "image.npy"), mode="w+", dtype=np.float16, shape=(n, dim))
+    text = np.lib.format.open_memmap(os.path.join(workdir, "text.npy"), mode="w+", dtype=np.float16, shape=(n, dim))
+    keys: list[str] = []
+    shard_of = np.empty(n, dtype=np.int32)
+    pos = 0
+    for s, (record, sel) in enumerate(zip(records, rows)):
+        if not len(sel):
+            continue
+        side = out.read_embeddings_table(record)
+        image[pos : pos + len(sel)] = _fixed_list_rows(side.column(schema.COL_IMAGE_EMB), sel)
+        text[pos : pos + len(sel)] = _fixed_list_rows(side.column(schema.COL_TEXT_EMB), sel)
+        keys += side.column(schema.COL_KEY).take(pa.array(sel)).to_pylist()
+        shard_of[pos : pos + len(sel)] = s
+        pos += len(sel)
+    image.flush()
+    text.flush()
+    stems = [r.stem for r in records]
+    return Pool(stems, [uri_of.get(st, r.shard) for st, r in zip(stems, records)], shard_of, keys, image, text)
+
+
+# -- nearest neighbours -----------------------------------------------------------------------
+@dataclass
+class PairResult:
+    """Pseudo-pairs as pool row ids: image ``img[r]`` with caption ``cap[r]``."""
+
+    img: NDArray[np.int64]
+    cap: NDArray[np.int64]
+    rank: NDArray[np.int32]
+    direction: NDArray[np.str_]
+    mutual: NDArray[np.bool_]
+    plans: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _drop_self(ids: NDArray[np.int64], k: int) -> NDArray[np.int64]:
+    """Remove each query's own id (row i drops i) from its neighbour list; keep k columns."""
+    ids = np.where(ids == np.arange(ids.shape[0])[:, None], -1, ids)
+    # Stable sort moves the gaps (-1) to the end while keeping the others' order.
+    order = np.argsort(ids < 0, axis=1, kind="stable")
+    return np.take_along_axis(ids, order, axis=1)[:, :k]
+
+
+def _neighbours(data: NDArray[Any], queries: NDArray[Any], k: int, opts: PseudoOptions, seed: int) -> tuple[NDArray[np.int64], dict[str, Any], dict[str, float]]:
+    from . import ann
+
+    plan = ann.choose_index(data.shape[0], data.shape[1], opts.index, seed=seed, nprobe=opts.nprobe)
+    index, plan, timings = ann.build_index(plan, data, chunk=opts.chunk)
+    t0 = time.perf_counter()
+    # One extra neighbour: the query's own item (same pool row) is dropped.
+    _, ids = ann.search(index, queries, min(k + 1, data.shape[0]), chunk=opts.chunk, data=data, refine_k=plan.refine_k)
+    timings["search_s"] = time.perf_counter() - t0
+    del index
+    ids = _drop_self(ids, k)
+    if ids.shape[1] < k:
+        ids = np.concatenate([ids, np.full((ids.shape[0], k - ids.shape[1]), -1, dtype=np.int64)], axis=1)
+    return ids, plan.to_json(), timings
+
+
+def nearest_pairs(image: NDArray[Any], text: NDArray[Any], opts: PseudoOptions, seed: int = 0) -> PairResult:
+    """Pseudo-pairs of a pool of (n, dim) L2-normalised ``image`` and ``text`` rows (row i of
+    each is the same original pair).
+
+    ``i2t``: each image's ``opts.neighbours`` nearest captions; ``t2i``: each caption's
+    nearest images; own pair excluded; a pair found both ways at rank 0 is ``mutual`` and
+    appears once (as ``i2t``). With ``opts.mutual_only`` only mutual pairs remain.
+    """
+    k = max(1, int(opts.neighbours))
+    i2t, plan_t, tim_t = _neighbours(text, image, k, opts, seed)
+    t2i, plan_i, tim_i = _neighbours(image, text, k, opts, seed)
+    n = image.shape[0]
+    top_i2t, top_t2i = i2t[:, 0], t2i[:, 0]
+
+    def is_mutual(img: NDArray[np.int64], cap: NDArray[np.int64]) -> NDArray[np.bool_]:
+        return (img >= 0) & (cap >= 0) & (top_i2t[img.clip(0)] == cap) & (top_t2i[cap.clip(0)] == img)
+
+    ranks = np.broadcast_to(np.arange(k, dtype=np.int32), (n, k))
+    q = np.repeat(np.arange(n, dtype=np.int64), k)
+    img = np.concatenate([q, t2i.ravel()])
+    cap = np.concatenate([i2t.ravel(), q])
+    rank = np.concatenate([ranks.ravel(), ranks.ravel()])
+    direction = np.concatenate([np.full(n * k, "i2t"), np.full(n * k, "t2i")])
+    keep = (img >= 0) & (cap >= 0)
+    # A t2i pair that is also an i2t pair (mutual, or found at another rank) is written once.
+    pair_code = img * max(n, 1) + cap
+    i2t_codes = pair_code[: n * k][keep[: n * k]]
+    keep[n * k :] &= ~np.isin(pair_code[n * k :], i2t_codes)
+    mutual = is_mutual(img, cap)
+    if opts.mutual_only:
+        keep &= mutual
+    return PairResult(
+        img[keep], cap[keep], rank[keep], direction[keep], mutual[keep],
+        plans={"i2t": plan_t, "t2i": plan_i},
+        timings={**{f"i2t_{k_}": v for k_, v in tim_t.items()}, **{f"t2i_{k_}": v for k_, v in tim_i.items()}},
+    )
+
+
+def exact_cosine(image: NDArray[Any], text: NDArray[Any], img: NDArray[np.int64], cap: NDArray[np.int64], chunk: int = _CHUNK) -> NDArray[np.float32]:
+    """Cosine of ``image[img[r]]`` and ``text[cap[r]]`` for each r, from the stored float16
+    vectors (float32 arithmetic), gathered ``chunk`` rows at a time."""
+    out = np.empty(len(img), dtype=np.float32)
+    for start in range(0, len(img), chunk):
+        a = np.asarray(image[img[start : start + chunk]], dtype=np.float32)
+        b = np.asarray(text[cap[start : start + chunk]], dtype=np.float32)
+        out[start : start + chunk] = (a * b).sum(axis=1)
+    return out
+
+
+def weigh(similarity: NDArray[np.float32], calibration: Calibration) -> NDArray[np.float32]:
+    """The job's own OSA weights of ``similarity`` (its beta, weighting and d_ref)."""
+    from . import osa
+
+    params = osa.WeightingParams(calibration.weighting, calibration.d_ref, calibration.weighting_batch_size)
+    return osa.apply_weighting(similarity, calibration.beta, params)
+
+
+# -- the command ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PseudoReport:
+    """What ``pseudo_pair`` did: pool size, pairs written (mutual among them), files, timings."""
+
+    pool_size: int
+    pairs: int
+    mutual: int
+    files: list[str]
+    plans: dict[str, Any]
+    timings: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dict."""
+        return asdict(self)
+
+
+def _captions(pool: Pool, caps: NDArray[np.int64], caption_field: str | None, storage_options: Mapping[str, Any]) -> dict[int, str | None]:
+    """Text of the pool captions ``caps``, read from their shards (only shards that hold one)."""
+    from .shards import ReadOptions, iter_pairs
+
+    wanted: dict[int, dict[str, int]] = {}
+    for g in np.unique(caps).tolist():
+        wanted.setdefault(int(pool.shard_of[g]), {})[pool.keys[g]] = g
+    texts: dict[int, str | None] = {}
+    opts = ReadOptions(caption_field=caption_field, storage_options=dict(storage_options))
+    for s, by_key in wanted.items():
+        found = 0
+        for sample in iter_pairs(pool.uris[s], opts):
+            g = by_key.get(sample.key)
+            if g is not None:
+                texts[g] = sample.text
+                found += 1
+                if found == len(by_key):
+                    break  # the rest of the shard holds no wanted caption
+    return texts
+
+
+def pseudo_pair(out: OutputDir, opts: PseudoOptions, storage_options: Mapping[str, Any] | None = None,
+                before_write: Callable[[], None] | None = None) -> PseudoReport:
+    """Pseudo-pair the pool of the scored job ``out`` and write ``OUT/_pseudo/<stem>.parquet``
+    (one file per committed shard, empty when none of its images got a pseudo-caption;
+    files of an earlier run under other names are removed). Deterministic for a seed.
+
+    Hold the folder's ``RunLock`` while calling and pass its ``check`` as ``before_write``
+    (a run that lost the lock writes nothing). Raises ``InputError`` for unusable input.
+    """
+    from .errors import InputError
+
+    calibration = out.read_calibration()
+    if calibration is None:
+        raise InputError(f"{out.uri} has no calibration yet: run pairclean score to completion first")
+    if opts.min_weight < 0 or opts.min_weight > 1:
+        raise InputError(f"--min-weight must be in [0, 1], not {opts.min_weight}")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="pairclean-pseudo-") as work:
+        pool = load_pool(out, opts.pool, work)
+        spec = out.read_spec()
+        assert spec is not None
+        seed = spec.seed if opts.seed is None else opts.seed
+        timings = {"load_s": time.perf_counter() - t0}
+        if pool.size < 2:
+            raise InputError(f"the pool of {out.uri} has a single pair: nothing to pair it with")
+        result = nearest_pairs(pool.image, pool.text, opts, seed)
+        timings.update(result.timings)
+        t1 = time.perf_counter()
+        sim = exact_cosine(pool.image, pool.text, result.img, result.cap, opts.chunk)
+        weight = weigh(sim, calibration)
+        keep = weight >= opts.min_weight
+        texts = _captions(pool, result.cap[keep], spec.caption_field, storage_options or {})
+        timings["captions_s"] = time.perf_counter() - t1
+        meta = {
+            "kind": "pseudo-pairs", "method": "RCSL nearest-neighbour pseudo-pairing (docs/methods.md)",
+            "pool": opts.pool, "pool_size": pool.size, "mutual_only": opts.mutual_only, "neighbours": opts.neighbours,
+            "min_weight": opts.min_weight, "seed": seed, "index": result.plans, "calibration": calibration.to_json(),
+            "job": _job_digest(out),
+        }
+        if before_write is not None:
+            before_write()
+        files = _write(out, pool, result, sim, weight, keep, texts, meta)
+    timings["total_s"] = time.perf_counter() - t0
+    return PseudoReport(pool.size, int(keep.sum()), int((result.mutual & keep).sum()), files, result.plans, timings)
+
+
+def _job_digest(out: OutputDir) -> str | None:
+    doc = out.read_job_doc() or {}
+    return doc.get("spec_sha256")
+
+
+def _write(out: OutputDir, pool: Pool, result: PairResult, sim: NDArray[np.float32], weight: NDArray[np.float32],
+           keep: NDArray[np.bool_], texts: dict[int, str | None], meta: dict[str, Any]) -> list[str]:
+    from . import __version__, schema
+
+    idx = np.flatnonzero(keep)
+    img_shard = pool.shard_of[result.img[idx]]
+    # Rows grouped by image shard, in pool order, i2t before t2i, then rank: deterministic.
+    order = np.lexsort((result.rank[idx], result.direction[idx] != "i2t", result.img[idx], img_shard))
+    idx, img_shard = idx[order], img_shard[order]
+    written = []
+    for s, stem in enumerate(pool.stems):
+        rows = idx[img_shard == s]
+        ig, cg = result.img[rows], result.cap[rows]
+        table = pa.table(
+            {
+                "image_shard": [pool.uris[s]] * len(rows),
+                "image_key": [pool.keys[g] for g in ig.tolist()],
+                "caption_shard": [pool.uris[pool.shard_of[g]] for g in cg.tolist()],
+                "caption_key": [pool.keys[g] for g in cg.tolist()],
+                "caption": [texts.get(g) for g in cg.tolist()],
+                "similarity": sim[rows], "weight": weight[rows], "mutual": result.mutual[rows],
+                "rank": result.rank[rows], "direction": result.direction[rows].astype(str).tolist(),
+            },
+            schema=_schema(),
+        )
+        doc = {**meta, "shard": pool.uris[s], "pairclean_version": __version__}
+        table = table.replace_schema_metadata({schema.META_KEY: json.dumps(doc, sort_keys=True).encode()})
+        name = f"{PSEUDO_DIR}/{stem}.parquet"
+        out.write_table(name, table)
+        written.append(name)
+    # Files of an earlier run for shards that are no longer committed: ours, so removed.
+    for name in out.store.list(PSEUDO_DIR):
+        full = f"{PSEUDO_DIR}/{name}"
+        if full not in written and name.endswith(".parquet") and out.written_by(full):
+            out.store.rm(full)
+    return written
+
+
+# -- the trainer side -------------------------------------------------------------------------
+def _stem_of(url: str) -> str:
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    for suffix in (".tar.gz", ".tgz", ".tar"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+class PseudoCaptions:
+    """Pseudo-captions of a job's images: ``get(shard_url, key)`` -> ``(caption, weight)`` or None.
+
+    Reads ``OUT/_pseudo/<stem>.parquet`` (local folder) lazily, one shard's file the first
+    time one of its samples is seen, keeping at most ``max_cached_shards``. An image with
+    several pseudo-pairs (``t2i`` rows, or ``neighbours`` > 1) gets the highest-weighted one
+    (ties: its own nearest caption first). Plain attributes only: picklable, so it works in
+    DataLoader workers under any start method.
+
+    ``substitute(sample, url, key)`` puts the pseudo-caption into ``sample[caption_key]``
+    (bytes if the sample's value is bytes) and its weight into ``sample["weight"]``.
+    """
+
+    def __init__(self, output_dir: str | os.PathLike[str], caption_key: str = "txt", max_cached_shards: int = 64) -> None:
+        self.root = Path(output_dir) / PSEUDO_DIR
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"no pseudo-pairs in {output_dir}: run pairclean pseudo-pair {output_dir} first")
+        self.caption_key = caption_key
+        self.max_cached = max_cached_shards
+        self._cache: dict[str, dict[str, tuple[str, float]]] = {}
+
+    def _load(self, stem: str) -> dict[str, tuple[str, float]]:
+        if stem in self._cache:
+            return self._cache[stem]
+        import pyarrow.parquet as pq
+
+        path = self.root / f"{stem}.parquet"
+        best: dict[str, tuple[str, float]] = {}
+        if path.exists():
+            t = pq.read_table(path, columns=["image_key", "caption", "weight"])
+            # Rows are written i2t first, then by rank: keep the first of equal weights.
+            for key, caption, weight in zip(t.column("image_key").to_pylist(), t.column("caption").to_pylist(), t.column("weight").to_pylist()):
+                if caption is not None and (key not in best or weight > best[key][1]):
+                    best[key] = (caption, float(weight))
+        if len(self._cache) >= self.max_cached:
+            self._cache.pop(next(iter(self._cache)))
+        self._cache[stem] = best
+        return best
+
+    def get(self, url: str, key: str) -> tuple[str, float] | None:
+        """The pseudo-caption and weight of image ``key`` of shard ``url``, or None."""
+        return self._load(_stem_of(url)).get(key)
+
+    def substitute(self, sample: dict[str, Any], url: str, key: str) -> bool:
+        """Replace the caption and weight of ``sample`` in place; False when it has no pseudo-pair."""
+        found = self.get(url, key)
+        if found is None:
+            return False
+        caption, weight = found
+        old = sample.get(self.caption_key)
+        sample[self.caption_key] = caption.encode("utf-8") if isinstance(old, (bytes, bytearray)) else caption
+        sample["weight"] = weight
+        return True
+
+    def keys(self, stems: Iterable[str]) -> dict[str, set[str]]:
+        """Image keys with a pseudo-caption, per stem (for reports and tests)."""
+        return {s: set(self._load(s)) for s in stems}

@@ -1,0 +1,128 @@
+"""Pseudo-pairing on planted embeddings: every index finds the displaced captions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pairclean import ann
+from pairclean.errors import InputError
+from pairclean.pseudo import PseudoOptions, _drop_self, exact_cosine, nearest_pairs
+
+N, DIM, ORPHANS = 2000, 32, 100
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float16)
+
+
+@pytest.fixture(scope="module")
+def planted() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A pool of N mismatched pairs. Image i's own caption sits on pool row ``home[i]``
+    (another row, a derangement), except for the last ORPHANS images, whose captions were
+    replaced by unrelated ones. Images come from 50 clusters, so IVF has structure to use."""
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(50, DIM))
+    img = centres[rng.integers(0, 50, N)] + 0.7 * rng.normal(size=(N, DIM))
+    own_caption = img + 0.15 * rng.normal(size=(N, DIM))
+    order = rng.permutation(N)
+    home = np.empty(N, dtype=np.int64)
+    home[order] = np.roll(order, 1)  # home[i] != i for every i
+    text = np.empty((N, DIM))
+    text[home] = own_caption
+    orphans = np.arange(N - ORPHANS, N)
+    text[home[orphans]] = rng.normal(size=(ORPHANS, DIM)) * 3
+    return _unit(img), _unit(text), home
+
+
+def _i2t_top1(result) -> dict[int, int]:
+    sel = (result.direction == "i2t") & (result.rank == 0)
+    return dict(zip(result.img[sel].tolist(), result.cap[sel].tolist()))
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf", "ivfpq"])
+def test_every_index_recovers_planted_captions(planted, kind: str) -> None:
+    img, text, home = planted
+    result = nearest_pairs(img, text, PseudoOptions(index=kind), seed=0)
+    top = _i2t_top1(result)
+    assert len(top) == N  # one pseudo-caption per pool image
+    planted_ids = range(N - ORPHANS)
+    found = sum(top[i] == home[i] for i in planted_ids)
+    assert found == N - ORPHANS
+    assert result.plans["i2t"]["kind"] == kind and result.plans["t2i"]["kind"] == kind
+    # Planted pairs are mutual: the caption's nearest image is the image.
+    mutual = dict(zip(zip(result.img.tolist(), result.cap.tolist()), result.mutual.tolist()))
+    assert all(mutual[(i, int(home[i]))] for i in planted_ids)
+
+
+def test_flat_and_ivf_agree_on_a_small_pool(planted) -> None:
+    img, text, _ = planted
+    flat = nearest_pairs(img, text, PseudoOptions(index="flat"))
+    ivf = nearest_pairs(img, text, PseudoOptions(index="ivf", nprobe=16))
+    a, b = _i2t_top1(flat), _i2t_top1(ivf)
+    agree = np.mean([a[i] == b[i] for i in a])
+    assert agree >= 0.99
+
+
+def test_mutual_filter_and_no_duplicates(planted) -> None:
+    img, text, home = planted
+    full = nearest_pairs(img, text, PseudoOptions())
+    mutual = nearest_pairs(img, text, PseudoOptions(mutual_only=True))
+    pairs_full = list(zip(full.img.tolist(), full.cap.tolist()))
+    assert len(pairs_full) == len(set(pairs_full))  # a mutual pair is written once
+    assert mutual.mutual.all() and (mutual.direction == "i2t").all()
+    kept = set(zip(mutual.img.tolist(), mutual.cap.tolist()))
+    assert kept == {p for p, m in zip(pairs_full, full.mutual.tolist()) if m}
+    assert {(i, int(home[i])) for i in range(N - ORPHANS)} <= kept
+    # Orphan images mostly find no mutual partner: the filter removes them.
+    assert sum(i >= N - ORPHANS for i, _ in kept) < ORPHANS // 2
+    assert len(full.img) > len(mutual.img)
+
+
+def test_ranks_follow_similarity_and_skip_own_caption(planted) -> None:
+    img, text, home = planted
+    result = nearest_pairs(img, text, PseudoOptions(neighbours=3))
+    sel = result.direction == "i2t"
+    sims = exact_cosine(img, text, result.img[sel], result.cap[sel])
+    by_image: dict[int, list[tuple[int, float, int]]] = {}
+    for i, r, s, c in zip(result.img[sel].tolist(), result.rank[sel].tolist(), sims.tolist(), result.cap[sel].tolist()):
+        by_image.setdefault(i, []).append((r, s, c))
+    assert all(sorted(r for r, _, _ in rows) == [0, 1, 2] for rows in by_image.values())
+    for rows in by_image.values():
+        ordered = [s for _, s, _ in sorted(rows)]
+        assert ordered == sorted(ordered, reverse=True) or np.allclose(ordered, sorted(ordered, reverse=True), atol=1e-3)
+    assert all(c != i for i, rows in by_image.items() for _, _, c in rows)  # own caption excluded
+
+
+def test_deterministic_for_a_seed(planted) -> None:
+    img, text, _ = planted
+    a = nearest_pairs(img, text, PseudoOptions(index="ivf"), seed=3)
+    b = nearest_pairs(img, text, PseudoOptions(index="ivf"), seed=3)
+    assert np.array_equal(a.img, b.img) and np.array_equal(a.cap, b.cap)
+
+
+def test_drop_self() -> None:
+    ids = np.array([[0, 5, 6], [4, 1, 7], [2, -1, 3]])
+    assert _drop_self(ids, 2).tolist() == [[5, 6], [4, 7], [3, -1]]
+
+
+def test_index_choice_by_size() -> None:
+    assert ann.choose_index(1000, 512).kind == "flat"
+    ivf = ann.choose_index(1_000_000, 512)
+    assert (ivf.kind, ivf.nlist, ivf.nprobe) == ("ivf", 4096, 64)
+    pq = ann.choose_index(10_000_000, 512)
+    assert pq.kind == "ivfpq" and pq.pq_m == 64 and pq.pq_bits == 8
+    assert ann.choose_index(100, 512, "ivf").nlist == 2  # never more lists than the data allows
+    with pytest.raises(InputError, match="unknown index"):
+        ann.choose_index(10, 8, "hnsw")
+    with pytest.raises(InputError, match="empty pool"):
+        ann.choose_index(0, 8)
+
+
+def test_chunked_search_equals_one_shot(planted) -> None:
+    img, text, _ = planted
+    plan = ann.choose_index(N, DIM, "flat")
+    index, _, _ = ann.build_index(plan, text, chunk=333)
+    d1, i1 = ann.search(index, img, 2, chunk=257)
+    d2, i2 = ann.search(index, img, 2, chunk=N)
+    assert np.array_equal(i1, i2) and np.allclose(d1, d2)
