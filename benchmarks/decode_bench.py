@@ -66,9 +66,8 @@ def _cpu_images_per_s(datas: Sequence[bytes], estimator: Any, threads: int, repe
         assert not isinstance(out, DecodeFailure), out
         return out
 
-    if threads == 1:
-        one(datas[0])  # warm-up
-        return _rate(lambda: len([one(d) for d in datas]), repeat)
+    # A pool even for 1 thread: score_shard decodes off the main thread too, and torch's
+    # OpenMP ops behave differently there (on busy cores, the main thread's team stalls).
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, datas[:threads]))  # threads started, warm
         return _rate(lambda: len(list(pool.map(one, datas))), repeat)

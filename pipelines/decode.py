@@ -71,13 +71,36 @@ def decode_image(
                 )
             if draft_size is not None and img.format == "JPEG":
                 img.draft("RGB", _draft_target(width, height, draft_size))
-            img = img.convert("RGB")
+            img = _to_rgb(img)
             img.load()
             return img
     except Image.DecompressionBombError as exc:
         return DecodeFailure(schema.STATUS_TOO_LARGE, str(exc))
     except Exception as exc:  # noqa: BLE001 - any decoder failure is a per-sample status
         return DecodeFailure(schema.STATUS_DECODE_ERROR, f"{type(exc).__name__}: {_without_addresses(str(exc))}")
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    """RGB with the full tonal range kept.
+
+    PIL's ``convert("RGB")`` clips 16-bit and 32-bit integer and float greyscale images
+    (``I;16``, ``I``, ``F``: 16-bit PNGs, some TIFFs) at 255, turning most of the picture
+    white; those are rescaled to 8 bits instead.
+    """
+    if img.mode not in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
+        return img.convert("RGB")
+    import numpy as np
+
+    values = np.asarray(img, dtype=np.float64)
+    peak = float(values.max()) if values.size else 0.0
+    if img.mode.startswith("I;16") or peak > 255:
+        top = 65535.0
+    elif img.mode == "F" and peak <= 1.0:
+        top = 1.0
+    else:
+        top = 255.0
+    scaled = np.clip(values / top * 255.0 + 0.5, 0, 255).astype(np.uint8)
+    return Image.fromarray(scaled, "L").convert("RGB")
 
 
 # PIL names the stream in some messages ("cannot identify image file <_io.BytesIO object

@@ -78,6 +78,8 @@ class JobSpec:
     caption_field: str | None
     embeddings: bool
     calibration_pairs: int
+    #: "cpu" (PIL) or "cuda" (batched nvJPEG): pixels differ slightly, so it is part of the spec.
+    decode_device: str = "cpu"
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict (``shards`` as a list)."""

@@ -80,6 +80,7 @@ def score_options(spec: JobSpec, storage_options: dict[str, Any] | None = None, 
         max_pixels=spec.max_pixels,
         read=ReadOptions(caption_field=spec.caption_field, storage_options=storage_options or {}),
         decode_workers=decode_workers,
+        decode_device=spec.decode_device,
     )
 
 

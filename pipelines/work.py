@@ -84,6 +84,7 @@ def _recipe(spec: JobSpec) -> dict[str, Any]:
         "max_pixels": spec.max_pixels,
         "caption_field": spec.caption_field,
         "calibration_pairs": spec.calibration_pairs,
+        "decode_device": spec.decode_device,
     }
 
 

@@ -62,8 +62,9 @@ def _undefined_quant_table(jpg: bytes) -> bytes:
     return bytes(data)
 
 
-def _threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("pairclean-")]
+def _threads(before: set[threading.Thread]) -> list[str]:
+    """Reader and decode threads alive now that were not alive at ``before``."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("pairclean-") and t not in before]
 
 
 @pytest.fixture
@@ -82,6 +83,7 @@ def mixed_shard(tmp_path: Path, photos: list[bytes]) -> Path:
 
 
 def test_decode_pool_gives_the_single_thread_results_bit_for_bit(tiny: Any, mixed_shard: Path) -> None:
+    before = set(threading.enumerate())
     # batch_size 4 over 27 rows: many batches, a short last one, the pool running ahead.
     one = score_shard(str(mixed_shard), tiny, ScoreOptions(batch_size=4, decode_workers=1))
     four = score_shard(str(mixed_shard), tiny, ScoreOptions(batch_size=4, decode_workers=4))
@@ -96,17 +98,18 @@ def test_decode_pool_gives_the_single_thread_results_bit_for_bit(tiny: Any, mixe
     np.testing.assert_array_equal(one.similarity, four.similarity)  # NaNs in the same rows
     np.testing.assert_array_equal(one.image_emb, four.image_emb)
     np.testing.assert_array_equal(one.text_emb, four.text_emb)
-    assert _threads() == []
+    assert _threads(before) == []
 
 
 def test_no_thread_outlives_an_early_stop_a_consumer_error_or_a_bad_shard(tiny: Any, mixed_shard: Path, tmp_path: Path) -> None:
+    before = set(threading.enumerate())
     opts = ScoreOptions(batch_size=2, prefetch=1, decode_workers=4)
     batches = _prepared_batches(str(mixed_shard), tiny, opts)
     first = next(batches)
     assert [r.key for r in first.rows] == ["s000", "s001"]
-    assert _threads()  # the reader and the pool are running
+    assert _threads(before)  # the reader and the pool are running
     batches.close()
-    assert _threads() == []
+    assert _threads(before) == []
 
     def consume_then_fail() -> None:
         for _ in _prepared_batches(str(mixed_shard), tiny, opts):
@@ -114,13 +117,13 @@ def test_no_thread_outlives_an_early_stop_a_consumer_error_or_a_bad_shard(tiny: 
 
     with pytest.raises(RuntimeError, match="the model failed"):
         consume_then_fail()
-    assert _threads() == []
+    assert _threads(before) == []
 
     truncated = tmp_path / "cut.tar"
     truncated.write_bytes(mixed_shard.read_bytes()[:30_000])
     with pytest.raises(ShardReadError, match="cut.tar"):
         score_shard(str(truncated), tiny, opts)
-    assert _threads() == []
+    assert _threads(before) == []
 
 
 def test_decode_options_are_checked() -> None:
