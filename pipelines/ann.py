@@ -3,19 +3,26 @@ how to build it with bounded memory, and chunked top-k search.
 
 Inner product on L2-normalised vectors is cosine. Index choice by pool size:
 
-- ``flat`` (exact) up to ``FLAT_MAX`` vectors: a full scan per query, which is
-  O(n^2 d) over the pool, about 10 s per direction at 50,000 x 512 on 2 cores;
-- ``ivf`` (IVF-Flat: exact distances inside the probed cells) up to ``IVF_MAX``;
-- ``ivfpq`` above: product-quantised codes (``d / PQ_DIM_PER_CODE`` bytes a vector) so the
-  index of hundreds of millions of vectors fits in memory. PQ distances are coarse, so
-  ``search`` takes ``refine_k`` candidates and re-ranks them by exact inner product with
-  the stored vectors (FAISS's IndexRefine does the same, but would keep a float32 copy of
-  every vector in memory; ours may be a float16 memmap).
+- ``flat`` (exact) up to ``FLAT_MAX`` vectors: a full scan per query, O(n^2 d) over the
+  pool (20,000 x 512 both ways: about 10-40 s on 2 cores);
+- ``ivf`` (IVF-Flat: exact distances inside the probed cells) up to ``IVF_MAX``; its scan
+  costs ``d`` multiply-adds per visited vector, too slow for millions of queries on a CPU;
+- ``ivfpq`` above: IVF with 4-bit PQ "fast-scan" codes (``d / PQ_DIM_PER_CODE`` codes,
+  half a byte each: 64 bytes per 512-d vector), scanned with SIMD lookup tables, so
+  hundreds of millions of vectors fit in memory and a million queries take minutes. PQ
+  distances are coarse, so ``search`` fetches ``refine_k`` candidates and re-ranks them by
+  exact inner product with the stored vectors (FAISS's IndexRefineFlat does the same but
+  would keep a float32 copy of every vector in memory; ours may be a float16 memmap).
 
-``nlist`` is the power of two nearest ``4 sqrt(n)`` (FAISS's guideline is 4-16 sqrt(n));
-``nprobe`` is ``nlist / 64`` (at least 8), which kept recall@1 against exact search above
-0.95 on the 1,000,000-vector benchmark (``benchmarks/pseudo_bench.py``). Every parameter
-is recorded in ``IndexPlan`` and, through it, in the output's metadata.
+``nlist`` is the power of two nearest ``2 sqrt(n)`` (fewer lists than FAISS's 4-16 sqrt(n)
+guideline: k-means training dominates the build on a CPU); ``nprobe`` is ``nlist / 64``, at
+least 8. On the 1,000,000-pair benchmark (``benchmarks/pseudo_bench.py``) that kept
+recall@1 against exact search above 0.95. Every parameter is recorded in ``IndexPlan``
+and, through it, in the output's metadata.
+
+BLAS speed matters (k-means training and flat search): OpenBLAS picks slow kernels on
+some virtual CPUs unless ``OPENBLAS_CORETYPE`` names the core (e.g. ``SkylakeX``); that
+must be set before numpy is imported, so it is the user's environment, not ours.
 
 Vectors are added and queried in chunks of ``chunk`` rows, converted to float32 one chunk
 at a time, so the only O(n) memory is the index itself (plus the caller's vectors, which
@@ -51,16 +58,15 @@ __all__ = [
 
 INDEX_KINDS: Final = ("auto", "flat", "ivf", "ivfpq")
 #: Largest pool searched exactly when ``kind="auto"``.
-FLAT_MAX: Final = 50_000
-#: Largest pool put into an IVF-Flat index (float32 vectors: 2 GB at 1M x 512) when
-#: ``kind="auto"``; above it IVF-PQ codes keep the index small.
-IVF_MAX: Final = 5_000_000
+FLAT_MAX: Final = 20_000
+#: Largest pool put into an IVF-Flat index when ``kind="auto"``; above it IVF-PQ fast-scan.
+IVF_MAX: Final = 100_000
 #: Training vectors per inverted list (FAISS warns below 39).
 TRAIN_PER_LIST: Final = 48
-#: Dimensions per PQ sub-quantizer byte (8: 64 bytes per 512-d vector).
-PQ_DIM_PER_CODE: Final = 8
+#: Dimensions per 4-bit PQ code (4: 128 codes, 64 bytes per 512-d vector).
+PQ_DIM_PER_CODE: Final = 4
 #: IVF-PQ candidates re-ranked exactly per query.
-REFINE_K: Final = 64
+REFINE_K: Final = 16
 #: Rows converted to float32 and handed to FAISS at once.
 DEFAULT_CHUNK: Final = 65_536
 
@@ -111,23 +117,22 @@ def choose_index(n: int, dim: int, kind: str = "auto", seed: int = 0, nprobe: in
         kind = "flat" if n <= FLAT_MAX else "ivf" if n <= IVF_MAX else "ivfpq"
     if kind == "flat":
         return IndexPlan("flat", n, dim, seed=seed)
-    # Lists: ~4 sqrt(n), but never so many that a list gets fewer than TRAIN_PER_LIST points.
-    nlist = max(1, min(_pow2_near(4 * math.sqrt(n)), 65_536, n // TRAIN_PER_LIST or 1))
+    # Lists: ~2 sqrt(n), but never so many that a list gets fewer than TRAIN_PER_LIST points.
+    nlist = max(1, min(_pow2_near(2 * math.sqrt(n)), 65_536, n // TRAIN_PER_LIST or 1))
     probe = nprobe if nprobe is not None else min(nlist, max(8, nlist // 64))
     train = min(n, TRAIN_PER_LIST * nlist)
     plan = IndexPlan(kind, n, dim, nlist=nlist, nprobe=min(probe, nlist), train_size=train, seed=seed)
     if kind == "ivfpq":
-        m = _pq_m(dim)
-        # PQ with 2^bits centroids needs training points for each; shrink bits on tiny pools.
-        bits = 8 if train >= 256 * 39 else max(1, int(math.log2(max(2, train // 39))))
-        plan = replace(plan, pq_m=m, pq_bits=bits, refine_k=REFINE_K)
+        # Re-ranking is cheap on small pools: take more candidates there.
+        plan = replace(plan, pq_m=_pq_m(dim), pq_bits=4, refine_k=REFINE_K if n >= IVF_MAX else 4 * REFINE_K)
     return plan
 
 
 def _pq_m(dim: int) -> int:
-    """The largest divisor of ``dim`` not above ``dim / PQ_DIM_PER_CODE`` (PQ needs m | d)."""
+    """The largest even divisor of ``dim`` not above ``dim / PQ_DIM_PER_CODE`` (PQ needs
+    m | d; fast-scan packs two 4-bit codes a byte), or 1 for odd tiny dims."""
     target = max(1, dim // PQ_DIM_PER_CODE)
-    return next(m for m in range(target, 0, -1) if dim % m == 0)
+    return next((m for m in range(target, 0, -1) if dim % m == 0 and m % 2 == 0), 1)
 
 
 def gpu_count() -> int:
@@ -170,8 +175,8 @@ def build_index(plan: IndexPlan, vectors: NDArray[Any], chunk: int = DEFAULT_CHU
         if plan.kind == "ivf":
             index = faiss.IndexIVFFlat(quantizer, dim, plan.nlist, faiss.METRIC_INNER_PRODUCT)
         else:
-            assert plan.pq_m is not None and plan.pq_bits is not None
-            index = faiss.IndexIVFPQ(quantizer, dim, plan.nlist, plan.pq_m, plan.pq_bits, faiss.METRIC_INNER_PRODUCT)
+            assert plan.pq_m is not None and plan.pq_bits == 4
+            index = faiss.IndexIVFPQFastScan(quantizer, dim, plan.nlist, plan.pq_m, 4, faiss.METRIC_INNER_PRODUCT)
         index.cp.seed = plan.seed  # k-means initialisation: the same lists for the same seed
         t0 = time.perf_counter()
         index.train(_train_sample(vectors, plan.train_size or n, plan.seed))
@@ -202,7 +207,8 @@ def search(index: Any, queries: NDArray[Any], k: int, chunk: int = DEFAULT_CHUNK
     refine = data is not None and refine_k is not None and refine_k > k
     fetch = min(int(refine_k), data.shape[0]) if refine else k  # type: ignore[union-attr]
     if refine:
-        chunk = max(1, min(chunk, (1 << 21) // fetch))  # bounds the gathered candidates
+        # The gathered candidates are chunk x fetch x dim float32: keep them near 256 MB.
+        chunk = max(1, min(chunk, (1 << 26) // (fetch * queries.shape[1])))
     scores = np.empty((m, k), dtype=np.float32)
     ids = np.empty((m, k), dtype=np.int64)
     for start in range(0, m, chunk):

@@ -121,5 +121,6 @@ def calibrate(
         weighting_batch_size=params.batch_size,
         noise_rate=osa.estimate_noise_rate(sims, seed, noise) if gmm else None,
         calibration_pairs=int(sims.size),
-        extra={**fallback, **({"gmm_means": list(gmm.means), "gmm_boundary": gmm.boundary} if gmm else {})},
+        extra={**fallback, **({"gmm_means": list(gmm.means), "gmm_stds": list(gmm.stds), "gmm_noise_weight": gmm.noise_rate,
+                                 "gmm_boundary": gmm.boundary} if gmm else {})},
     )

@@ -1,8 +1,9 @@
 """Files trainers read beside a job's output, in ``OUT/_export/``: sizes, per-shard weight
 sums, DataComp keep list. (The ``_`` folder keeps them out of ``OUT`` read as a dataset.)
 
-- ``sizes.json``: ``{"<shard file name>": number of samples}``, as open_clip's
-  ``--train-num-samples`` logic reads it for WebDataset shards;
+- ``sizes.json``: ``{"<shard file name>": number of samples}`` (all rows, or the kept
+  ones), as open_clip's ``get_dataset_size`` reads it, from the folder of the first
+  training shard only: ``export`` can put a copy there (never over a file it did not write);
 - ``shard_weights.json``: ``{"<shard file name>": sum of weights}``, for resampling
   shards in proportion to their clean content;
 - ``datacomp_keep.npy``: the ``uid`` of every kept pair (status ok, not flagged noisy)
@@ -12,15 +13,21 @@ sums, DataComp keep list. (The ``_`` folder keeps them out of ``OUT`` read as a 
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
-from pathlib import PurePosixPath
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 
 import numpy as np
+
 from . import schema
 from .errors import InputError
 from .job import OutputDir
 
-__all__ = ["UID_DTYPE", "uid_records", "write_exports"]
+__all__ = ["UID_DTYPE", "ExportReport", "export", "uid_records", "write_exports"]
 
 UID_DTYPE = np.dtype("u8,u8")
 
@@ -36,47 +43,150 @@ def uid_records(uids: list[str]) -> np.ndarray:
     return out
 
 
-def write_exports(out: OutputDir) -> dict[str, str]:
-    """Write the export files into ``OUT/_export/`` (atomically); returns name -> URI written.
+@dataclass
+class ExportReport:
+    """What ``export`` wrote: ``written`` name -> URI (``sizes.json`` copies outside ``OUT``
+    under ``"sizes.json -> <folder>"``), ``skipped_uids`` (not DataComp's format, with
+    ``skip_bad_uids``) and ``notes`` (one line each: what was not written and why, where
+    open_clip looks for ``sizes.json``)."""
 
-    The names are recorded in the job's state folder, so ``--overwrite`` can remove them.
+    written: dict[str, str] = field(default_factory=dict)
+    skipped_uids: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def export(
+    out: OutputDir,
+    *,
+    sizes_of: str = "all",
+    sizes_dirs: Sequence[str] = (),
+    sizes_beside_shards: bool = False,
+    skip_bad_uids: bool = False,
+) -> ExportReport:
+    """Compute every export file, check it, then write them all (none when a check fails).
+
+    Files go to ``OUT/_export/`` (their names recorded in the job's state folder so
+    ``--overwrite`` removes them). ``sizes_of``: ``all`` rows of each shard, or ``kept``
+    (status ok and not flagged noisy: the count open_clip should use with mode ``keep``).
+    open_clip reads ``sizes.json`` from the folder of the first training shard, so a copy
+    can go to ``sizes_dirs`` (local folders the user names) and, with
+    ``sizes_beside_shards``, to each local folder holding scored shards; an existing
+    ``sizes.json`` there that pairclean did not write is never replaced (``InputError``,
+    before anything is written). A kept pair's ``uid`` that is not 32 hex digits is an
+    ``InputError`` naming its shard and key, unless ``skip_bad_uids`` (then counted).
     """
+    if sizes_of not in ("all", "kept"):
+        raise InputError(f"sizes_of must be 'all' or 'kept', not {sizes_of!r}")
+    report = ExportReport()
     sizes: dict[str, int] = {}
     sums: dict[str, float] = {}
     keep: list[str] = []
     has_uid = True
+    shard_folders: list[str] = []
     for record in out.iter_committed():
         table = out.read_scores(record)
         name = PurePosixPath(record.shard).name
-        sizes[name] = table.num_rows
+        ok = np.asarray(table.column(schema.COL_STATUS).to_pylist()) == schema.STATUS_OK
+        clean = ok & ~table.column(schema.COL_NOISY).to_numpy(zero_copy_only=False).astype(bool)
+        sizes[name] = table.num_rows if sizes_of == "all" else int(clean.sum())
         sums[name] = float(table.column(schema.COL_WEIGHT).to_numpy().sum(dtype=np.float64))
-        if schema.COL_UID not in table.column_names:
+        folder = _local_folder(record.shard)
+        if folder is not None and folder not in shard_folders:
+            shard_folders.append(folder)
+        if schema.COL_UID not in table.column_names or table.column(schema.COL_UID).null_count == table.num_rows:
             has_uid = False
             continue
-        ok = np.asarray(table.column(schema.COL_STATUS).to_pylist()) == schema.STATUS_OK
-        clean = ~table.column(schema.COL_NOISY).to_numpy(zero_copy_only=False)
-        uids = table.column(schema.COL_UID).to_pylist()
-        keep.extend(u for u, k in zip(uids, ok & clean) if k and u is not None)
+        keys = table.column(schema.COL_KEY).to_pylist()
+        for uid, key, kept in zip(table.column(schema.COL_UID).to_pylist(), keys, clean):
+            if not kept or uid is None:
+                continue
+            if _is_datacomp_uid(uid):
+                keep.append(uid)
+            elif skip_bad_uids:
+                report.skipped_uids += 1
+            else:
+                raise InputError(
+                    f"uid {uid!r} of key {key!r} in shard {record.shard!r} is not 32 hex digits (DataComp's "
+                    "format): pass --skip-bad-uids to leave such pairs out of datacomp_keep.npy"
+                )
     if not sizes:
         raise InputError(f"{out.uri} holds no committed shard")
     files: dict[str, bytes] = {
         name: json.dumps(doc, indent=1, sort_keys=True).encode() for name, doc in (("sizes.json", sizes), ("shard_weights.json", sums))
     }
-    # DataComp's subset file needs its 128-bit hex uids; other uids get no keep list.
-    if has_uid and all(_is_datacomp_uid(u) for u in keep):
-        import io
-
+    if has_uid:
         buf = io.BytesIO()
         np.save(buf, uid_records(keep))
         files["datacomp_keep.npy"] = buf.getvalue()
+    else:
+        report.notes.append("datacomp_keep.npy not written: it needs DataComp uids (a 'uid' in each sample's json), and these shards have none")
+    copies = list(dict.fromkeys([*sizes_dirs, *(shard_folders if sizes_beside_shards else [])]))
+    previous = _previous_copies(out)
+    for folder in copies:  # every refusal before the first write
+        _check_sizes_target(Path(folder), previous)
     names = [f"{schema.EXPORT_DIR}/{name}" for name in files]
+    targets = {str(Path(f) / "sizes.json"): hashlib.sha256(files["sizes.json"]).hexdigest() for f in copies}
     # Record first: a crash after some writes still leaves every written name listed.
-    out.store.put(schema.EXPORTS_FILE, json.dumps({"written": names}).encode())
-    written = {}
+    out.store.put(schema.EXPORTS_FILE, json.dumps({"written": names, "outside": {**previous, **targets}}).encode())
     for name, data in files.items():
         out.store.put(f"{schema.EXPORT_DIR}/{name}", data)
-        written[name] = out.store.url(f"{schema.EXPORT_DIR}/{name}")
-    return written
+        report.written[name] = out.store.url(f"{schema.EXPORT_DIR}/{name}")
+    for path in targets:
+        _atomic_write(Path(path), files["sizes.json"])
+        report.written[f"sizes.json -> {Path(path).parent}"] = path
+    if not copies:
+        where = shard_folders[0] if shard_folders else "the folder of your first training shard"
+        report.notes.append(
+            f"open_clip reads sizes.json from the folder of the first training shard: copy "
+            f"{report.written['sizes.json']} to {where}/ (or pass --sizes-beside-shards / --sizes-dir DIR)"
+        )
+    return report
+
+
+def write_exports(out: OutputDir, **options: object) -> dict[str, str]:
+    """``export(out, **options).written``: name -> URI of every file written."""
+    return export(out, **options).written  # type: ignore[arg-type]
+
+
+def _local_folder(uri: str) -> str | None:
+    """The folder of a local shard (plain path or file://); None for remote ones."""
+    from .uris import LOCAL_SCHEMES, local_path, scheme_of
+
+    try:
+        if scheme_of(uri) not in LOCAL_SCHEMES:
+            return None
+    except InputError:
+        return None
+    return os.path.dirname(os.path.abspath(local_path(uri)))
+
+
+def _previous_copies(out: OutputDir) -> dict[str, str]:
+    raw = out.store.get(schema.EXPORTS_FILE)
+    if raw is None:
+        return {}
+    try:
+        return {str(k): str(v) for k, v in dict(json.loads(raw).get("outside", {})).items()}
+    except (ValueError, AttributeError):
+        return {}
+
+
+def _check_sizes_target(folder: Path, previous: dict[str, str]) -> None:
+    if not folder.is_dir():
+        raise InputError(f"cannot write sizes.json into {str(folder)!r}: not a local folder")
+    target = folder / "sizes.json"
+    if target.exists():
+        digest = hashlib.sha256(target.read_bytes()).hexdigest()
+        if previous.get(str(target)) != digest:
+            raise InputError(
+                f"{str(target)!r} exists and pairclean did not write it: not replaced (move it away, "
+                "or copy OUT/_export/sizes.json there yourself)"
+            )
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.pairclean-tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def _is_datacomp_uid(uid: str) -> bool:

@@ -51,6 +51,7 @@ __all__ = [
     "weighting_params",
     "apply_weighting",
     "noisy_flags",
+    "mixture_posterior_clean",
 ]
 
 BETA_RECIPES: Final = ("random-inputs", "shuffled", "gmm")
@@ -298,3 +299,23 @@ def noisy_flags(s: FloatArray, beta: float) -> NDArray[np.bool_]:
     """The paper's noisy rule ``s <= beta`` (NaN similarities count as noisy): (N,) -> (N,) bool."""
     sims = np.asarray(s, dtype=np.float64)
     return np.asarray(~(sims > beta), dtype=np.bool_)
+
+
+def mixture_posterior_clean(s: FloatArray, means: tuple[float, float], stds: tuple[float, float], noise_weight: float) -> FloatArray:
+    """P(clean | s) under a 2-component mixture on similarities: (N,) -> (N,) float32 in [0, 1].
+
+    ``means``/``stds``: (noise, clean) components, ``noise_weight`` the noise component's
+    mixing weight (``GmmFit.means``, ``.stds``, ``.noise_rate``). Outside the two means the
+    posterior is held at its value at the nearer mean (a mixture of unequal spreads is not
+    monotone in its tails; a pair more similar than the clean mean is never called less
+    clean). NaN -> 0.
+    """
+    x = np.asarray(s, dtype=np.float64)
+    lo, hi = float(means[0]), float(means[1])
+    xc = np.clip(x, min(lo, hi), max(lo, hi))
+    pi = float(np.clip(noise_weight, 1e-9, 1 - 1e-9))
+    sd_n, sd_c = max(float(stds[0]), 1e-6), max(float(stds[1]), 1e-6)
+    log_n = np.log(pi) - np.log(sd_n) - 0.5 * ((xc - lo) / sd_n) ** 2
+    log_c = np.log(1 - pi) - np.log(sd_c) - 0.5 * ((xc - hi) / sd_c) ** 2
+    post = 1.0 / (1.0 + np.exp(np.clip(log_n - log_c, -700, 700)))
+    return np.where(np.isfinite(x), post, 0.0).astype(np.float32)

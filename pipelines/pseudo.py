@@ -193,7 +193,9 @@ def load_pool(out: OutputDir, pool: str, workdir: str | os.PathLike[str]) -> Poo
 # -- nearest neighbours -----------------------------------------------------------------------
 @dataclass
 class PairResult:
-    """Pseudo-pairs as pool row ids: image ``img[r]`` with caption ``cap[r]``."""
+    """Pseudo-pairs as pool row ids: image ``img[r]`` with caption ``cap[r]``; ``i2t_top``/
+    ``t2i_top``: every image's nearest caption and every caption's nearest image (-1: none),
+    before de-duplication and filtering."""
 
     img: NDArray[np.int64]
     cap: NDArray[np.int64]
@@ -202,6 +204,8 @@ class PairResult:
     mutual: NDArray[np.bool_]
     plans: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    i2t_top: NDArray[np.int64] | None = None
+    t2i_top: NDArray[np.int64] | None = None
 
 
 def _drop_self(ids: NDArray[np.int64], k: int) -> NDArray[np.int64]:
@@ -263,6 +267,7 @@ def nearest_pairs(image: NDArray[Any], text: NDArray[Any], opts: PseudoOptions, 
         img[keep], cap[keep], rank[keep], direction[keep], mutual[keep],
         plans={"i2t": plan_t, "t2i": plan_i},
         timings={**{f"i2t_{k_}": v for k_, v in tim_t.items()}, **{f"t2i_{k_}": v for k_, v in tim_i.items()}},
+        i2t_top=top_i2t, t2i_top=top_t2i,
     )
 
 
@@ -414,11 +419,9 @@ def _write(out: OutputDir, pool: Pool, result: PairResult, sim: NDArray[np.float
 
 # -- the trainer side -------------------------------------------------------------------------
 def _stem_of(url: str) -> str:
-    name = url.rstrip("/").rsplit("/", 1)[-1]
-    for suffix in (".tar.gz", ".tgz", ".tar"):
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return name
+    from .uris import shard_stem  # the scorer's own naming: pipe:, query strings, any scheme
+
+    return shard_stem(url)
 
 
 class PseudoCaptions:
@@ -464,15 +467,16 @@ class PseudoCaptions:
         """The pseudo-caption and weight of image ``key`` of shard ``url``, or None."""
         return self._load(_stem_of(url)).get(key)
 
-    def substitute(self, sample: dict[str, Any], url: str, key: str) -> bool:
-        """Replace the caption and weight of ``sample`` in place; False when it has no pseudo-pair."""
+    def substitute(self, sample: dict[str, Any], url: str, key: str, weight_key: str = "weight") -> bool:
+        """Replace the caption and weight (``sample[weight_key]``) of ``sample`` in place;
+        False when it has no pseudo-pair."""
         found = self.get(url, key)
         if found is None:
             return False
         caption, weight = found
         old = sample.get(self.caption_key)
         sample[self.caption_key] = caption.encode("utf-8") if isinstance(old, (bytes, bytearray)) else caption
-        sample["weight"] = weight
+        sample[weight_key] = weight
         return True
 
     def keys(self, stems: Iterable[str]) -> dict[str, set[str]]:

@@ -5,11 +5,16 @@ imported here). ``import pairclean.sampler`` is safe in any training environment
 
 - ``WeightStore`` joins weights by ``__key__`` from a job's per-shard Parquet, loading
   one shard's file the first time one of its samples is seen.
-- ``weight_stage`` is a WebDataset pipeline stage (a function from an iterator of samples
-  to an iterator of samples): mode ``loss`` adds ``sample["weight"]``, ``sample`` keeps a
-  sample with probability ``min(1, w / w_cap)`` (seeded, deterministic per rank), ``keep``
-  drops pairs flagged noisy, ``pseudo`` replaces a noisy pair's caption and weight by its
-  RCSL pseudo-caption (``pairclean.pseudo.PseudoCaptions``, from ``pairclean pseudo-pair``).
+- ``WeightStage`` is a WebDataset pipeline stage (an iterator of samples in, an iterator
+  of samples out), a plain module-level class so DataLoader workers can pickle it under
+  every start method (``fork``, ``forkserver``, ``spawn``): it stores the weight under
+  ``WEIGHT_KEY`` (``"__pairclean_weight__"``), which webdataset's decoders pass through
+  untouched, so it can sit anywhere before ``rename``/``to_tuple`` (before ``decode`` too).
+  Mode ``loss`` only adds the weight, ``sample`` keeps a sample with probability
+  ``min(1, w / w_cap)`` (seeded, deterministic per rank), ``keep`` drops pairs flagged
+  noisy, ``pseudo`` replaces a noisy pair's caption and weight by its RCSL pseudo-caption
+  (``pairclean.pseudo.PseudoCaptions``, from ``pairclean pseudo-pair``). ``weight_stage``
+  is the older factory (weight in ``sample["weight"]`` unless told otherwise).
 - ``WeightedSampler`` draws indices of a map-style dataset in proportion to weights, for
   any number of weights (no 2^24 limit), each rank its own slice, reseeded by ``set_epoch``.
 """
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,19 +32,27 @@ import numpy as np
 import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
-__all__ = ["MISSING_POLICIES", "MODES", "WeightStore", "weight_stage", "WeightedSampler"]
+from .uris import shard_stem
+
+__all__ = [
+    "MISSING_POLICIES",
+    "MODES",
+    "WEIGHT_KEY",
+    "PSEUDO_KEY",
+    "WeightStore",
+    "WeightStage",
+    "weight_stage",
+    "WeightedSampler",
+]
 
 MODES = ("loss", "sample", "keep", "pseudo")
 MISSING_POLICIES = ("error", "skip", "default")
 _CHUNK = 1 << 20  # weights processed per chunk: bounds temporary memory
-
-
-def _stem_of(url: str) -> str:
-    name = url.rstrip("/").rsplit("/", 1)[-1]
-    for suffix in (".tar.gz", ".tgz", ".tar"):
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return name
+#: Where ``WeightStage`` puts the weight. Keys starting with ``__`` are passed through
+#: unchanged by webdataset's ``decode`` (0.2.x and 1.x), so the stage may run before it.
+WEIGHT_KEY = "__pairclean_weight__"
+#: True when mode ``pseudo`` substituted the caption of this sample.
+PSEUDO_KEY = "__pairclean_pseudo__"
 
 
 class WeightStore:
@@ -73,25 +86,111 @@ class WeightStore:
         return rows
 
     def get(self, url: str, key: str) -> tuple[float, bool] | None:
-        return self._load(_stem_of(url)).get(key)
+        return self._load(shard_stem(url)).get(key)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Workers get the configuration, not the parent's cache: pickles stay small under
+        # spawn/forkserver and each worker loads only the shards it reads.
+        state = self.__dict__.copy()
+        state["_cache"] = {}
+        return state
 
 
-def _unit_hash(seed: int, rank: int, url: str, key: str) -> float:
-    """A uniform number in [0, 1) fixed by (seed, rank, shard, key): reproducible decisions
-    that do not depend on the order or the worker that sees a sample."""
-    digest = hashlib.blake2b(f"{seed}:{rank}:{url}:{key}".encode(), digest_size=8).digest()
+def _unit_hash(seed: int, rank: int, stem: str, key: str) -> float:
+    """A uniform number in [0, 1) fixed by (seed, rank, shard stem, key): reproducible
+    decisions that depend neither on the order, the worker, nor the URL form the shard was
+    read by (``s3://b/x.tar`` and ``pipe:aws s3 cp s3://b/x.tar -`` decide alike)."""
+    digest = hashlib.blake2b(f"{seed}:{rank}:{stem}:{key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") / 2**64
 
 
-@dataclass(frozen=True)
-class _StageConfig:
-    mode: str
-    w_cap: float
-    missing: str
-    default: float
-    seed: int
-    rank: int
-    pseudo: Any = None  # a PseudoCaptions in mode "pseudo"
+class WeightStage:
+    """A WebDataset stage joining pairclean weights by ``__key__`` within ``__url__``'s shard.
+
+    Contract: ``stage(samples)`` yields the samples it keeps, each with
+    ``sample[weight_key]`` = its Parquet row's ``weight`` (float). Place it anywhere in a
+    ``wds.DataPipeline`` (or ``.compose(stage)``) where samples are still dicts with
+    ``__key__`` and ``__url__``: before or after ``decode``, before ``rename(keep=False)``
+    and ``to_tuple``; then name ``WEIGHT_KEY`` in those (``wds.to_tuple("jpg", "txt",
+    WEIGHT_KEY)``). The stem of ``__url__`` comes from ``pairclean.uris.shard_stem``, so
+    ``pipe:`` commands, query strings and every scheme join to the same Parquet file.
+
+    Modes: ``loss`` keeps every sample; ``sample`` keeps one with probability
+    ``min(1, w / w_cap)``, decided by a hash of (seed, rank, shard, key); ``keep`` drops
+    pairs flagged noisy; ``pseudo`` is ``loss`` where a noisy pair with a pseudo-pair gets
+    the pseudo-caption (its own caption field, e.g. ``txt``) and weight, and
+    ``sample[pseudo_key] = True`` (False otherwise). ``pseudo`` is a ``PseudoCaptions``
+    (default: one over ``output_dir``). ``missing``: ``error`` raises ``KeyError``,
+    ``skip`` drops the sample, ``default`` gives it weight ``default`` (counted clean).
+
+    A plain class of plain attributes: picklable, so DataLoader workers get it under any
+    start method (the weight cache is not pickled; each worker loads what it reads).
+    """
+
+    def __init__(
+        self,
+        output_dir: str | os.PathLike[str],
+        mode: str = "loss",
+        *,
+        w_cap: float = 1.0,
+        missing: str = "error",
+        default: float = 1.0,
+        seed: int = 0,
+        rank: int = 0,
+        pseudo: Any = None,
+        weight_key: str = WEIGHT_KEY,
+        pseudo_key: str = PSEUDO_KEY,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        if missing not in MISSING_POLICIES:
+            raise ValueError(f"missing must be one of {MISSING_POLICIES}, not {missing!r}")
+        if w_cap <= 0:
+            raise ValueError("w_cap must be positive")
+        self.store = WeightStore(output_dir)
+        if mode == "pseudo" and pseudo is None:
+            from .pseudo import PseudoCaptions
+
+            pseudo = PseudoCaptions(output_dir)
+        self.mode, self.w_cap, self.missing, self.default = mode, w_cap, missing, default
+        self.seed, self.rank, self.pseudo = seed, rank, pseudo
+        self.weight_key, self.pseudo_key = weight_key, pseudo_key
+
+    def __call__(self, samples: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        for sample in samples:
+            out = self.apply(sample)
+            if out is not None:
+                yield out
+
+    def apply(self, sample: dict[str, Any]) -> dict[str, Any] | None:
+        """One sample: itself with its weight, or None when the mode drops it."""
+        if not isinstance(sample, dict) or "__key__" not in sample:
+            raise TypeError(
+                "pairclean's WeightStage needs samples with '__key__' (and '__url__'): place it "
+                "before rename(keep=False) and to_tuple in the pipeline, not after"
+            )
+        url, key = str(sample.get("__url__", "")), str(sample["__key__"])
+        found = self.store.get(url, key)
+        if found is None:
+            if self.missing == "error":
+                raise KeyError(
+                    f"no pairclean weight for key {key!r} of shard {url!r} (stem {shard_stem(url)!r}) in {self.store.root}"
+                )
+            if self.missing == "skip":
+                return None
+            found = (self.default, False)
+        weight, noisy = found
+        if self.mode == "keep" and noisy:
+            return None
+        if self.mode == "sample" and _unit_hash(self.seed, self.rank, shard_stem(url), key) >= min(1.0, weight / self.w_cap):
+            return None
+        # Modes keep/sample used to add nothing: with the old "weight" key they still add
+        # nothing (a float there would break a later decode); a "__" key is always safe.
+        if self.mode in ("loss", "pseudo") or self.weight_key.startswith("__"):
+            sample[self.weight_key] = weight
+        if self.mode == "pseudo":
+            sample[self.pseudo_key] = bool(noisy) and self.pseudo.substitute(sample, url, key, weight_key=self.weight_key)
+        return sample
 
 
 def weight_stage(
@@ -104,56 +203,17 @@ def weight_stage(
     seed: int = 0,
     rank: int = 0,
     pseudo: Any = None,
-) -> Callable[[Iterable[dict[str, Any]]], Iterator[dict[str, Any]]]:
-    """A WebDataset stage joining pairclean weights by ``__key__`` (and ``__url__``'s shard).
-
-    Use as ``wds.WebDataset(urls).compose(weight_stage(out, "sample"))`` or as a stage of
-    ``wds.DataPipeline``. ``missing``: ``error`` raises ``KeyError``, ``skip`` drops the
-    sample, ``default`` uses ``default`` as its weight (and counts it as clean). Mode
-    ``pseudo``: like ``loss``, but a noisy pair with a pseudo-pair gets the pseudo-caption
-    (same field, e.g. ``txt``) and its weight, and ``sample["pseudo"] = True``; ``pseudo``
-    is a ``PseudoCaptions`` (default: one over ``output_dir``).
-    """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
-    if missing not in MISSING_POLICIES:
-        raise ValueError(f"missing must be one of {MISSING_POLICIES}, not {missing!r}")
-    if w_cap <= 0:
-        raise ValueError("w_cap must be positive")
-    store = WeightStore(output_dir)
-    if mode == "pseudo" and pseudo is None:
-        from .pseudo import PseudoCaptions
-
-        pseudo = PseudoCaptions(output_dir)
-    cfg = _StageConfig(mode, w_cap, missing, default, seed, rank, pseudo)
-
-    def stage(samples: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        for sample in samples:
-            out = _apply(sample, store, cfg)
-            if out is not None:
-                yield out
-
-    return stage
-
-
-def _apply(sample: dict[str, Any], store: WeightStore, cfg: _StageConfig) -> dict[str, Any] | None:
-    url, key = str(sample.get("__url__", "")), str(sample["__key__"])
-    found = store.get(url, key)
-    if found is None:
-        if cfg.missing == "error":
-            raise KeyError(f"no pairclean weight for key {key!r} of shard {url!r} in {store.root}")
-        if cfg.missing == "skip":
-            return None
-        found = (cfg.default, False)
-    weight, noisy = found
-    if cfg.mode == "keep":
-        return None if noisy else sample
-    if cfg.mode == "sample":
-        return sample if _unit_hash(cfg.seed, cfg.rank, url, key) < min(1.0, weight / cfg.w_cap) else None
-    sample["weight"] = weight
-    if cfg.mode == "pseudo":
-        sample["pseudo"] = bool(noisy) and cfg.pseudo.substitute(sample, url, key)
-    return sample
+    weight_key: str = "weight",
+    pseudo_key: str = "pseudo",
+) -> WeightStage:
+    """The older spelling of ``WeightStage``: the same stage, but the weight goes to
+    ``sample["weight"]`` and the pseudo flag to ``sample["pseudo"]`` by default (as before),
+    so place it after ``decode`` (a non-``__`` key holding a float breaks webdataset's
+    decoder) or pass ``weight_key=WEIGHT_KEY``."""
+    return WeightStage(
+        output_dir, mode, w_cap=w_cap, missing=missing, default=default, seed=seed, rank=rank,
+        pseudo=pseudo, weight_key=weight_key, pseudo_key=pseudo_key,
+    )
 
 
 class WeightedSampler:

@@ -14,6 +14,8 @@ __all__ = [
     "STATUS_MISSING_TEXT",
     "STATUS_EMPTY_TEXT",
     "STATUS_TOO_LARGE",
+    "STATUS_DUPLICATE_KEY",
+    "STATUS_LINK_MEMBER",
     "COL_KEY",
     "COL_SHARD",
     "COL_IDX",
@@ -22,6 +24,7 @@ __all__ = [
     "COL_SIMILARITY",
     "COL_WEIGHT",
     "COL_NOISY",
+    "COL_P_CLEAN",
     "COL_UID",
     "COL_URL",
     "COL_IMAGE_EMB",
@@ -47,6 +50,10 @@ STATUS_MISSING_IMAGE: Final = "missing_image"
 STATUS_MISSING_TEXT: Final = "missing_text"
 STATUS_EMPTY_TEXT: Final = "empty_text"
 STATUS_TOO_LARGE: Final = "too_large"
+#: A key seen earlier in the shard, or a field written twice for one sample.
+STATUS_DUPLICATE_KEY: Final = "duplicate_key"
+#: A sample with a symlink or hard-link member (links are never followed).
+STATUS_LINK_MEMBER: Final = "link_member"
 STATUSES: Final = (
     STATUS_OK,
     STATUS_DECODE_ERROR,
@@ -54,6 +61,8 @@ STATUSES: Final = (
     STATUS_MISSING_TEXT,
     STATUS_EMPTY_TEXT,
     STATUS_TOO_LARGE,
+    STATUS_DUPLICATE_KEY,
+    STATUS_LINK_MEMBER,
 )
 
 COL_KEY: Final = "key"
@@ -64,6 +73,9 @@ COL_ERROR: Final = "error"
 COL_SIMILARITY: Final = "similarity"
 COL_WEIGHT: Final = "weight"
 COL_NOISY: Final = "noisy"
+#: A calibrated probability that the pair is clean (OSA: the mixture posterior; refined
+#: jobs: the method's).
+COL_P_CLEAN: Final = "p_clean"
 COL_UID: Final = "uid"
 COL_URL: Final = "url"
 COL_IMAGE_EMB: Final = "image_emb"
@@ -88,10 +100,11 @@ LOCK_FILE: Final = f"{STATE_DIR}/lock.json"
 EXPORTS_FILE: Final = f"{STATE_DIR}/exports.json"
 
 
-def scores_schema(with_uid: bool, with_url: bool) -> pa.Schema:
+def scores_schema(with_uid: bool, with_url: bool, extra_scores: tuple[str, ...] = ()) -> pa.Schema:
     """The schema of ``OUT/<stem>.parquet``; ``uid``/``url`` only when the shard has them.
 
-    ``similarity`` is NaN and ``weight`` 0 for rows whose status is not ``ok``.
+    ``similarity`` is NaN, ``weight`` and ``p_clean`` 0 for rows whose status is not ``ok``.
+    ``extra_scores``: raw-score columns (float32) a refined table adds after ``p_clean``.
     """
     fields = [
         pa.field(COL_KEY, pa.string(), nullable=False),
@@ -102,7 +115,9 @@ def scores_schema(with_uid: bool, with_url: bool) -> pa.Schema:
         pa.field(COL_SIMILARITY, pa.float32(), nullable=False),
         pa.field(COL_WEIGHT, pa.float32(), nullable=False),
         pa.field(COL_NOISY, pa.bool_(), nullable=False),
+        pa.field(COL_P_CLEAN, pa.float32(), nullable=False),
     ]
+    fields += [pa.field(name, pa.float32(), nullable=False) for name in extra_scores]
     if with_uid:
         fields.append(pa.field(COL_UID, pa.string()))
     if with_url:

@@ -401,8 +401,11 @@ def scores_table(
 ) -> pa.Table:
     """The scores Parquet table: weights and flags from similarities and the calibration.
 
-    Rows that are not ``ok`` get weight 0 and ``noisy = True`` (a trainer must not use
-    them as clean pairs).
+    Rows that are not ``ok`` get weight 0, ``p_clean`` 0 and ``noisy = True`` (a trainer
+    must not use them as clean pairs). ``p_clean`` is the posterior of the calibration's
+    pinned mixture (``osa.mixture_posterior_clean``); a calibration without a mixture
+    (fewer than 16 ok pairs, or written before mixtures were recorded) gives the hard
+    ``1 - noisy``.
     """
     ok = np.array([s == schema.STATUS_OK for s in status], dtype=bool)
     sims = np.asarray(similarity, dtype=np.float32)
@@ -410,6 +413,12 @@ def scores_table(
     # reference-batch batches consecutive ok pairs, as the released code batches its loader.
     weight[ok] = osa.apply_weighting(sims[ok], calibration.beta, _weighting_params(calibration))
     noisy = osa.noisy_flags(sims, calibration.beta)
+    p_clean = np.zeros(len(keys), dtype=np.float32)
+    extra = calibration.extra
+    if "gmm_stds" in extra and "gmm_noise_weight" in extra:
+        p_clean[ok] = osa.mixture_posterior_clean(sims[ok], tuple(extra["gmm_means"]), tuple(extra["gmm_stds"]), extra["gmm_noise_weight"])
+    else:
+        p_clean[ok] = (~noisy[ok]).astype(np.float32)
     columns: dict[str, Any] = {
         schema.COL_KEY: keys,
         schema.COL_SHARD: [shard] * len(keys),
@@ -419,6 +428,7 @@ def scores_table(
         schema.COL_SIMILARITY: sims,
         schema.COL_WEIGHT: weight,
         schema.COL_NOISY: noisy,
+        schema.COL_P_CLEAN: p_clean,
     }
     if uid is not None:
         columns[schema.COL_UID] = uid

@@ -4,12 +4,21 @@ Grouping follows WebDataset's key rule: a member ``dir/name.ext1.ext2`` belongs 
 sample with ``__key__`` ``dir/name`` (everything up to the first dot of the file name)
 and carries the field ``ext1.ext2`` (lower-cased). Consecutive members with the same key
 form one sample. Keys are kept exactly as written in the tar.
+
+A shard is read whole or not at all: a truncated shard, a corrupt header after the first
+member (which Python's ``tarfile`` would take as the end of the archive), or a stream that
+ends before the object's known size raises ``ShardReadError``. Members over
+``ReadOptions.max_member_bytes`` are skipped without being read (a ``too_large`` row);
+link members, keys seen earlier in the shard and fields written twice become rows with
+a status instead of being dropped or overwritten.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 import tarfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +33,9 @@ __all__ = [
     "RawSample",
     "PairSample",
     "ReadOptions",
+    "DEFAULT_MAX_MEMBER_BYTES",
+    "iter_raw_samples_from",
+    "iter_pairs_from",
     "split_member_name",
     "iter_raw_samples",
     "to_pair",
@@ -35,6 +47,12 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 _KEY_RE = re.compile(r"^((?:.*/|)[^.]+)\.([^/]*)$")
 # Tar members like __index__.json are WebDataset metadata, not samples.
 _META_RE = re.compile(r"(^|/)__[^/]*__($|\.)")
+#: Members above this many bytes are never read into memory (a ``too_large`` row).
+DEFAULT_MAX_MEMBER_BYTES = 64 * 2**20
+_BLOCK = tarfile.BLOCKSIZE
+# Bytes after the end-of-archive marker are drained to compare the total with the
+# object's size; tar writers pad to a 10 KiB record, so more than this is not padding.
+_MAX_TRAILER = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -44,6 +62,7 @@ class RawSample:
     key: str
     idx: int
     files: dict[str, bytes]
+    issue: tuple[str, str] | None = None  # (status, message) of a sample-level problem
 
 
 @dataclass(frozen=True)
@@ -52,10 +71,13 @@ class ReadOptions:
 
     ``caption_field``: when set, the caption is this field of the ``json`` member;
     otherwise the ``txt`` member is used, falling back to ``json["caption"]``.
+    ``max_member_bytes``: members larger than this are skipped unread (``too_large``);
+    None reads members of any size.
     """
 
     caption_field: str | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    max_member_bytes: int | None = DEFAULT_MAX_MEMBER_BYTES
 
 
 @dataclass(frozen=True)
@@ -82,17 +104,86 @@ def split_member_name(name: str) -> tuple[str, str] | None:
     return match.group(1), match.group(2).lower()
 
 
-def _iter_members(fh: BinaryIO, uri: str) -> Iterator[tuple[str, bytes]]:
+@dataclass(frozen=True)
+class _Member:
+    name: str
+    data: bytes | None  # None when the member was not read (see ``issue``)
+    issue: tuple[str, str] | None = None
+
+
+class _Counting:
+    """A read-only stream that counts the object's bytes (before any gunzip)."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self.fh, self.count = fh, 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.fh.read(n)
+        self.count += len(data)
+        return data
+
+
+def _header_recorder() -> tuple[type[tarfile.TarInfo], list[bytes]]:
+    """A TarInfo class that remembers the last header block tarfile parsed.
+
+    ``tarfile`` ends iteration silently on an empty, short or corrupt header after the
+    first member; the last block tells a real end-of-archive marker (512 zero bytes) from
+    a truncated or damaged shard.
+    """
+    last = [b""]
+
+    class _Info(tarfile.TarInfo):
+        @classmethod
+        def frombuf(cls, buf: bytes, encoding: str, errors: str) -> tarfile.TarInfo:  # type: ignore[override]
+            last[0] = bytes(buf)
+            return super().frombuf(buf, encoding, errors)
+
+    return _Info, last
+
+
+def _known_size(fh: Any) -> int | None:
+    """The object's size when the stream knows it (local file, fsspec file), else None."""
+    try:
+        st = os.fstat(fh.fileno())
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
+    except (AttributeError, OSError, ValueError, TypeError):
+        pass
+    size = getattr(fh, "size", None)
+    return size if isinstance(size, int) else None
+
+
+def _iter_members(fh: BinaryIO, uri: str, max_member_bytes: int | None) -> Iterator[_Member]:
+    size = _known_size(fh)
+    counted = _Counting(fh)
+    info_cls, last_header = _header_recorder()
     try:
         # "r|*": forward-only stream (works on HTTP streams), transparent gzip.
-        with tarfile.open(fileobj=fh, mode="r|*") as tar:
+        with tarfile.open(fileobj=counted, mode="r|*", tarinfo=info_cls) as tar:  # type: ignore[call-overload]
             for member in tar:
+                if member.issym() or member.islnk():
+                    yield _Member(member.name, None, (schema.STATUS_LINK_MEMBER, f"member {member.name!r} is a link; links are not followed"))
+                    continue
                 if not member.isfile():
+                    continue
+                if max_member_bytes is not None and member.size > max_member_bytes:
+                    # Not extracted: the stream skips its bytes block by block when the
+                    # next header is read, so a 1 GiB member never sits in memory.
+                    message = f"member {member.name!r} is {member.size} bytes, over the {max_member_bytes}-byte limit"
+                    yield _Member(member.name, None, (schema.STATUS_TOO_LARGE, message))
                     continue
                 extracted = tar.extractfile(member)
                 if extracted is None:
                     continue
-                yield member.name, extracted.read()
+                yield _Member(member.name, extracted.read())
+            if last_header[0] != bytes(_BLOCK):
+                what = "ends without an end-of-archive marker (truncated)" if len(last_header[0]) < _BLOCK else "has a corrupt header"
+                raise ShardReadError(f"unreadable tar {uri!r}: it {what} after {tar.offset} bytes", uri=uri)
+        if size is not None:
+            while counted.count < size and counted.count <= size + _MAX_TRAILER:
+                if not counted.read(min(1 << 16, size - counted.count + 1)):
+                    break
+            if counted.count != size:
+                raise ShardReadError(f"unreadable tar {uri!r}: read {counted.count} of its {size} bytes", uri=uri)
     except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
         raise ShardReadError(f"unreadable tar {uri!r}: {exc}", uri=uri) from exc
 
@@ -105,23 +196,39 @@ def iter_raw_samples(uri: str, options: ReadOptions | None = None) -> Iterator[R
     output must be complete or absent).
     """
     opts = options or ReadOptions()
+    with open_shard(uri, opts.storage_options) as fh:
+        yield from iter_raw_samples_from(fh, uri, opts)
+
+
+def iter_raw_samples_from(fh: BinaryIO, uri: str, options: ReadOptions | None = None) -> Iterator[RawSample]:
+    """``iter_raw_samples`` over a stream the caller opened (``uri`` names it in errors)."""
+    opts = options or ReadOptions()
     current_key: str | None = None
     files: dict[str, bytes] = {}
+    issue: tuple[str, str] | None = None
+    seen: set[str] = set()
     idx = 0
-    with open_shard(uri, opts.storage_options) as fh:
-        for name, data in _iter_members(fh, uri):
-            parts = split_member_name(name)
-            if parts is None:
-                continue
-            key, ext = parts
-            if key != current_key:
-                if current_key is not None:
-                    yield RawSample(current_key, idx, files)
-                    idx += 1
-                current_key, files = key, {}
-            files[ext] = data
+    for member in _iter_members(fh, uri, opts.max_member_bytes):
+        parts = split_member_name(member.name)
+        if parts is None:
+            continue
+        key, ext = parts
+        if key != current_key:
+            if current_key is not None:
+                yield RawSample(current_key, idx, files, issue)
+                idx += 1
+            current_key, files, issue = key, {}, None
+            if key in seen:
+                issue = (schema.STATUS_DUPLICATE_KEY, f"key {key!r} appeared earlier in the shard")
+            seen.add(key)
+        if member.issue is not None or member.data is None:
+            issue = issue or member.issue
+        elif ext in files:
+            issue = issue or (schema.STATUS_DUPLICATE_KEY, f"member {member.name!r} appears twice")
+        else:
+            files[ext] = member.data
     if current_key is not None:
-        yield RawSample(current_key, idx, files)
+        yield RawSample(current_key, idx, files, issue)
 
 
 def _parse_json(sample: RawSample) -> tuple[dict[str, Any], str | None]:
@@ -162,6 +269,8 @@ def to_pair(sample: RawSample, caption_field: str | None = None) -> PairSample:
     def row(status: str, error: str | None) -> PairSample:
         return PairSample(sample.key, sample.idx, image, text, status, error, uid, url)
 
+    if sample.issue is not None:
+        return row(*sample.issue)
     if image is None:
         return row(schema.STATUS_MISSING_IMAGE, "no jpg/jpeg/png/webp member")
     if text is None:
@@ -176,4 +285,11 @@ def iter_pairs(uri: str, options: ReadOptions | None = None) -> Iterator[PairSam
     """The pairs of one shard in tar order (see ``iter_raw_samples`` for the errors)."""
     opts = options or ReadOptions()
     for sample in iter_raw_samples(uri, opts):
+        yield to_pair(sample, opts.caption_field)
+
+
+def iter_pairs_from(fh: BinaryIO, uri: str, options: ReadOptions | None = None) -> Iterator[PairSample]:
+    """``iter_pairs`` over a stream the caller opened (e.g. one bounded in bytes and time)."""
+    opts = options or ReadOptions()
+    for sample in iter_raw_samples_from(fh, uri, opts):
         yield to_pair(sample, opts.caption_field)

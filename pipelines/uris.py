@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import io
+import json
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+import re
+import string
 from pathlib import PurePosixPath
 from typing import Any, BinaryIO
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 from .errors import InputError, ShardNotFoundError, ShardReadError, UnsupportedSchemeError
 
@@ -24,10 +28,22 @@ __all__ = [
     "scheme_of",
     "expand_shards",
     "shard_stem",
+    "shard_stems",
     "local_path",
     "open_shard",
     "shard_size",
+    "brace_count",
+    "under_prefix",
+    "MAX_SHARDS_ENV",
+    "HTTP_ALLOWED_ENV",
 ]
+
+#: When ``expand_shards`` gets no ``max_shards``, this variable (if set) is the limit: the
+#: service sets it for the job processes it starts; the CLI alone has no limit.
+MAX_SHARDS_ENV = "PAIRCLEAN_MAX_SHARDS"
+#: A JSON list of URI prefixes HTTP(S) reads may be redirected to (set by the service for
+#: its job processes). When set, redirects are followed by hand and each hop is checked.
+HTTP_ALLOWED_ENV = "PAIRCLEAN_HTTP_ALLOWED_PREFIXES"
 
 LOCAL_SCHEMES = frozenset({"", "file"})
 REMOTE_SCHEMES = frozenset({"http", "https", "s3", "gs", "gcs"})
@@ -58,16 +74,60 @@ def local_path(uri: str) -> str:
 
 
 def shard_stem(uri: str) -> str:
-    """The output stem of a shard: its file name without ``.tar`` (``a/b/x-001.tar`` -> ``x-001``)."""
-    name = PurePosixPath(urlparse(uri).path if scheme_of(uri) else uri).name
+    """The output stem of a shard: its file name without ``.tar`` (``a/b/x-001.tar`` -> ``x-001``).
+
+    The one function that names a shard's outputs, used by the scorer (``JobSpec.stems``,
+    ``work.py``) and by the trainer side (``pairclean.sampler``, ``pairclean.pseudo``), so a
+    sample's ``__url__`` joins to ``OUT/<stem>.parquet`` whichever form it was read by:
+    plain paths, ``file://``, ``s3://``, ``gs://``, ``http(s)://`` (query string and
+    fragment ignored: ``https://h/00000.tar?download=true`` -> ``00000``) and open_clip's
+    ``pipe:`` commands (``pipe:aws s3 cp s3://b/00000.tar -`` -> ``00000``: the last
+    argument naming a ``.tar``/``.tgz`` file). Brace lists are expanded first
+    (``shard_stems``). Raises ``InputError`` for a ``pipe:`` command naming no shard.
+    """
+    if uri.startswith("pipe:"):
+        uri = _pipe_target(uri)
+    # Lenient about the scheme (hf://, ais://...): a trainer may read from anywhere, and
+    # the scorer validated its own URIs when it expanded them.
+    parsed = urlparse(uri)
+    name = PurePosixPath(parsed.path if len(parsed.scheme) > 1 else uri).name
     for suffix in _SHARD_SUFFIXES:
         if name.endswith(suffix):
             return name[: -len(suffix)]
     return name
 
 
+def shard_stems(urls: str | Sequence[str]) -> list[str]:
+    """Stems of open_clip-style ``--train-data``: brace patterns expanded, ``::`` joining
+    several sources (open_clip's separator), each URL through ``shard_stem``."""
+    import braceexpand
+
+    specs = [urls] if isinstance(urls, str) else list(urls)
+    return [shard_stem(u) for spec in specs for part in spec.split("::") for u in braceexpand.braceexpand(part)]
+
+
+def _pipe_target(uri: str) -> str:
+    """The shard a ``pipe:`` command reads: its last argument that names a tar file."""
+    import shlex
+
+    command = uri[len("pipe:") :]
+    try:
+        args = shlex.split(command)
+    except ValueError:
+        args = command.split()
+    for arg in reversed(args):
+        path = urlparse(arg).path if len(urlparse(arg).scheme) > 1 else arg
+        if path.endswith(_SHARD_SUFFIXES):
+            return arg
+    raise InputError(f"cannot tell which shard {uri!r} reads: no argument ends with .tar, .tar.gz or .tgz", uri=uri)
+
+
 def expand_shards(
-    specs: Sequence[str], storage_options: Mapping[str, Any] | None = None
+    specs: Sequence[str],
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    max_shards: int | None = None,
+    check: Callable[[str], None] | None = None,
 ) -> list[str]:
     """Expand shard specs into a de-duplicated, ordered list of shard URIs.
 
@@ -75,11 +135,20 @@ def expand_shards(
     (``/data/*.tar``, ``s3://b/p/*.tar``) or ``@list.txt`` (one spec a line; ``#`` comments).
     Local shards must exist (checked here, so a typo fails before any work); remote
     shards are checked when opened. Raises ``InputError`` subclasses naming the spec.
+
+    ``max_shards`` (default: ``$PAIRCLEAN_MAX_SHARDS`` when set, else no limit) is enforced
+    while expanding: a brace pattern is counted before it is expanded, globs and list files
+    stop as soon as the limit is passed, so ``{0..999999999}`` costs nothing.
+    ``check(uri)`` is called on every location before it is touched (a list file before it
+    is opened, a glob pattern before it is listed, a local shard before its existence is
+    tested, every glob match): a caller's allow-list raises from it.
     """
+    limit = max_shards if max_shards is not None else _env_limit()
+    budget = _Budget(limit)
     out: list[str] = []
     seen: set[str] = set()
     for spec in specs:
-        for uri in _expand_one(spec.strip(), storage_options or {}, depth=0):
+        for uri in _expand_one(spec.strip(), storage_options or {}, 0, budget, check):
             if uri not in seen:
                 seen.add(uri)
                 out.append(uri)
@@ -88,54 +157,169 @@ def expand_shards(
     return out
 
 
-def _expand_one(spec: str, storage_options: Mapping[str, Any], depth: int) -> Iterator[str]:
+def _env_limit() -> int | None:
+    raw = os.environ.get(MAX_SHARDS_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        return max(1, int(raw))
+    except ValueError as exc:
+        raise InputError(f"{MAX_SHARDS_ENV}={raw!r} is not a whole number") from exc
+
+
+class _Budget:
+    """Counts every URI produced (duplicates too: they cost time as well) against the limit."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit, self.used = limit, 0
+
+    def take(self, n: int = 1, spec: str = "") -> None:
+        self.used += n
+        if self.limit is not None and self.used > self.limit:
+            where = f" (at {spec!r})" if spec else ""
+            raise InputError(
+                f"more than {self.limit} shards{where}: split the job, or raise the limit", uri=spec or None
+            )
+
+
+def _expand_one(
+    spec: str, storage_options: Mapping[str, Any], depth: int, budget: _Budget, check: Callable[[str], None] | None
+) -> Iterator[str]:
     if not spec:
         raise InputError("empty shard spec")
     if spec.startswith("@"):
-        yield from _expand_list_file(spec[1:], storage_options, depth)
+        yield from _expand_list_file(spec[1:], storage_options, depth, budget, check)
         return
     import braceexpand  # webdataset's own dependency; the same brace syntax users know
 
+    try:
+        count = brace_count(spec)
+    except braceexpand.UnbalancedBracesError as exc:
+        raise InputError(f"unbalanced braces in {spec!r}", uri=spec) from exc
+    if budget.limit is not None and budget.used + count > budget.limit:
+        budget.take(count, spec)  # raises before braceexpand materialises anything
     for uri in braceexpand.braceexpand(spec):
         scheme = scheme_of(uri)
         if _GLOB_CHARS & set(uri):
-            yield from _expand_glob(uri, scheme, storage_options)
-        elif scheme in LOCAL_SCHEMES:
+            if check is not None:
+                check(uri)
+            yield from _expand_glob(uri, scheme, storage_options, budget, check)
+            continue
+        budget.take(1, spec)
+        if check is not None:
+            check(uri)
+        if scheme in LOCAL_SCHEMES:
             path = local_path(uri)
             if not os.path.isfile(path):
                 raise ShardNotFoundError(f"shard not found: {uri!r}", uri=uri)
-            yield uri
-        else:
-            yield uri
+        yield uri
 
 
-def _expand_list_file(path: str, storage_options: Mapping[str, Any], depth: int) -> Iterator[str]:
+_INT_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?$")
+_CHAR_RANGE = re.compile(r"^([A-Za-z])\.\.([A-Za-z])(?:\.\.-?(\d+))?$")
+_ALPHABET = string.ascii_uppercase + string.ascii_lowercase
+
+
+def brace_count(pattern: str) -> int:
+    """How many strings ``braceexpand(pattern)`` yields, computed without expanding.
+
+    Mirrors braceexpand 0.1.7's grammar (sequences, integer and letter ranges with steps,
+    nesting, backslash escapes); raises its ``UnbalancedBracesError`` like it does.
+    """
+    import braceexpand
+
+    total, start, pos, depth = 1, 0, 0, 0
+    while pos < len(pattern):
+        char = pattern[pos]
+        if char == "\\":
+            pos += 2
+            continue
+        if char == "{":
+            if depth == 0:
+                start = pos
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                expr = pattern[start + 1 : pos]
+                n = _expression_count(expr)
+                total *= brace_count(expr) if n is None else n
+        pos += 1
+    if depth != 0:
+        raise braceexpand.UnbalancedBracesError(f"Unbalanced braces: {pattern!r}")
+    return total
+
+
+def _expression_count(expr: str) -> int | None:
+    match = _INT_RANGE.match(expr)
+    if match:
+        first, last, step = int(match.group(1)), int(match.group(2)), int(match.group(3) or 1) or 1
+        return abs(last - first) // step + 1
+    match = _CHAR_RANGE.match(expr)
+    if match:
+        step = int(match.group(3) or 1) or 1
+        a, b = _ALPHABET.index(match.group(1)), _ALPHABET.index(match.group(2))
+        if a < b:
+            return len(_ALPHABET[a : b + 1 : step])
+        return len(_ALPHABET[a : (b or -len(_ALPHABET)) - 1 : -step])
+    # A sequence: the sum over its top-level comma-separated parts; None if not a sequence.
+    parts, start, pos, depth = [], 0, 0, 0
+    while pos < len(expr):
+        char = expr[pos]
+        if char == "\\":
+            pos += 2
+            continue
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            parts.append(expr[start:pos])
+            start = pos + 1
+        pos += 1
+    if depth != 0 or not parts:
+        return None
+    parts.append(expr[start:])
+    return sum(brace_count(p) for p in parts)
+
+
+def _expand_list_file(
+    path: str, storage_options: Mapping[str, Any], depth: int, budget: _Budget, check: Callable[[str], None] | None
+) -> Iterator[str]:
     if depth > 4:
         raise InputError(f"@list files nested too deeply at {path!r}", uri=path)
+    if check is not None:
+        check(path)
+    base = os.path.dirname(local_path(path)) if scheme_of(path) in LOCAL_SCHEMES else ""
     try:
         with _open_any(path, storage_options) as fh:
-            text = fh.read().decode("utf-8")
+            # Line by line: a list of millions of URIs is never held whole, and the shard
+            # limit stops the read as soon as it is passed.
+            for raw in io.TextIOWrapper(fh, encoding="utf-8"):
+                line = raw.split("#", 1)[0].strip()
+                if not line:
+                    continue
+                # Relative local entries are relative to the list file, like a playlist.
+                if base and scheme_of(line) == "" and not os.path.isabs(line) and not line.startswith("@"):
+                    line = os.path.join(base, line)
+                yield from _expand_one(line, storage_options, depth + 1, budget, check)
     except FileNotFoundError as exc:
         raise ShardNotFoundError(f"shard list not found: {path!r}", uri=path) from exc
     except UnicodeDecodeError as exc:
         raise InputError(f"shard list {path!r} is not UTF-8 text", uri=path) from exc
-    base = os.path.dirname(local_path(path)) if scheme_of(path) in LOCAL_SCHEMES else ""
-    for line in text.splitlines():
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        # Relative local entries are relative to the list file, like a playlist.
-        if base and scheme_of(line) == "" and not os.path.isabs(line) and not line.startswith("@"):
-            line = os.path.join(base, line)
-        yield from _expand_one(line, storage_options, depth + 1)
 
 
-def _expand_glob(uri: str, scheme: str, storage_options: Mapping[str, Any]) -> Iterator[str]:
+def _expand_glob(
+    uri: str, scheme: str, storage_options: Mapping[str, Any], budget: _Budget, check: Callable[[str], None] | None
+) -> Iterator[str]:
     if scheme in LOCAL_SCHEMES:
-        matches = sorted(glob.glob(local_path(uri)))
-        matches = [m for m in matches if os.path.isfile(m)]
         prefix = "file://" if scheme == "file" else ""
-        found = [prefix + m for m in matches]
+        matches = []
+        for match in glob.iglob(local_path(uri)):  # lazily: the limit stops a huge folder early
+            if os.path.isfile(match):
+                budget.take(1, uri)
+                matches.append(match)
+        found = [prefix + m for m in sorted(matches)]
     elif scheme in ("http", "https"):
         raise InputError(f"globs are not supported over HTTP: {uri!r}", uri=uri)
     else:
@@ -146,18 +330,80 @@ def _expand_glob(uri: str, scheme: str, storage_options: Mapping[str, Any]) -> I
         except ImportError as exc:
             raise UnsupportedSchemeError(f"reading {uri!r} needs an extra package: {exc}", uri=uri) from exc
         found = [f"{scheme}://{p}" for p in sorted(fs.glob(path))]
+        budget.take(len(found), uri)
     if not found:
         raise ShardNotFoundError(f"no shard matches {uri!r}", uri=uri)
-    yield from found
+    for match in found:
+        if check is not None:
+            check(match)  # a match may be a symlink that leads elsewhere
+        yield match
+
+
+def under_prefix(uri: str, prefix: str) -> bool:
+    """Whether remote ``uri`` lies under ``prefix`` on path-segment boundaries.
+
+    Same scheme and host (case-insensitive); paths compared after percent-decoding, the
+    way servers and object stores read them, so ``s3://laion`` admits ``s3://laion/x`` but
+    not ``s3://laion-private/x``, and ``https://h/data`` not ``https://h/database``. A path
+    with ``.``/``..`` segments (decoded) never matches.
+    """
+    u, p = urlparse(uri), urlparse(prefix)
+    if u.scheme.lower() != p.scheme.lower() or u.netloc.lower() != p.netloc.lower():
+        return False
+    segments = unquote(u.path).split("/")
+    if "." in segments or ".." in segments:
+        return False
+    path, root = unquote(u.path), unquote(p.path).rstrip("/")
+    return not root or path == root or path.startswith(root + "/")
+
+
+def _http_allowed_from_env() -> list[str] | None:
+    raw = os.environ.get(HTTP_ALLOWED_ENV)
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{HTTP_ALLOWED_ENV} is not a JSON list") from exc
+    return [str(v) for v in value]
+
+
+def _open_http_checked(uri: str, allowed: Sequence[str]) -> BinaryIO:
+    """A forward-only HTTP(S) stream whose redirects are followed only to allowed URLs."""
+    import urllib.error
+    import urllib.request
+
+    class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+            if not any(under_prefix(newurl, prefix) for prefix in allowed):
+                # The target is not named: it is outside what this caller may see.
+                raise ShardReadError(f"{uri!r} redirects outside the allowed locations", uri=uri)
+            return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+    if not any(under_prefix(uri, prefix) for prefix in allowed):
+        raise ShardReadError(f"{uri!r} is outside the allowed locations", uri=uri)
+    opener = urllib.request.build_opener(_CheckedRedirects())
+    try:
+        return opener.open(uri, timeout=60)  # type: ignore[no-any-return]
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            raise FileNotFoundError(uri) from exc
+        raise ShardReadError(f"cannot open shard {uri!r}: HTTP {exc.code}", uri=uri) from exc
 
 
 @contextlib.contextmanager
-def _open_any(uri: str, storage_options: Mapping[str, Any]) -> Iterator[BinaryIO]:
+def _open_any(uri: str, storage_options: Mapping[str, Any], http_allowed: Sequence[str] | None = None) -> Iterator[BinaryIO]:
     scheme = scheme_of(uri)
     if scheme in LOCAL_SCHEMES:
         with open(local_path(uri), "rb") as fh:
             yield fh
         return
+    if scheme in ("http", "https"):
+        allowed = http_allowed if http_allowed is not None else _http_allowed_from_env()
+        if allowed is not None:
+            with contextlib.closing(_open_http_checked(uri, allowed)) as fh:
+                yield fh
+            return
     import fsspec
 
     opts = dict(storage_options)
@@ -170,11 +416,17 @@ def _open_any(uri: str, storage_options: Mapping[str, Any]) -> Iterator[BinaryIO
 
 
 @contextlib.contextmanager
-def open_shard(uri: str, storage_options: Mapping[str, Any] | None = None) -> Iterator[BinaryIO]:
-    """Open a shard for sequential reading; translate "not there" into ``ShardNotFoundError``."""
+def open_shard(
+    uri: str, storage_options: Mapping[str, Any] | None = None, http_allowed: Sequence[str] | None = None
+) -> Iterator[BinaryIO]:
+    """Open a shard for sequential reading; translate "not there" into ``ShardNotFoundError``.
+
+    ``http_allowed``: URI prefixes HTTP(S) redirects may lead to (default: the JSON list in
+    ``$PAIRCLEAN_HTTP_ALLOWED_PREFIXES`` when set, else redirects are followed freely).
+    """
     stack = contextlib.ExitStack()
     try:
-        fh = stack.enter_context(_open_any(uri, storage_options or {}))
+        fh = stack.enter_context(_open_any(uri, storage_options or {}, http_allowed))
     except FileNotFoundError as exc:
         raise ShardNotFoundError(f"shard not found: {uri!r}", uri=uri) from exc
     except ImportError as exc:

@@ -1,6 +1,6 @@
 """The ``pairclean`` console script: service verbs here, everything else from the workers' CLI.
 
-Service verbs: ``serve --host H --port P``, ``apikey NAME`` (create a key, printed once),
+Service verbs: ``serve --host H --port P``, ``apikey NAME [--admin]`` (create a key, printed once),
 ``submit``, ``status``, ``wait``. The service layer sits on top of the workers' layer, so
 this module is the entry point and delegates ``score``, ``rescore``, ``inspect``...
 """
@@ -27,6 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--state-dir", default="pairclean-service", help="job logs")
     key = sub.add_parser("apikey", help="create an API key (stored hashed in the job database)")
     key.add_argument("name")
+    key.add_argument("--admin", action="store_true", help="the key sees and manages every owner's jobs")
     for verb in ("submit", "status", "wait"):
         v = sub.add_parser(verb)
         v.add_argument("--address", default=os.environ.get("PAIRCLEAN_ADDRESS", "http://127.0.0.1:8000"))
@@ -61,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .store import JobStore
 
         key = new_api_key()
-        JobStore(ServiceSettings().database_url).add_key(hash_key(key), args.name)
+        JobStore(ServiceSettings().database_url).add_key(hash_key(key), args.name, admin=args.admin)
         print(key)
         return 0
     from .client import JobFailed, PaircleanClient

@@ -9,7 +9,7 @@ import httpx
 
 __all__ = ["PaircleanClient", "JobFailed"]
 
-TERMINAL = frozenset({"SUCCEEDED", "PARTIAL", "FAILED", "CANCELLED"})
+TERMINAL = frozenset({"SUCCEEDED", "PARTIAL", "FAILED", "CANCELLED"})  # = pairclean.lifecycle.TERMINAL (tested)
 
 
 class JobFailed(RuntimeError):

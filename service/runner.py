@@ -10,6 +10,7 @@ it survived, and the same command reruns, which skips every committed shard.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pairclean.job import OutputDir
+from pairclean.lifecycle import EXIT_CODES, state_for_exit
 
 from .metrics import Metrics
 from .settings import ServiceSettings
@@ -32,12 +34,18 @@ __all__ = ["EXIT_STATES", "JobRunner", "score_command"]
 log = logging.getLogger(__name__)
 
 #: The batch CLI's exit codes (pairclean_workers.cli) -> job state.
-EXIT_STATES = {0: "SUCCEEDED", 3: "FAILED", 4: "PARTIAL"}
+EXIT_STATES = {code: state for state, code in EXIT_CODES.items()}
 
 
-def score_command(request: dict[str, Any], settings: ServiceSettings) -> list[str]:
-    """The `pairclean score` command line of a job request (already validated)."""
-    cmd = [sys.executable, "-m", "pairclean_workers.cli", "score", *request["shards"], "--out", request["output"],
+def score_command(request: dict[str, Any], settings: ServiceSettings, shard_list: Path | None = None) -> list[str]:
+    """The `pairclean score` command line of a job request (already validated).
+
+    With ``shard_list`` (an ``@list`` file holding the request's shard specs, one a line)
+    the specs go through that file, not argv: a long list never hits the kernel's limit
+    on one command line.
+    """
+    shards = [f"@{shard_list}"] if shard_list is not None else list(request["shards"])
+    cmd = [sys.executable, "-m", "pairclean_workers.cli", "score", *shards, "--out", request["output"],
            "--model", request["estimator"], "--beta-recipe", request["beta_recipe"], "--weighting", request["weighting"],
            "--no-progress", "--executor", settings.executor]
     for option, value in sorted(request.get("options", {}).items()):
@@ -65,6 +73,8 @@ class JobRunner:
         self.store, self.settings, self.metrics = store, settings, metrics
         self.logs = state_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
+        self.lists = state_dir / "shard-lists"
+        self.lists.mkdir(parents=True, exist_ok=True)
         self.running: dict[str, _Running] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -75,7 +85,7 @@ class JobRunner:
         for job in self.store.in_states(["RUNNING"]):
             if _is_score_process(job.pid):  # never signal a pid the system reused
                 _end_group(job.pid)
-            self.store.update(job.id, state="QUEUED", pid=None)
+            self.store.transition(job.id, ["RUNNING"], state="QUEUED", pid=None)
             log.info("resuming job %s after a restart", job.id)
         self._thread.start()
 
@@ -116,14 +126,31 @@ class JobRunner:
                 return
             job = queued[0]
             log_path = self.logs / f"{job.id}.log"
-            with open(log_path, "ab") as out:
-                proc = subprocess.Popen(score_command(job.request, self.settings), stdout=out, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+            try:
+                proc = self._start(job, log_path)
+            except Exception as exc:  # noqa: BLE001 - one job that cannot start must not block the queue
+                log.warning("job %s could not start: %s", job.id, exc)
+                self.store.transition(job.id, ["QUEUED"], state="FAILED", error=f"the job process could not start: {exc}",
+                                      finished_at=now_iso())
+                continue
             if not self.store.transition(job.id, ["QUEUED"], state="RUNNING", pid=proc.pid, started_at=now_iso()):
                 _end_group(proc.pid)  # cancelled in between
                 continue
             with self._lock:
                 self.running[job.id] = _Running(job.id, proc, log_path, set())
+
+    def _start(self, job: JobRow, log_path: Path) -> subprocess.Popen[bytes]:
+        """Write the job's shard list file and start its process."""
+        shard_list = self.lists / f"{job.id}.txt"
+        shard_list.write_text("".join(f"{spec}\n" for spec in job.request["shards"]), encoding="utf-8")
+        env = dict(os.environ)
+        # The job process applies the same limits as the API: a glob that grew since the
+        # submission is still bounded, and HTTP redirects only lead to allowed inputs.
+        env["PAIRCLEAN_MAX_SHARDS"] = str(self.settings.max_shards)
+        env["PAIRCLEAN_HTTP_ALLOWED_PREFIXES"] = json.dumps(list(self.settings.allowed_inputs))
+        with open(log_path, "ab") as out:
+            return subprocess.Popen(score_command(job.request, self.settings, shard_list), stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, env=env)
 
     def _reap(self) -> None:
         for job_id, run in list(self.running.items()):
@@ -135,9 +162,9 @@ class JobRunner:
             if job is not None and job.cancel_requested:
                 state, error = "CANCELLED", None
             else:
-                state = EXIT_STATES.get(code, "FAILED")
+                state = state_for_exit(code)
                 error = None if state == "SUCCEEDED" else _tail(run.log_path)
-            self.store.update(job_id, state=state, error=error, pid=None, finished_at=now_iso())
+            self.store.transition(job_id, ["RUNNING"], state=state, error=error, pid=None, finished_at=now_iso())
             with self._lock:
                 del self.running[job_id]
 
@@ -176,6 +203,10 @@ def _tail(path: Path, limit: int = 2000) -> str:
     except OSError:
         return "job process failed"
     lines = [l for l in text.splitlines() if l.strip()]
+    if any(l.startswith("Traceback (most recent call last)") for l in lines):
+        # A crash: users get the exception's one line, never the stack (it stays in the log).
+        last = next((l for l in reversed(lines) if not l.startswith(" ")), "")
+        return f"job process failed: {last}"[:limit]
     return "\n".join(lines[-5:])[-limit:] or "job process failed"
 
 

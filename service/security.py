@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import posixpath
+import os
+import re
 import secrets
 from collections.abc import Sequence
 from urllib.parse import unquote, urlparse
 
-__all__ = ["new_api_key", "hash_key", "keys_match", "UriRefused", "check_uri"]
+from pairclean.uris import under_prefix
+
+__all__ = ["new_api_key", "hash_key", "keys_match", "UriRefused", "check_uri", "is_allowed", "local_target"]
 
 
 def new_api_key() -> str:
@@ -28,27 +31,54 @@ def keys_match(key: str, stored_hash: str) -> bool:
 
 
 class UriRefused(ValueError):
-    """A job URI the operator's policy does not allow; the message says why."""
+    """A job URI the operator's policy does not allow; the message says why.
+
+    Messages name only what the caller sent, never where a path resolves to or whether
+    something outside the allow-list exists.
+    """
 
 
-def _normalise(uri: str) -> tuple[str, str]:
-    """(scheme, normalised location) of a URI; plain paths count as ``file``."""
+_PERCENT = re.compile(r"%[0-9A-Fa-f]{2}")
+
+
+def local_target(uri: str) -> str | None:
+    """The real filesystem path a local URI touches (symlinks and ``..`` resolved), or
+    None for a remote URI. Raises ``UriRefused`` for a local URI the service will not use.
+
+    The reader and writer take ``file://`` paths and plain paths literally (no
+    percent-decoding), so a path with percent-escapes is refused rather than checked under
+    one spelling and created under another.
+    """
     parsed = urlparse(uri)
     scheme = parsed.scheme.lower() if len(parsed.scheme) > 1 else ""
-    if scheme in ("", "file"):
-        path = unquote(parsed.path if scheme else uri)
-        if not path.startswith("/"):
-            raise UriRefused(f"{uri!r}: local paths must be absolute")
-        return "file", posixpath.normpath(path)
-    return scheme, uri
+    if scheme not in ("", "file"):
+        return None
+    if scheme == "file" and parsed.netloc not in ("", "localhost"):
+        raise UriRefused(f"{uri!r}: file:// URIs must name a local path (file:///path)")
+    path = parsed.path if scheme else uri
+    if _PERCENT.search(path):
+        raise UriRefused(f"{uri!r}: percent-escapes are not accepted in local paths; write the path as it is")
+    if not path.startswith("/"):
+        raise UriRefused(f"{uri!r}: local paths must be absolute")
+    if ".." in path.split("/"):
+        raise UriRefused(f"{uri!r}: '..' path segments are not accepted")
+    return os.path.realpath(path)
+
+
+def _prefix_root(prefix: str) -> str:
+    parsed = urlparse(prefix)
+    path = parsed.path if len(parsed.scheme) > 1 else prefix
+    return os.path.realpath(unquote(path)) if path.startswith("/") else ""
 
 
 def check_uri(uri: str, allowed_prefixes: Sequence[str], allow_pipe: bool = False) -> None:
-    """Raise ``UriRefused`` unless ``uri`` is under one of ``allowed_prefixes``.
+    """Raise ``UriRefused`` unless what ``uri`` will actually touch is under an allowed prefix.
 
-    Refused: ``pipe:`` (unless allowed), credentials inside the URI, ``..`` segments
-    (checked before normalising, so traversal cannot sneak under a prefix), and anything
-    outside the prefixes. Local paths are compared after normalisation.
+    Refused: ``pipe:`` (unless allowed), credentials inside the URI, ``..`` segments,
+    percent-escapes in local paths, and anything outside the prefixes. Local paths are
+    compared after resolving symlinks (the real target must be under the real prefix);
+    remote URIs on path-segment boundaries (``s3://laion`` does not admit
+    ``s3://laion-private/``).
     """
     if uri.startswith("pipe:"):
         if not allow_pipe:
@@ -57,17 +87,29 @@ def check_uri(uri: str, allowed_prefixes: Sequence[str], allow_pipe: bool = Fals
     parsed = urlparse(uri)
     if parsed.username or parsed.password:
         raise UriRefused(f"{uri!r}: credentials inside URIs are not accepted; configure them on the workers")
-    if ".." in unquote(parsed.path if parsed.scheme else uri).split("/"):
-        raise UriRefused(f"{uri!r}: '..' path segments are not accepted")
-    scheme, location = _normalise(uri)
-    for prefix in allowed_prefixes:
-        p_scheme, p_location = _normalise(prefix)
-        if p_scheme != scheme:
-            continue
-        if scheme == "file":
-            root = p_location.rstrip("/") or "/"
-            if location == root or location.startswith(root + "/") or root == "/":
-                return
-        elif location.startswith(prefix):
+    target = local_target(uri)
+    if target is None:
+        if ".." in unquote(parsed.path).split("/"):
+            raise UriRefused(f"{uri!r}: '..' path segments are not accepted")
+        if any(not _is_local(p) and under_prefix(uri, p) for p in allowed_prefixes):
             return
+    else:
+        for prefix in allowed_prefixes:
+            root = _prefix_root(prefix) if _is_local(prefix) else ""
+            if root and (root == "/" or target == root or target.startswith(root + "/")):
+                return
     raise UriRefused(f"{uri!r} is outside the locations this service may use")
+
+
+def is_allowed(uri: str, allowed_prefixes: Sequence[str]) -> bool:
+    """``check_uri`` as a yes/no answer (pipes refused)."""
+    try:
+        check_uri(uri, allowed_prefixes)
+    except UriRefused:
+        return False
+    return True
+
+
+def _is_local(prefix: str) -> bool:
+    scheme = urlparse(prefix).scheme
+    return len(scheme) <= 1 or scheme.lower() == "file"

@@ -13,6 +13,12 @@ class ServiceSettings(BaseSettings):
 
     ``allowed_inputs`` / ``allowed_outputs``: URI prefixes jobs may read from / write to
     (``file:///data/``, ``s3://bucket/``, ``/data/``); an empty list allows nothing.
+    Local prefixes match after resolving symlinks, remote ones on path-segment boundaries.
+    ``max_body_bytes`` / ``body_timeout_s``: request bodies are counted while they stream
+    (chunked ones too) and refused past either, before authentication.
+    ``max_shards``: shards one job may expand to, enforced while expanding.
+    ``validate_*``: ``:validate`` reads at most this many bytes of one shard for at most
+    this many seconds, in its own pool of ``validate_concurrency`` threads (429 when full).
     """
 
     model_config = SettingsConfigDict(env_prefix="PAIRCLEAN_", extra="ignore")
@@ -22,6 +28,12 @@ class ServiceSettings(BaseSettings):
     allowed_outputs: list[str] = Field(default_factory=list)
     allow_pipe: bool = False
     max_body_bytes: int = 1_000_000
+    body_timeout_s: float = 30.0
+    max_shards: int = 100_000
+    validate_max_bytes: int = 16 * 2**20
+    validate_timeout_s: float = 10.0
+    validate_max_samples: int = 1000
+    validate_concurrency: int = 2
     executor: str = "ray"
     ray_address: str | None = None
     max_running_jobs: int = 1

@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--batch-size", type=int, default=64)
     score.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS)
     score.add_argument("--caption-field", default=None, help="take the caption from this json field")
+    score.add_argument("--decode-device", default="cpu", help="cpu (PIL, on --cpus-per-actor threads) or cuda (batched nvJPEG on the GPU, CPU fallback for PNG/WebP/corrupt images)")
     score.add_argument("--calibration-pairs", type=int, default=4096, help="ok pairs that corpus recipes calibrate on")
     score.add_argument("--embeddings", action=argparse.BooleanOptionalAction, default=True, help="write the embedding sidecars OUT/_emb/<shard>.parquet")
     score.add_argument("--overwrite", action="store_true", help="delete what this job wrote into --out earlier (only files its records list) and start over")
@@ -98,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="write sizes.json, shard_weights.json and datacomp_keep.npy into OUT/_export/")
     export.add_argument("out")
+    export.add_argument("--sizes-of", choices=("all", "kept"), default="all", help="count all rows, or only the kept (ok, not noisy) ones")
+    export.add_argument("--sizes-dir", action="append", default=[], metavar="DIR", help="also write sizes.json into DIR (open_clip reads it from the folder of the first shard)")
+    export.add_argument("--sizes-beside-shards", action="store_true", help="also write sizes.json into each local folder of scored shards (never over a file pairclean did not write)")
+    export.add_argument("--skip-bad-uids", action="store_true", help="leave uids that are not 32 hex digits out of datacomp_keep.npy (counted) instead of failing")
     _add_storage_arg(export)
 
     demo = sub.add_parser("demo", help="score the bundled sample and show the swapped captions")
@@ -111,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pairclean_workers.pseudo_cli import add_pseudo_parser
 
     add_pseudo_parser(sub)
+    from pairclean_workers.refine_cli import add_refine_parser
+
+    add_refine_parser(sub)
     return parser
 
 
@@ -182,6 +190,7 @@ def cmd_score(args: argparse.Namespace) -> int:
         beta_recipe=default_beta_recipe(args.model) if args.beta_recipe == "auto" else args.beta_recipe, beta_k=args.beta_k,
         weighting=args.weighting, seed=args.seed, batch_size=args.batch_size, max_pixels=args.max_pixels,
         caption_field=args.caption_field, embeddings=args.embeddings, calibration_pairs=args.calibration_pairs,
+        decode_device=args.decode_device,
     )
     if args.executor == "local":
         _set_threads(args.threads)
@@ -260,11 +269,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Write the trainer-facing export files into the output folder."""
-    from pairclean.exports import write_exports
+    from pairclean.exports import export
     from pairclean.job import OutputDir
 
-    for name, path in write_exports(OutputDir(args.out, _storage_options(args.storage_option))).items():
+    report = export(
+        OutputDir(args.out, _storage_options(args.storage_option)), sizes_of=args.sizes_of, sizes_dirs=args.sizes_dir,
+        sizes_beside_shards=args.sizes_beside_shards, skip_bad_uids=args.skip_bad_uids,
+    )
+    for name, path in report.written.items():
         print(f"wrote {name}: {path}")
+    if report.skipped_uids:
+        print(f"skipped {report.skipped_uids} uids that are not 32 hex digits")
+    for note in report.notes:
+        print(f"note: {note}")
     return EXIT_OK
 
 
@@ -314,9 +331,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from pairclean_workers.pseudo_cli import cmd_pseudo_pair
+    from pairclean_workers.refine_cli import cmd_refine
     from pairclean_workers.train_cli import cmd_train_lite
 
-    handler = {**COMMANDS, "train-lite": cmd_train_lite, "pseudo-pair": cmd_pseudo_pair}[args.command]
+    handler = {**COMMANDS, "train-lite": cmd_train_lite, "pseudo-pair": cmd_pseudo_pair, "refine": cmd_refine}[args.command]
     try:
         return handler(args)
     except PaircleanError as exc:

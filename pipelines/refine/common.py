@@ -51,6 +51,8 @@ class Heads:
     method: str
     arrays: dict[str, np.ndarray]
     doc: dict[str, Any] = field(default_factory=dict)
+    #: Seconds per fitting epoch (not saved: timings would make the file's bytes vary).
+    epoch_seconds: list[float] = field(default_factory=list)
 
     def sha256(self) -> str:
         """sha256 of the heads file's bytes (identifies the fit)."""

@@ -181,9 +181,8 @@ def fit(img: FloatArray, txt: FloatArray, seed: int, settings: NcrSettings | Non
         h.eval()
     divisions = [_divide(_reference_loss(h, X, T, ref_img, ref_txt), seed + s.epochs)[1] for h in heads]
     arrays = {**state_arrays("A", heads[0]), **state_arrays("B", heads[1]), "ref_img": ref_img.numpy(), "ref_txt": ref_txt.numpy()}
-    doc = {"settings": asdict(s), "seed": seed, "sample_pairs": n, "dim": dim, "divide": {"A": divisions[0], "B": divisions[1]},
-           "epoch_seconds": [round(t, 3) for t in epoch_seconds]}
-    return Heads("ncr", arrays, doc)
+    doc = {"settings": asdict(s), "seed": seed, "sample_pairs": n, "dim": dim, "divide": {"A": divisions[0], "B": divisions[1]}}
+    return Heads("ncr", arrays, doc, epoch_seconds)
 
 
 def apply(heads: Heads, img: FloatArray, txt: FloatArray) -> tuple[FloatArray, FloatArray]:

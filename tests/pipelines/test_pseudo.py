@@ -108,10 +108,10 @@ def test_drop_self() -> None:
 
 def test_index_choice_by_size() -> None:
     assert ann.choose_index(1000, 512).kind == "flat"
-    ivf = ann.choose_index(1_000_000, 512)
-    assert (ivf.kind, ivf.nlist, ivf.nprobe) == ("ivf", 4096, 64)
-    pq = ann.choose_index(10_000_000, 512)
-    assert pq.kind == "ivfpq" and pq.pq_m == 64 and pq.pq_bits == 8
+    ivf = ann.choose_index(50_000, 512)
+    assert (ivf.kind, ivf.nlist, ivf.nprobe) == ("ivf", 512, 8)
+    pq = ann.choose_index(1_000_000, 512)
+    assert (pq.kind, pq.nlist, pq.nprobe, pq.pq_m, pq.pq_bits, pq.refine_k) == ("ivfpq", 2048, 32, 128, 4, 16)
     assert ann.choose_index(100, 512, "ivf").nlist == 2  # never more lists than the data allows
     with pytest.raises(InputError, match="unknown index"):
         ann.choose_index(10, 8, "hnsw")

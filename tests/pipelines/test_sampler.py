@@ -161,3 +161,32 @@ def test_training_guide_example_runs() -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     losses = [float(line.split("weighted loss ")[1].split(",")[0]) for line in out.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 3 and all(np.isfinite(losses))
+
+
+def test_export_sizes_where_open_clip_looks_and_never_over_foreign_files(scored, tmp_path: Path, capsys) -> None:
+    """open_clip reads sizes.json from the first shard's folder: written there only when asked."""
+    import pyarrow.parquet as pq
+
+    from pairclean.errors import InputError
+    from pairclean.exports import export
+    from pairclean.job import OutputDir
+    from pairclean_workers.cli import main
+
+    out, shards = scored
+    beside = shards[0].parent / "sizes.json"
+    report = export(OutputDir(str(out)))
+    assert not beside.exists() and any(str(shards[0].parent) in n for n in report.notes)  # says where to copy it
+    report = export(OutputDir(str(out)), sizes_of="kept", sizes_beside_shards=True)
+    rows = {p.stem: pq.read_table(p).to_pylist() for p in out.glob("sh-*[0-9].parquet")}
+    kept = {f"{stem}.tar": sum(r["status"] == "ok" and not r["noisy"] for r in rs) for stem, rs in rows.items()}
+    assert json.loads(beside.read_text()) == kept
+    assert main(["export", str(out), "--sizes-beside-shards"]) == 0  # ours: replaced
+    assert json.loads(beside.read_text()) == {"sh-00000.tar": 10, "sh-00001.tar": 10}
+    foreign = tmp_path / "sizes.json"
+    foreign.write_text('{"mine": 1}')
+    exported = out / "_export" / "sizes.json"
+    exported.unlink()
+    with pytest.raises(InputError, match="did not write"):
+        export(OutputDir(str(out)), sizes_dirs=[str(tmp_path)])
+    assert foreign.read_text() == '{"mine": 1}' and not exported.exists()  # nothing written
+    beside.unlink()

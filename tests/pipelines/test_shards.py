@@ -83,3 +83,72 @@ def test_pixel_bomb_is_refused_without_decoding() -> None:
     Image.new("1", (30000, 30000)).save(buf, format="PNG")
     result = decode_image(buf.getvalue(), max_pixels=64_000_000)
     assert isinstance(result, DecodeFailure) and result.status == schema.STATUS_TOO_LARGE
+
+
+# -- hostile and broken tars (issue 10) ---------------------------------------------------
+
+def _tar(path: Path, members: list[tuple[str, bytes]], links: tuple[str, ...] = ()) -> Path:
+    import tarfile
+
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        for name in links:
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+            tar.addfile(info)
+    return path
+
+
+def test_member_over_the_limit_is_a_too_large_row_and_the_rest_still_reads(tmp_path: Path) -> None:
+    shard = _tar(tmp_path / "big.tar", [("a.jpg", b"\xff" * 100), ("a.txt", b"ok"), ("b.jpg", b"\xff" * 5000), ("b.txt", b"big"),
+                                        ("c.jpg", b"\xff" * 10), ("c.txt", b"after")])
+    pairs = list(iter_pairs(str(shard), ReadOptions(max_member_bytes=1000)))
+    assert [(p.key, p.status) for p in pairs] == [("a", "ok"), ("b", "too_large"), ("c", "ok")]
+    assert pairs[1].image is None and "5000 bytes" in (pairs[1].error or "")
+    assert pairs[2].text == "after"  # the skipped member's bytes were stepped over, not misread
+
+
+def test_shard_cut_at_a_member_boundary_is_an_error_not_a_shorter_shard(tmp_path: Path) -> None:
+    members = [(f"{i}.{ext}", b"x" * 600) for i in range(4) for ext in ("jpg", "txt")]
+    good = _tar(tmp_path / "g.tar", members)
+    data = good.read_bytes()
+    # Each member is one 512-byte header plus 1024 bytes of data: cut after the 4th member,
+    # exactly where the 5th header would start (tarfile alone reads this as 2 clean samples).
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(data[: 4 * 1536])
+    with pytest.raises(ShardReadError, match="cut.tar.*truncated"):
+        list(iter_pairs(str(cut)))
+    # A corrupt header after the first member: tarfile would end the archive silently.
+    bad = bytearray(data)
+    bad[2 * 1536 + 148 : 2 * 1536 + 156] = b"9999999\0"  # the 3rd header's checksum field
+    corrupt = tmp_path / "corrupt.tar"
+    corrupt.write_bytes(bytes(bad))
+    with pytest.raises(ShardReadError, match="corrupt header"):
+        list(iter_pairs(str(corrupt)))
+    assert len(list(iter_pairs(str(good)))) == 4
+
+
+def test_duplicate_keys_fields_and_link_members_become_status_rows(tmp_path: Path) -> None:
+    shard = _tar(tmp_path / "d.tar", [("a.jpg", b"1"), ("a.txt", b"first"), ("b.jpg", b"2"), ("b.txt", b"x"), ("b.txt", b"again"),
+                                      ("a.jpg", b"3"), ("a.txt", b"second")], links=("c.jpg",))
+    pairs = list(iter_pairs(str(shard)))
+    assert [(p.key, p.status) for p in pairs] == [("a", "ok"), ("b", "duplicate_key"), ("a", "duplicate_key"), ("c", "link_member")]
+    assert pairs[0].text == "first"  # never overwritten by the later duplicate
+
+
+def test_sixteen_bit_png_keeps_its_tones_instead_of_clipping() -> None:
+    import numpy as np
+    from PIL import Image
+
+    ramp = (np.arange(64 * 64).reshape(64, 64) * 16).astype(np.uint16)  # 0 .. 65520
+    buf = io.BytesIO()
+    Image.fromarray(ramp).save(buf, format="PNG")
+    img = decode_image(buf.getvalue())
+    assert not isinstance(img, DecodeFailure) and img.mode == "RGB"
+    pixels = np.asarray(img)[..., 0].astype(float)
+    expected = ramp / 65535 * 255
+    assert abs(pixels.mean() - expected.mean()) < 1.0  # PIL's own convert gives a mean of ~254
+    assert pixels.min() == 0 and pixels.max() >= 254

@@ -64,3 +64,64 @@ def test_gs_without_gcsfs_is_a_clear_error(tmp_path: Path) -> None:
 
     with pytest.raises(UnsupportedSchemeError, match="extra package"):
         list(iter_pairs("gs://bucket/shard-0.tar"))
+
+
+# -- bounded expansion and allow-list hooks (issue 10) -------------------------------------
+
+def test_shard_limit_is_enforced_while_expanding(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    started = time.perf_counter()
+    with pytest.raises(InputError, match="more than 100 shards"):
+        expand_shards([str(tmp_path / "s-{0..999999999}{0..999}.tar")], max_shards=100)  # never materialised
+    assert time.perf_counter() - started < 5
+    _touch(tmp_path, *(f"g-{i}.tar" for i in range(6)))
+    with pytest.raises(InputError, match="more than 5 shards"):
+        expand_shards([str(tmp_path / "g-*.tar")], max_shards=5)
+    listing = tmp_path / "list.txt"
+    listing.write_text("".join(f"g-{i % 6}.tar\n" for i in range(1000)))
+    with pytest.raises(InputError, match="more than 50 shards"):
+        expand_shards(["@" + str(listing)], max_shards=50)
+    assert len(expand_shards([str(tmp_path / "g-*.tar")], max_shards=6)) == 6
+    monkeypatch.setenv("PAIRCLEAN_MAX_SHARDS", "3")  # what the service sets for its job processes
+    with pytest.raises(InputError, match="more than 3 shards"):
+        expand_shards([str(tmp_path / "g-*.tar")])
+
+
+def test_brace_count_matches_braceexpand() -> None:
+    import braceexpand
+
+    from pairclean.uris import brace_count
+
+    for pattern in ["a", "{a,b}c{1..3}", "{07..10}", "{a..g..2}", "{4..1}", "{2..-1}", "python{2.{5..7},3.{2,3}}",
+                    r"{1\{2,3}", "{x}", "{}", "{,}", "{Z..a}", "{0..10..3}", "{a,{b,c}{1..2}}x{}"]:
+        assert brace_count(pattern) == len(list(braceexpand.braceexpand(pattern))), pattern
+
+
+def test_check_runs_before_anything_is_touched(tmp_path: Path) -> None:
+    seen: list[str] = []
+
+    def refuse_secret(uri: str) -> None:
+        seen.append(uri)
+        if "secret" in uri:
+            raise PermissionError("refused")
+
+    with pytest.raises(PermissionError):  # the check, not "not found": existence is never tested
+        expand_shards(["@" + str(tmp_path / "secret" / "list.txt")], check=refuse_secret)
+    with pytest.raises(PermissionError):
+        expand_shards([str(tmp_path / "secret" / "*.tar")], check=refuse_secret)
+    _touch(tmp_path, "ok.tar", "secret.tar")
+    with pytest.raises(PermissionError):  # a glob match is checked too
+        expand_shards([str(tmp_path / "*.tar")], check=refuse_secret)
+
+
+def test_remote_prefixes_match_on_segment_boundaries() -> None:
+    from pairclean.uris import under_prefix
+
+    assert under_prefix("s3://laion/x.tar", "s3://laion")
+    assert under_prefix("s3://laion/a/b.tar", "s3://laion/")
+    assert not under_prefix("s3://laion-private/x.tar", "s3://laion")
+    assert not under_prefix("https://h/database/x.tar", "https://h/data")
+    assert under_prefix("https://h/data/x.tar", "https://h/data")
+    assert not under_prefix("https://h/data/%2e%2e/private/x.tar", "https://h/data")
+    assert not under_prefix("gs://laion/x.tar", "s3://laion")

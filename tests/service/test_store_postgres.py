@@ -31,10 +31,11 @@ def pg_url() -> str:
 
 
 def test_store_on_postgres(pg_url: str) -> None:
-    from pairclean_service.store import JobStore
+    from pairclean_service.store import _MIGRATIONS, JobStore
 
     store = JobStore(pg_url)
-    assert store.migrate() == 3 and store.ping()
+    # schema_version() reads the database, so this fails if a migration was not recorded.
+    assert store.migrate() == store.schema_version() == len(_MIGRATIONS) and store.ping()
     job, created = store.create({"shards": ["/d/a.tar"], "output": "/d/o"}, "team", "key-1", 1)
     again, created_again = store.create({"shards": ["/d/a.tar"], "output": "/d/o"}, "team", "key-1", 1)
     assert created and not created_again and again.id == job.id
@@ -46,7 +47,9 @@ def test_store_on_postgres(pg_url: str) -> None:
     rows, total = store.list(10, 0, "RUNNING")
     assert total == 1 and rows[0].id == job.id
     assert store.counts_by_state()["RUNNING"] == 1
-    assert JobStore(pg_url).migrate() == 3  # idempotent on restart
+    assert JobStore(pg_url).migrate() == len(_MIGRATIONS)  # idempotent on restart
+    other, _ = store.create({"shards": ["/d/a.tar"], "output": "/d/o"}, "other-team", "key-1", 1)
+    assert other.id != job.id  # idempotency keys are per owner
 
 
 @pytest.mark.slow
@@ -61,3 +64,29 @@ def test_job_lifecycle_on_postgres(pg_url: str, make_shards, tmp_path: Path, liv
         job_id = client.submit([str(s) for s in shards], str(tmp_path / "out"), estimator="pairclean-tiny-test")
         assert client.wait(job_id, timeout=300, poll=0.2)["progress"]["shards_done"] == 2
         assert httpx.get(f"{live.url}/readyz").status_code == 200
+
+
+def test_replicas_starting_together_migrate_once(pg_url: str) -> None:
+    import threading
+
+    from sqlalchemy import create_engine, text
+
+    from pairclean_service.store import _MIGRATIONS, JobStore
+
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            JobStore(pg_url)
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    with create_engine(pg_url).connect() as conn:
+        versions = [r[0] for r in conn.execute(text("SELECT version FROM schema_version ORDER BY version"))]
+    assert versions == list(range(1, len(_MIGRATIONS) + 1))  # each migration applied exactly once

@@ -19,7 +19,7 @@ from pairclean.job import OutputDir
 from pairclean_workers.cli import main
 
 TINY = ["--model", "pairclean-tiny-test", "--no-progress", "--batch-size", "4", "--executor", "local"]
-SCORE_COLUMNS = ["key", "shard", "idx", "status", "error", "similarity", "weight", "noisy", "uid", "url"]
+SCORE_COLUMNS = ["key", "shard", "idx", "status", "error", "similarity", "weight", "noisy", "p_clean", "uid", "url"]
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:

@@ -1,0 +1,367 @@
+"""``refine``: fit a learned estimator on a scored job's sidecars, apply it to every shard.
+
+Steps, with the folder's ``RunLock`` held throughout:
+
+1. *Check* (nothing is written before this passes): the folder is a pairclean job with
+   committed shards, every shard has its embedding sidecar, every table was scored by
+   the same model, and there are enough ok pairs to fit (``MIN_FIT_PAIRS``). Otherwise
+   ``InputError``, one line.
+2. *Sample*: ``sample_pairs`` ok pairs drawn uniformly without replacement (seeded) over
+   the whole job. The ok count of each shard is in its completion record, so the global
+   indices are chosen first and the sidecars are then streamed one at a time, keeping
+   only the chosen rows (float16): memory is the sample plus one sidecar.
+3. *Fit or reuse*: the heads are saved as ``_pairclean/heads/<method>-<sha12>.safetensors``
+   and a fit record ``_pairclean/refine/fits/<key>.json`` maps (method, seed, sample size,
+   settings, job, committed shards) to them, so a rerun reuses the heads instead of
+   fitting again. ``heads`` (the bytes of a heads file, ``--heads``) skips fitting.
+4. *Apply* (per shard, on any executor): the shard's table is rebuilt from its base
+   columns (key .. similarity, uid, url) plus ``weight``, ``noisy``, ``p_clean`` and the
+   method's raw score, and written atomically with ``OutputDir.write_table``. The driver
+   then writes ``_pairclean/refine/<method>-<sha12>/<stem>.json`` (sha256 before and
+   after): the shard's refine commit point.
+5. *Records*: the job's completion records get the tables' new sha256 and bytes
+   (``OutputDir.replace_records``), so the folder stays consistent.
+
+A shard counts as refined when its refine record exists and the job's record already
+has the refined sha256, or the file on the store has it (a crash between 4 and 5): a
+rerun with the same method and seed rewrites nothing and the tables stay byte-identical.
+A shard rewritten since by something else (``rescore``) is refined again.
+
+Columns of a refined table: ``weight = p_clean`` and ``noisy = p_clean <= 0.5`` for ok
+rows; rows that are not ok get ``p_clean`` 0, weight 0, noisy True and a NaN raw score.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from .. import schema
+from ..errors import InputError
+from ..job import OutputDir, ShardRecord
+from ..lock import RunLock
+from ..rescore import read_embeddings
+from . import DEFAULT_METHOD, METHODS, Heads, fit, apply, heads_bytes, heads_from_bytes, score_column, settings_for
+
+__all__ = ["MIN_FIT_PAIRS", "DEFAULT_SAMPLE_PAIRS", "RefineOptions", "RefineReport", "ShardApplied", "refine", "apply_shard", "check_job", "draw_sample", "Executor"]
+
+log = logging.getLogger(__name__)
+
+#: Fewer ok pairs than this and ``refine`` refuses to fit: a 2-component mixture and an
+#: in-batch contrastive loss need a handful of pairs to be defined at all. (Heads fitted
+#: on a few hundred pairs or fewer mean little; the bundled 10-pair demo still refines.)
+MIN_FIT_PAIRS = 8
+DEFAULT_SAMPLE_PAIRS = 500_000
+REFINE_DIR = f"{schema.STATE_DIR}/refine"
+HEADS_DIR = f"{schema.STATE_DIR}/heads"
+FITS_DIR = f"{REFINE_DIR}/fits"
+#: The columns kept from the scored table; everything else is recomputed.
+BASE_COLUMNS = (schema.COL_KEY, schema.COL_SHARD, schema.COL_IDX, schema.COL_STATUS, schema.COL_ERROR, schema.COL_SIMILARITY)
+
+
+@dataclass(frozen=True)
+class RefineOptions:
+    """What to fit and how: ``method`` (one of ``METHODS``), ``seed``, ``sample_pairs``
+    (upper bound of the fit sample), ``overrides`` (settings fields), ``heads`` (bytes of a
+    heads file: apply those instead of fitting)."""
+
+    method: str | None = None
+    seed: int = 0
+    sample_pairs: int = DEFAULT_SAMPLE_PAIRS
+    overrides: dict[str, Any] = field(default_factory=dict)
+    heads: bytes | None = None
+
+
+@dataclass(frozen=True)
+class ShardApplied:
+    """A shard's table after applying heads: its stem, sha256 before and after, bytes, rows."""
+
+    stem: str
+    sha256_in: str
+    sha256: str
+    bytes: int
+    rows: int
+    seconds: float
+
+
+@dataclass
+class RefineReport:
+    """What a refine did."""
+
+    method: str
+    heads: str
+    heads_sha256: str
+    fitted: bool
+    sample_pairs: int
+    fit_seconds: float
+    epoch_seconds: list[float]
+    refined: int
+    skipped: int
+    pairs: int
+    apply_seconds: float
+
+
+#: ``executor(records, heads_bytes, refine_doc)`` applies heads to each record's shard
+#: (``apply_shard``) and yields the results as they finish, in any order.
+Executor = Callable[[list[ShardRecord], bytes, dict[str, Any]], Iterator[ShardApplied]]
+
+
+@dataclass(frozen=True)
+class JobView:
+    """The committed shards of a job with the facts refine needs."""
+
+    records: list[ShardRecord]
+    ok_counts: list[int]
+    model: dict[str, Any]
+
+
+def check_job(out: OutputDir) -> JobView:
+    """Raise ``InputError`` unless ``out`` can be refined: a job, sidecars, one model."""
+    if out.read_spec() is None:
+        raise InputError(f"{out.uri} is not a pairclean output folder (no {schema.JOB_FILE})", uri=out.uri)
+    records = list(out.iter_committed())
+    if not records:
+        raise InputError(f"{out.uri} holds no committed shard: score it first", uri=out.uri)
+    missing = [r.stem for r in records if not out.has_embeddings(r)]
+    if missing:
+        raise InputError(
+            f"{out.uri}: {len(missing)} of {len(records)} shards have no embedding sidecar (e.g. {missing[0]}); "
+            "refine needs them: rescore the job with --embeddings", uri=out.uri)
+    models: dict[str, str] = {}
+    model: dict[str, Any] = {}
+    for r in records:
+        meta = out.store.parquet_metadata(r.output) or {}
+        doc = json.loads(meta.get(schema.META_KEY, b"{}"))
+        model = doc.get("model") or {}
+        ident = json.dumps({k: model.get(k) for k in ("model_id", "checkpoint_sha256", "embed_dim")}, sort_keys=True)
+        models.setdefault(ident, r.stem)
+    if len(models) > 1:
+        names = [json.loads(k)["model_id"] for k in models]
+        raise InputError(f"{out.uri} mixes scores of different models ({', '.join(map(str, names))}): "
+                         "embeddings of different models cannot be fitted together; refine each job separately", uri=out.uri)
+    ok_counts = [int(r.statuses.get(schema.STATUS_OK, 0)) for r in records]
+    return JobView(records, ok_counts, model)
+
+
+def draw_sample(out: OutputDir, view: JobView, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A seeded uniform sample of ``min(n, ok pairs)`` ok pairs: (m, D) float16 each.
+
+    Streams the sidecars one at a time (memory: the sample plus one sidecar).
+    """
+    total = sum(view.ok_counts)
+    m = min(n, total)
+    chosen = np.sort(np.random.default_rng(seed).choice(total, size=m, replace=False)) if m < total else np.arange(total)
+    bounds = np.cumsum([0, *view.ok_counts])
+    img_parts, txt_parts = [], []
+    for i, record in enumerate(view.records):
+        lo, hi = int(np.searchsorted(chosen, bounds[i])), int(np.searchsorted(chosen, bounds[i + 1]))
+        if lo == hi:
+            continue
+        img, txt = read_embeddings(out.read_embeddings_table(record))
+        if len(img) != view.ok_counts[i]:
+            raise InputError(f"{out.store.url(record.emb_output or '')} holds {len(img)} ok rows, its record says "
+                             f"{view.ok_counts[i]}: the folder is inconsistent", uri=out.uri)
+        local = chosen[lo:hi] - bounds[i]
+        img_parts.append(img[local].astype(np.float16))
+        txt_parts.append(txt[local].astype(np.float16))
+    return np.concatenate(img_parts), np.concatenate(txt_parts)
+
+
+def _fit_key(out: OutputDir, view: JobView, method: str, opts: RefineOptions) -> str:
+    doc = out.read_job_doc() or {}
+    ident = {"method": method, "seed": opts.seed, "sample_pairs": opts.sample_pairs, "overrides": opts.overrides,
+             "job": doc.get("spec_sha256"), "shards": [[r.stem, r.rows] for r in view.records]}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+def _heads_name(method: str, sha: str) -> str:
+    return f"{HEADS_DIR}/{method}-{sha[:12]}.safetensors"
+
+
+def _obtain_heads(out: OutputDir, view: JobView, opts: RefineOptions) -> tuple[Heads, bytes, bool, float]:
+    """(heads, their bytes, whether fitted now, fit seconds); saves new heads and the fit record."""
+    if opts.heads is not None:
+        try:
+            heads = heads_from_bytes(opts.heads)
+        except ValueError as exc:
+            raise InputError(f"--heads: {exc}") from exc
+        if opts.method and opts.method != heads.method:
+            raise InputError(f"--heads holds {heads.method} heads but --method {opts.method} was asked for")
+        dim = int(view.model.get("embed_dim") or 0)
+        if heads.doc.get("dim", dim) != dim and dim:
+            raise InputError(f"--heads were fitted on {heads.doc.get('dim')}-dim embeddings; this job's are {dim}-dim")
+        data = heads_bytes(heads)
+        out.store.put(_heads_name(heads.method, hashlib.sha256(data).hexdigest()), data)
+        return heads, data, False, 0.0
+    method = opts.method or DEFAULT_METHOD
+    if method not in METHODS:
+        raise InputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    try:
+        settings_for(method, opts.overrides)
+    except TypeError as exc:
+        raise InputError(f"bad settings for {method}: {exc}") from exc
+    total = sum(view.ok_counts)
+    if total < MIN_FIT_PAIRS:
+        raise InputError(f"{out.uri} has {total} ok pairs; fitting {method} needs at least {MIN_FIT_PAIRS}", uri=out.uri)
+    fit_record = f"{FITS_DIR}/{_fit_key(out, view, method, opts)[:16]}.json"
+    known = out.store.get(fit_record)
+    if known is not None:
+        entry = json.loads(known)
+        data = out.store.get(entry["heads"])
+        if data is not None and hashlib.sha256(data).hexdigest() == entry["sha256"]:
+            return heads_from_bytes(data), data, False, 0.0
+    t0 = time.perf_counter()
+    img, txt = draw_sample(out, view, opts.sample_pairs, opts.seed)
+    heads = fit(method, img, txt, opts.seed, opts.overrides)
+    seconds = time.perf_counter() - t0
+    data = heads_bytes(heads)
+    sha = hashlib.sha256(data).hexdigest()
+    out.store.put(_heads_name(method, sha), data)
+    out.store.put(fit_record, json.dumps({"heads": _heads_name(method, sha), "sha256": sha, "method": method, "seed": opts.seed,
+                                          "sample_pairs": int(len(img))}, sort_keys=True).encode())
+    fitted = Heads(heads.method, heads.arrays, heads.doc, heads.epoch_seconds)
+    return fitted, data, True, seconds
+
+
+def refine_doc(heads: Heads, sha: str) -> dict[str, Any]:
+    """What a refined table's metadata records under ``refine``."""
+    return {"method": heads.method, "settings": heads.doc.get("settings"), "sample_pairs": heads.doc.get("sample_pairs"),
+            "seed": heads.doc.get("seed"), "heads_sha256": sha, "heads": _heads_name(heads.method, sha),
+            "score_column": score_column(heads.method), "p_clean": f"{heads.method} clean posterior",
+            "weight_rule": "weight = p_clean", "noisy_rule": "p_clean <= 0.5"}
+
+
+def apply_shard(out: OutputDir, record: ShardRecord, heads: Heads, doc: dict[str, Any]) -> ShardApplied:
+    """Apply ``heads`` to one committed shard and rewrite its table atomically.
+
+    Deterministic: the same heads and inputs give byte-identical tables.
+    """
+    t0 = time.perf_counter()
+    table = out.read_scores(record)
+    ok = np.asarray(table.column(schema.COL_STATUS).to_pylist(), dtype=object) == schema.STATUS_OK
+    img, txt = read_embeddings(out.read_embeddings_table(record))
+    if len(img) != int(ok.sum()):
+        raise InputError(f"{out.store.url(record.emb_output or '')} holds {len(img)} ok rows but the score table "
+                         f"{int(ok.sum())}: the folder is inconsistent", uri=out.uri)
+    raw_ok, p_ok = apply(heads, img, txt) if len(img) else (np.zeros(0, np.float32), np.zeros(0, np.float32))
+    n = table.num_rows
+    raw = np.full(n, np.nan, dtype=np.float32)
+    p = np.zeros(n, dtype=np.float32)
+    raw[ok], p[ok] = raw_ok, np.clip(p_ok, 0.0, 1.0)
+    new = refined_table(table, raw, p, doc)
+    data_sha = record.sha256
+    info = out.write_table(record.output, new)
+    return ShardApplied(record.stem, data_sha, info.sha256, info.bytes, n, time.perf_counter() - t0)
+
+
+def refined_table(table: pa.Table, raw: np.ndarray, p: np.ndarray, doc: dict[str, Any]) -> pa.Table:
+    """The refined score table: base columns, then weight, noisy, p_clean, raw score, uid, url."""
+    meta = json.loads(table.schema.metadata[schema.META_KEY])
+    meta["refine"] = doc
+    meta["noisy_rule"] = doc["noisy_rule"]
+    cols = set(table.column_names)
+    with_uid, with_url = schema.COL_UID in cols, schema.COL_URL in cols
+    score_col = doc["score_column"]
+    out_schema = schema.scores_schema(with_uid, with_url, extra_scores=(score_col,)).with_metadata(
+        {schema.META_KEY: json.dumps(meta, sort_keys=True).encode()})
+    columns: dict[str, Any] = {name: table.column(name) for name in BASE_COLUMNS}
+    columns[schema.COL_WEIGHT] = p.astype(np.float32)
+    columns[schema.COL_NOISY] = ~(p > 0.5)
+    columns[schema.COL_P_CLEAN] = p.astype(np.float32)
+    columns[score_col] = raw.astype(np.float32)
+    if with_uid:
+        columns[schema.COL_UID] = table.column(schema.COL_UID)
+    if with_url:
+        columns[schema.COL_URL] = table.column(schema.COL_URL)
+    return pa.table([columns[f.name] for f in out_schema], schema=out_schema)
+
+
+def local_executor(out: OutputDir) -> Executor:
+    """Apply shard after shard in this process."""
+
+    def run(records: list[ShardRecord], data: bytes, doc: dict[str, Any]) -> Iterator[ShardApplied]:
+        heads = heads_from_bytes(data)
+        for record in records:
+            yield apply_shard(out, record, heads, doc)
+
+    return run
+
+
+def _record_name(doc: dict[str, Any], stem: str) -> str:
+    return f"{REFINE_DIR}/{doc['method']}-{doc['heads_sha256'][:12]}/{stem}.json"
+
+
+def _plan(out: OutputDir, records: list[ShardRecord], doc: dict[str, Any]) -> tuple[list[ShardRecord], dict[str, ShardApplied]]:
+    """(shards to refine, shards already refined by these heads with their applied record)."""
+    todo, done = [], {}
+    for record in records:
+        data = out.store.get(_record_name(doc, record.stem))
+        if data is not None:
+            applied = ShardApplied(**json.loads(data))
+            if record.sha256 == applied.sha256:
+                done[record.stem] = applied
+                continue
+            body = out.store.get(record.output)  # a crash before the records were refreshed
+            if body is not None and hashlib.sha256(body).hexdigest() == applied.sha256:
+                done[record.stem] = applied
+                continue
+        todo.append(record)
+    return todo, done
+
+
+def refine(
+    out: OutputDir,
+    options: RefineOptions,
+    executor: Callable[[], Executor] | None = None,
+    lock_ttl_s: float | None = None,
+    progress: Callable[[ShardApplied], None] | None = None,
+) -> RefineReport:
+    """Fit (or load) heads and apply them to every committed shard of ``out``; resumable.
+
+    ``executor()`` builds the executor (default: this process) once heads are ready, so a
+    Ray pool is only started when there is work. Raises ``InputError`` (nothing written)
+    for a folder that cannot be refined.
+    """
+    out.check_owned()
+    view = check_job(out)  # before the lock: a bad folder gets no lock file either
+    lock = RunLock(out.store, ttl_s=lock_ttl_s)
+    lock.acquire()
+    try:
+        return _refine_locked(out, view, options, executor, lock, progress)
+    finally:
+        lock.release()
+
+
+def _refine_locked(out: OutputDir, view: JobView, options: RefineOptions, executor: Callable[[], Executor] | None,
+                   lock: RunLock, progress: Callable[[ShardApplied], None] | None) -> RefineReport:
+    heads, data, fitted, fit_seconds = _obtain_heads(out, view, options)
+    sha = hashlib.sha256(data).hexdigest()
+    doc = refine_doc(heads, sha)
+    todo, done = _plan(out, view.records, doc)
+    t0 = time.perf_counter()
+    pairs = 0
+    if todo:
+        run = executor() if executor is not None else local_executor(out)
+        for applied in run(todo, data, doc):
+            lock.check()  # a run that lost its lock must not commit
+            out.store.put(_record_name(doc, applied.stem), json.dumps(applied.__dict__, sort_keys=True).encode())
+            done[applied.stem] = applied
+            pairs += applied.rows
+            if progress is not None:
+                progress(applied)
+    apply_seconds = time.perf_counter() - t0
+    stale = [r for r in view.records if r.stem in done and r.sha256 != done[r.stem].sha256]
+    if stale:
+        out.replace_records([replace(r, sha256=done[r.stem].sha256, bytes=done[r.stem].bytes) if r.stem in done else r
+                             for r in view.records])
+    return RefineReport(heads.method, _heads_name(heads.method, sha), sha, fitted, int(heads.doc.get("sample_pairs") or 0),
+                        round(fit_seconds, 3), [round(t, 3) for t in heads.epoch_seconds], len(todo),
+                        len(view.records) - len(todo), pairs, round(apply_seconds, 3))

@@ -1,0 +1,113 @@
+"""The learned estimators on planted embeddings: quality, determinism, file format, guards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sklearn.metrics import roc_auc_score
+
+from pairclean import refine
+from pairclean.refine.common import Mixture1D, fit_mixture
+
+# Short schedules keep the file fast; the defaults are exercised by benchmarks/estimators.py.
+FAST = {
+    "ncr": {"warmup_epochs": 2, "epochs": 3},
+    "disncl": {"warmup_epochs": 2, "epochs": 3},
+    "sdcmr": {"epochs": 3},
+}
+
+
+def planted(n: int = 1000, dim: int = 32, noise: float = 0.4, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Clustered latent codes seen through two noisy views; a ``noise`` fraction of captions
+    is moved to another pair (a derangement): those pairs are the noisy ones."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(10, dim))
+    z = centres[rng.integers(0, 10, n)] + 0.6 * rng.normal(size=(n, dim))
+    img = z + 0.6 * rng.normal(size=(n, dim))
+    txt = z + 0.6 * rng.normal(size=(n, dim))
+    noisy = np.zeros(n, dtype=bool)
+    chosen = rng.choice(n, int(noise * n), replace=False)
+    txt[chosen] = txt[np.roll(chosen, 1)]
+    noisy[chosen] = True
+
+    def unit(a: np.ndarray) -> np.ndarray:
+        return (a / np.linalg.norm(a, axis=1, keepdims=True)).astype(np.float32)
+
+    return unit(img), unit(txt), noisy
+
+
+@pytest.fixture(scope="module")
+def data() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return planted()
+
+
+@pytest.mark.parametrize("method", ["ncr", "disncl", "sdcmr"])
+def test_method_separates_planted_noise(method: str, data: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+    img, txt, noisy = data
+    heads = refine.fit(method, img, txt, seed=0, overrides=FAST[method])
+    raw, p = refine.apply(heads, img, txt)
+    assert raw.dtype == np.float32 and p.dtype == np.float32 and raw.shape == p.shape == (len(img),)
+    assert np.isfinite(raw).all() and ((p >= 0) & (p <= 1)).all()
+    assert roc_auc_score(~noisy, raw) >= 0.95
+    assert roc_auc_score(~noisy, p) >= 0.95
+    # a pair's score depends on that pair only: applying to a subset gives the same values
+    raw_sub, p_sub = refine.apply(heads, img[::7], txt[::7])
+    np.testing.assert_allclose(raw_sub, raw[::7], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(p_sub, p[::7], rtol=0, atol=1e-5)
+
+
+def test_ensemble_and_determinism(data: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+    img, txt, noisy = data
+    small = slice(0, 500)
+    a = refine.fit("ensemble", img[small], txt[small], seed=3, overrides=FAST)
+    b = refine.fit("ensemble", img[small], txt[small], seed=3, overrides=FAST)
+    assert refine.heads_bytes(a) == refine.heads_bytes(b)  # same seed, same bytes
+    raw, p = refine.apply(a, img, txt)
+    assert roc_auc_score(~noisy, raw) >= 0.95 and ((p >= 0) & (p <= 1)).all()
+    weights = [m["weight"] for m in a.doc["members"].values()]
+    assert abs(sum(weights) - 1) < 1e-9 and min(weights) >= 0
+
+
+def test_heads_file_round_trip(data: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+    img, txt, _ = data
+    heads = refine.fit("ncr", img[:300], txt[:300], seed=1, overrides={"warmup_epochs": 1, "epochs": 1})
+    loaded = refine.heads_from_bytes(refine.heads_bytes(heads))
+    assert loaded.method == "ncr" and loaded.doc == heads.doc
+    assert refine.heads_bytes(loaded) == refine.heads_bytes(heads)
+    np.testing.assert_array_equal(refine.apply(loaded, img, txt)[1], refine.apply(heads, img, txt)[1])
+    with pytest.raises(ValueError):
+        refine.heads_from_bytes(b"not a heads file at all")
+
+
+def test_ncr_guards_degenerate_input() -> None:
+    # identical pairs: min = max in the normalisation, tau = 0 in co-rectify; no NaN anywhere
+    img = np.tile(np.eye(8, dtype=np.float32)[:1], (40, 1))
+    heads = refine.fit("ncr", img, img.copy(), seed=0, overrides={"warmup_epochs": 1, "epochs": 2})
+    raw, p = refine.apply(heads, img, img.copy())
+    assert np.isfinite(raw).all() and np.isfinite(p).all()
+    # NaN embeddings (a broken row) score as noisy rather than NaN
+    bad = img[:2].copy()
+    bad[0] = np.nan
+    raw, p = refine.apply(heads, bad, img[:2])
+    assert np.isfinite(raw).all() and p[0] == 0.0
+
+
+def test_mixture_posterior_is_monotone_and_guarded() -> None:
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.normal(0.0, 0.05, 500), rng.normal(0.5, 0.2, 500)]).astype(np.float32)
+    mix = fit_mixture(x, seed=0, clean="high")
+    grid = np.linspace(-2, 3, 500, dtype=np.float32)
+    post = mix.posterior_clean(grid)
+    assert (np.diff(post) >= -1e-6).all() and post[0] < 0.01 and post[-1] > 0.99
+    assert mix.posterior_clean(np.array([np.nan], np.float32))[0] == 0.0
+    flat = fit_mixture(np.ones(10, np.float32), seed=0)  # no spread: defined, no NaN
+    assert isinstance(flat, Mixture1D) and np.isfinite(flat.posterior_clean(np.ones(3, np.float32))).all()
+
+
+def test_osa_p_clean_is_the_mixture_posterior() -> None:
+    from pairclean import osa
+
+    s = np.array([-0.5, 0.0, 0.1, 0.2, 0.3, 0.9, np.nan], dtype=np.float32)
+    p = osa.mixture_posterior_clean(s, (0.0, 0.3), (0.05, 0.08), 0.4)
+    assert p.dtype == np.float32 and (np.diff(p[:-1]) >= 0).all() and p[-1] == 0.0
+    assert p[0] < 0.01 and p[5] > 0.99

@@ -1,0 +1,404 @@
+"""Hostile and broken input against the real service over real HTTP (issue 10).
+
+Each test is one threat: what an attacker or a careless user sends, and what they get.
+"""
+
+from __future__ import annotations
+
+import http.server
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+import uvicorn  # noqa: E402
+
+from pairclean_service.app import create_app  # noqa: E402
+from pairclean_service.runner import score_command  # noqa: E402
+from pairclean_service.security import UriRefused, check_uri, hash_key, new_api_key  # noqa: E402
+from pairclean_service.settings import ServiceSettings  # noqa: E402
+from pairclean_service.store import JobStore  # noqa: E402
+
+
+class Live:
+    """A service on loopback with its own settings and three keys: alice, bob, admin."""
+
+    def __init__(self, root: Path, **overrides: object) -> None:
+        fields: dict[str, object] = dict(database_url=f"sqlite:///{root / 'jobs.db'}", allowed_inputs=[str(root / "in")],
+                                         allowed_outputs=[str(root / "out")], executor="local", poll_interval_s=0.2)
+        fields.update(overrides)
+        self.settings = ServiceSettings(**fields)  # type: ignore[arg-type]
+        self.app = create_app(self.settings, state_dir=root / "state")
+        self.keys = {}
+        for name, admin in (("alice", False), ("bob", False), ("admin", True)):
+            key = new_api_key()
+            self.app.state.store.add_key(hash_key(key), name, admin=admin)
+            self.keys[name] = {"Authorization": f"Bearer {key}"}
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> Live:
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def post(self, path: str, who: str = "alice", **kwargs: object) -> httpx.Response:
+        kwargs.setdefault("headers", self.keys[who])
+        return httpx.post(f"{self.url}{path}", timeout=30, **kwargs)  # type: ignore[arg-type]
+
+    def get(self, path: str, who: str = "alice", **kwargs: object) -> httpx.Response:
+        kwargs.setdefault("headers", self.keys[who])
+        return httpx.get(f"{self.url}{path}", timeout=30, **kwargs)  # type: ignore[arg-type]
+
+
+def _shard(path: Path, n: int = 3, big_member: int = 0) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for i in range(n):
+            for ext, data in (("jpg", b"\xff" * (big_member or 10)), ("txt", b"a caption")):
+                info = tarfile.TarInfo(f"{i:04d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Iterator[Live]:
+    (tmp_path / "in").mkdir()
+    (tmp_path / "out").mkdir()
+    with Live(tmp_path, max_running_jobs=0) as srv:  # jobs stay QUEUED: these tests are about the API
+        yield srv
+
+
+# -- 1. validation at the boundary ----------------------------------------------------------
+
+MARKER = "SECRET-MARKER-7f3a"
+
+
+@pytest.mark.parametrize("raw", [
+    '{"shards": ["IN/a.tar"], "output": "OUT/o\\u0000x", "estimator": "%s"}',       # NUL byte
+    '{"shards": ["IN/a\\u001b[2J.tar"], "output": "OUT/o", "estimator": "%s"}',     # control character
+    '{"shards": ["IN/\\ud800.tar"], "output": "OUT/o", "estimator": "%s"}',          # lone surrogate
+    '{"shards": ["IN/a.tar"], "output": "OUT/o", "options": {"max_failed_fraction": NaN}, "estimator": "%s"}',
+    '{"shards": ["IN/a.tar"], "output": "OUT/o", "options": {"shard_timeout": Infinity}, "estimator": "%s"}',
+    '{"shards": ["IN/a.tar"], "output": "OUT/o", "\\ud800%s": 1}',                      # hostile field name
+    '{"shards": ["IN/a.tar"], "output": "OUT/o", "estimator": "%s", ',                  # not JSON
+])
+def test_hostile_fields_are_422_never_500_and_never_echoed(live: Live, tmp_path: Path, raw: str) -> None:
+    body = raw.replace("IN", str(tmp_path / "in")).replace("OUT", str(tmp_path / "out")) % MARKER
+    for path in ("/v1/jobs", "/v1/jobs:validate"):
+        r = live.post(path, content=body.encode("utf-8", "surrogatepass"), headers={**live.keys["alice"], "content-type": "application/json"})
+        assert r.status_code == 422, r.text
+        assert MARKER not in r.text and "Traceback" not in r.text
+    bad_key = live.post("/v1/jobs", json={"shards": ["x"], "output": "y"}, headers={**live.keys["alice"], "Idempotency-Key": "a b"})
+    assert bad_key.status_code == 422
+
+
+def test_job_that_cannot_start_fails_clearly_and_the_next_one_runs(tmp_path: Path, make_shards) -> None:
+    (tmp_path / "in").mkdir()
+    (tmp_path / "out").mkdir()
+    shards = make_shards(n_shards=1, per_shard=4, folder=tmp_path / "in")
+    with Live(tmp_path) as srv:
+        # A job stored before these checks (or by another replica) whose output holds a NUL:
+        # the process cannot even start. It used to stay first in the queue for ever.
+        broken, _ = srv.app.state.store.create({"shards": [str(shards[0])], "output": str(tmp_path / "out" / "a\x00b"),
+                                                "estimator": "pairclean-tiny-test", "beta_recipe": "auto", "weighting": "paper",
+                                                "options": {}}, "alice", None, 1)
+        r = srv.post("/v1/jobs", json={"shards": [str(shards[0])], "output": str(tmp_path / "out" / "good"),
+                                       "estimator": "pairclean-tiny-test"})
+        assert r.status_code == 201, r.text
+        good = r.json()["id"]
+        deadline = time.time() + 240
+        while time.time() < deadline and srv.get(f"/v1/jobs/{good}").json()["state"] in ("QUEUED", "RUNNING"):
+            time.sleep(0.3)
+        failed = srv.get(f"/v1/jobs/{broken.id}").json()
+        assert failed["state"] == "FAILED" and "could not start" in failed["error"]
+        assert srv.get(f"/v1/jobs/{good}").json()["state"] == "SUCCEEDED"
+        # The shard specs travelled in a list file in the service's state folder, not in argv.
+        assert (tmp_path / "state" / "shard-lists" / f"{good}.txt").read_text().split() == [str(shards[0])]
+
+
+def test_shard_specs_go_to_the_job_through_a_list_file(tmp_path: Path) -> None:
+    specs = [f"/data/{'x' * 2000}-{i}.tar" for i in range(2000)]  # 4 MB: over the kernel's argv limit
+    cmd = score_command({"shards": specs, "output": "/o", "estimator": "e", "beta_recipe": "auto", "weighting": "paper"},
+                        ServiceSettings(), shard_list=tmp_path / "l.txt")
+    assert sum(len(a) for a in cmd) < 10_000 and f"@{tmp_path / 'l.txt'}" in cmd
+
+
+# -- 2. bounded work per request --------------------------------------------------------------
+
+def test_body_limit_holds_for_chunked_bodies_before_authentication(live: Live) -> None:
+    def chunks() -> Iterator[bytes]:
+        yield b'{"shards": ["'
+        for _ in range(300):
+            yield b"x" * 10_000  # 3 MB in all, never announced in a Content-Length
+        yield b'"], "output": "/o"}'
+
+    r = httpx.post(f"{live.url}/v1/jobs", content=chunks(), headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413 and "x" * 100 not in r.text  # no key needed to be refused, nothing echoed
+    r = httpx.post(f"{live.url}/v1/jobs", content=b"{" + b" " * 2_000_000 + b"}", timeout=30)
+    assert r.status_code == 413
+    assert httpx.get(f"{live.url}/healthz").status_code == 200
+
+
+def test_brace_and_glob_limits_are_enforced_while_expanding(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    for i in range(6):
+        _shard(tmp_path / "in" / f"s-{i}.tar", n=1)
+    with Live(tmp_path, max_running_jobs=0, max_shards=5) as srv:
+        started = time.perf_counter()
+        r = srv.post("/v1/jobs", json={"shards": [str(tmp_path / "in" / "s-{0..999999999}{0..99999}.tar")], "output": str(tmp_path / "out" / "o")})
+        assert r.status_code == 422 and "more than 5 shards" in r.json()["detail"]
+        assert time.perf_counter() - started < 10
+        r = srv.post("/v1/jobs", json={"shards": [str(tmp_path / "in" / "*.tar")], "output": str(tmp_path / "out" / "o")})
+        assert r.status_code == 422 and "more than 5 shards" in r.json()["detail"]
+        r = srv.post("/v1/jobs", json={"shards": [str(tmp_path / "in" / "s-{0..4}.tar")], "output": str(tmp_path / "out" / "o")})
+        assert r.status_code == 201, r.text
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """Serves /allowed/slow.tar (a few bytes per second), /allowed/redirect.tar (-> /secret/)
+    and /secret/x.tar, counting the requests that reach /secret/."""
+
+    secret_hits = 0
+
+    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        if self.path.startswith("/secret/"):
+            type(self).secret_hits += 1
+            self._send(_shard_bytes())
+        elif self.path == "/allowed/redirect.tar":
+            self.send_response(302)
+            self.send_header("Location", "/secret/x.tar")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif self.path == "/allowed/ok.tar":
+            self._send(_shard_bytes())
+        elif self.path == "/allowed/slow.tar":
+            data = _shard_bytes(n=200)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            try:
+                for i in range(0, len(data), 512):
+                    self.wfile.write(data[i : i + 512])
+                    self.wfile.flush()
+                    time.sleep(0.25)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+        else:
+            self.send_error(404)
+
+    def _send(self, data: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _shard_bytes(n: int = 3) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for i in range(n):
+            for ext, data in (("jpg", b"\xff" * 10), ("txt", b"a caption")):
+                info = tarfile.TarInfo(f"{i:04d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@pytest.fixture
+def origin() -> Iterator[str]:
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def test_slow_validations_are_bounded_and_never_starve_the_other_routes(tmp_path: Path, origin: str) -> None:
+    (tmp_path / "out").mkdir()
+    with Live(tmp_path, max_running_jobs=0, allowed_inputs=[f"{origin}/allowed"], validate_concurrency=1,
+              validate_timeout_s=2.0) as srv:
+        body = {"shards": [f"{origin}/allowed/slow.tar"], "output": str(tmp_path / "out" / "o")}
+        results: list[httpx.Response] = []
+        threads = [threading.Thread(target=lambda: results.append(srv.post("/v1/jobs:validate", json=body))) for _ in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        for path in ("/healthz", "/metrics", "/v1/jobs"):  # answered at once while validations read
+            started = time.perf_counter()
+            assert srv.get(path).status_code == 200
+            assert time.perf_counter() - started < 1.5, path
+        for t in threads:
+            t.join()
+        codes = sorted(r.status_code for r in results)
+        assert codes.count(200) >= 1 and set(codes) <= {200, 429}
+        done = next(r.json() for r in results if r.status_code == 200)
+        assert any("read only the first 2 s" in p for p in done["problems"]), done
+
+
+def test_validate_reads_a_bounded_prefix(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    shard = _shard(tmp_path / "in" / "big.tar", n=4, big_member=300_000)
+    with Live(tmp_path, max_running_jobs=0, validate_max_bytes=200_000) as srv:
+        r = srv.post("/v1/jobs:validate", json={"shards": [str(shard)], "output": str(tmp_path / "out" / "o")})
+        assert r.status_code == 200, r.text
+        report = r.json()
+        assert report["statuses"].get("too_large", 0) >= 1 or report["samples"] == 0
+        assert any("read only the first 200000 bytes" in p for p in report["problems"])
+
+
+# -- 3. the allow-list decides on what will actually be touched -----------------------------
+
+def test_symlinks_dotdot_and_percent_escapes_cannot_leave_the_allow_list(live: Live, tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere"
+    _shard(outside / "exists.tar")
+    (tmp_path / "in" / "link").symlink_to(outside)
+    os.symlink(outside / "exists.tar", tmp_path / "in" / "file-link.tar")
+    (tmp_path / "out" / "outlink").symlink_to(outside)
+    out = str(tmp_path / "out" / "o")
+    cases = [
+        {"shards": [str(tmp_path / "in" / "link" / "exists.tar")], "output": out},
+        {"shards": [str(tmp_path / "in" / "link" / "*.tar")], "output": out},
+        {"shards": [str(tmp_path / "in" / "*.tar")], "output": out},                       # a match that is a symlink
+        {"shards": [str(tmp_path / "in" / "file-link.tar")], "output": out},
+        {"shards": ["@" + str(tmp_path / "in" / "link" / "list.txt")], "output": out},
+        {"shards": [str(tmp_path / "in" / "x.tar")], "output": str(tmp_path / "out" / "outlink" / "o")},
+        {"shards": [str(tmp_path / "in" / "x.tar")], "output": str(tmp_path / "out" / "%2e%2e" / "o")},
+        {"shards": [str(tmp_path / "in" / "x.tar")], "output": str(tmp_path / "out" / "%73vcout")},
+    ]
+    for body in cases:
+        r = live.post("/v1/jobs", json=body)
+        assert r.status_code == 422, (body, r.text)
+        assert str(outside) not in r.text and "elsewhere" not in r.text  # the target is never named
+    assert not (tmp_path / "out" / "%73vcout").exists() and not (tmp_path / "out" / "svcout").exists()
+    # Existing and missing files outside answer alike: nothing is learnt about them.
+    seen = live.post("/v1/jobs", json={"shards": [str(tmp_path / "in" / "link" / "exists.tar")], "output": out}).json()["detail"]
+    unseen = live.post("/v1/jobs", json={"shards": [str(tmp_path / "in" / "link" / "nope.tar")], "output": out}).json()["detail"]
+    assert seen.replace("exists", "nope") == unseen
+
+
+def test_remote_prefixes_match_on_segment_boundaries(tmp_path: Path) -> None:
+    check_uri("s3://laion/x.tar", ["s3://laion"])
+    for uri in ("s3://laion-private/x.tar", "s3://laion/../laion-private/x.tar", "S3://other/x.tar"):
+        with pytest.raises(UriRefused):
+            check_uri(uri, ["s3://laion"])
+    (tmp_path / "out").mkdir()
+    with Live(tmp_path, max_running_jobs=0, allowed_inputs=["s3://laion"]) as srv:
+        r = srv.post("/v1/jobs", json={"shards": ["s3://laion-private/x.tar"], "output": str(tmp_path / "out" / "o")})
+        assert r.status_code == 422
+        assert srv.post("/v1/jobs", json={"shards": ["s3://laion/x.tar"], "output": str(tmp_path / "out" / "o")}).status_code == 201
+
+
+def test_http_redirects_are_followed_only_to_allowed_urls(tmp_path: Path, origin: str) -> None:
+    (tmp_path / "out").mkdir()
+    with Live(tmp_path, max_running_jobs=0, allowed_inputs=[f"{origin}/allowed"]) as srv:
+        ok = srv.post("/v1/jobs:validate", json={"shards": [f"{origin}/allowed/ok.tar"], "output": str(tmp_path / "out" / "o")}).json()
+        assert ok["samples"] == 3 and ok["problems"] == []
+        r = srv.post("/v1/jobs:validate", json={"shards": [f"{origin}/allowed/redirect.tar"], "output": str(tmp_path / "out" / "o")})
+        assert r.status_code == 200 and r.json()["samples"] == 0
+        assert any("redirects outside the allowed locations" in p for p in r.json()["problems"])
+        assert "secret" not in r.text and _Handler.secret_hits == 0  # the target was never requested
+
+
+# -- 4. tenants --------------------------------------------------------------------------------
+
+def test_jobs_belong_to_their_owner_and_admins_see_all(live: Live, tmp_path: Path) -> None:
+    shard = _shard(tmp_path / "in" / "a.tar")
+    body = {"shards": [str(shard)], "output": str(tmp_path / "out" / "alice")}
+    r = live.post("/v1/jobs", json=body, headers={**live.keys["alice"], "Idempotency-Key": "same-key"})
+    assert r.status_code == 201
+    job = r.json()["id"]
+    for method, path in (("get", f"/v1/jobs/{job}"), ("get", f"/v1/jobs/{job}/shards"), ("post", f"/v1/jobs/{job}:cancel"),
+                         ("post", f"/v1/jobs/{job}:retry")):
+        r = getattr(live, method)(path, who="bob")
+        assert r.status_code == 404 and r.json()["detail"] == getattr(live, method)(path.replace(job, "0" * 36), who="bob").json()["detail"].replace("0" * 36, job)
+    assert live.get("/v1/jobs", who="bob").json()["total"] == 0
+    assert live.get("/v1/jobs", who="alice").json()["total"] == 1
+    assert live.get("/v1/jobs", who="admin").json()["total"] == 1
+    assert live.get(f"/v1/jobs/{job}", who="admin").status_code == 200
+    # Idempotency keys are per owner: bob's "same-key" is a new job of his own.
+    bob_body = {"shards": [str(shard)], "output": str(tmp_path / "out" / "bob")}
+    r = live.post("/v1/jobs", who="bob", json=bob_body, headers={**live.keys["bob"], "Idempotency-Key": "same-key"})
+    assert r.status_code == 201 and r.json()["id"] != job
+    assert live.get("/v1/jobs", who="admin").json()["total"] == 2
+
+
+def test_two_jobs_never_write_to_one_output(live: Live, tmp_path: Path) -> None:
+    shard = _shard(tmp_path / "in" / "a.tar")
+    first = live.post("/v1/jobs", json={"shards": [str(shard)], "output": str(tmp_path / "out" / "o")}).json()["id"]
+    for spelling in (str(tmp_path / "out" / "o"), str(tmp_path / "out" / "o") + "/", "file://" + str(tmp_path / "out" / "o")):
+        r = live.post("/v1/jobs", who="bob", json={"shards": [str(shard)], "output": spelling})
+        assert r.status_code == 409 and first in r.json()["detail"], r.text
+    assert live.post(f"/v1/jobs/{first}:cancel").json()["state"] == "CANCELLED"
+    assert live.post("/v1/jobs", who="bob", json={"shards": [str(shard)], "output": str(tmp_path / "out" / "o")}).status_code == 201
+
+
+def test_old_databases_migrate_and_keep_their_jobs(tmp_path: Path) -> None:
+    from sqlalchemy import create_engine, text
+
+    from pairclean_service.store import _MIGRATIONS
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = create_engine(url)
+    with engine.begin() as conn:  # the schema as version 3 of the service left it
+        conn.execute(text("CREATE TABLE schema_version (version INTEGER NOT NULL)"))
+        for number, statement in enumerate(_MIGRATIONS[:3], start=1):
+            conn.execute(text(statement))
+            conn.execute(text("INSERT INTO schema_version (version) VALUES (:v)"), {"v": number})
+        conn.execute(text("INSERT INTO jobs (id, state, request, idempotency_key, owner, created_at) "
+                          "VALUES ('j1', 'SUCCEEDED', '{}', 'k', 'alice', '2024-01-01T00:00:00+00:00')"))
+        conn.execute(text("INSERT INTO api_keys (key_hash, name, created_at) VALUES ('h', 'alice', 'x')"))
+    store = JobStore(url)
+    assert store.schema_version() == len(_MIGRATIONS) > 3
+    found = store.by_idempotency_key("k", "alice")
+    assert found is not None and found.id == "j1" and store.by_idempotency_key("k", "bob") is None
+    principal = store.principal("h")
+    assert principal is not None and not principal.admin
+    assert JobStore(url).migrate() == len(_MIGRATIONS)  # a second start applies nothing
+
+
+def test_apikey_admin_flag(tmp_path: Path) -> None:
+    env = dict(os.environ, PAIRCLEAN_DATABASE_URL=f"sqlite:///{tmp_path / 'k.db'}")
+    key = subprocess.run([sys.executable, "-m", "pairclean_service.cli", "apikey", "boss", "--admin"], env=env,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    principal = JobStore(env["PAIRCLEAN_DATABASE_URL"]).principal(hash_key(key))
+    assert principal is not None and principal.admin and principal.name == "boss"
+    json.dumps(principal.__dict__)
+
+
+# -- 7. one home for the lifecycle --------------------------------------------------------------
+
+def test_the_store_refuses_moves_the_lifecycle_does_not_allow(tmp_path: Path) -> None:
+    from pairclean.lifecycle import TERMINAL, IllegalTransition, state_for_exit
+    from pairclean_service.client import TERMINAL as CLIENT_TERMINAL
+
+    store = JobStore(f"sqlite:///{tmp_path / 'j.db'}")
+    job, _ = store.create({"shards": ["/a.tar"], "output": "/o"}, "alice", None, 1)
+    with pytest.raises(IllegalTransition):
+        store.transition(job.id, ["QUEUED"], state="SUCCEEDED")  # never ran
+    with pytest.raises(IllegalTransition):
+        store.update(job.id, state="RUNNING")  # states move only through transition
+    assert store.transition(job.id, ["QUEUED"], state="CANCELLED")
+    with pytest.raises(IllegalTransition):
+        store.transition(job.id, ["CANCELLED"], state="QUEUED")  # cancelled is final
+    assert (state_for_exit(0), state_for_exit(4), state_for_exit(3), state_for_exit(-9)) == ("SUCCEEDED", "PARTIAL", "FAILED", "FAILED")
+    assert CLIENT_TERMINAL == TERMINAL

@@ -1,0 +1,86 @@
+"""``pairclean refine``: fit a learned estimator on a job's sidecars and apply it to every shard."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["add_refine_parser", "cmd_refine"]
+
+
+def add_refine_parser(sub: Any) -> None:
+    """Register the ``refine`` sub-command."""
+    from pairclean.refine import DEFAULT_METHOD, METHODS
+    from pairclean.refine.run import DEFAULT_SAMPLE_PAIRS
+
+    p = sub.add_parser("refine", help="fit NCR / DisNCL / SDCMR / an ensemble on a scored job's embeddings and rewrite its tables with p_clean (resumable)")
+    p.add_argument("out", help="a scored job's output folder (with embedding sidecars)")
+    p.add_argument("--method", choices=METHODS, default=None, help=f"default: {DEFAULT_METHOD} (or the method of --heads)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sample-pairs", type=int, default=DEFAULT_SAMPLE_PAIRS, help="ok pairs the heads are fitted on (a seeded sample; all when fewer)")
+    p.add_argument("--heads", default=None, help="apply this heads file (OUT/_pairclean/heads/*.safetensors of another job) instead of fitting")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a method setting, e.g. epochs=3 (repeatable)")
+    p.add_argument("--executor", choices=("ray", "local"), default="ray")
+    p.add_argument("--ray-address", default=None)
+    p.add_argument("--num-actors", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads of the fit (and of each actor)")
+    p.add_argument("--lock-ttl", type=float, default=None)
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", help="fsspec option for OUT and --heads (repeatable)")
+
+
+def _overrides(pairs: list[str]) -> dict[str, Any]:
+    from pairclean.errors import InputError
+
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise InputError(f"--set expects FIELD=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def cmd_refine(args: argparse.Namespace) -> int:
+    """Run (or resume) a refine; prints one summary line."""
+    import os
+
+    import fsspec
+    import torch
+
+    from pairclean.errors import InputError
+    from pairclean.job import OutputDir
+    from pairclean_workers.cli import _storage_options
+
+    from pairclean.refine import DEFAULT_METHOD
+    from pairclean.refine.run import RefineOptions, refine
+
+    storage = _storage_options(args.storage_option)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    heads = None
+    if args.heads:
+        try:
+            with fsspec.open(args.heads, "rb", **storage) as fh:
+                heads = fh.read()
+        except (FileNotFoundError, OSError) as exc:
+            raise InputError(f"--heads {args.heads}: {exc}") from exc
+    method = args.method or (None if heads else DEFAULT_METHOD)
+    options = RefineOptions(method=method, seed=args.seed, sample_pairs=args.sample_pairs, overrides=_overrides(args.set), heads=heads)
+    out = OutputDir(args.out, storage)
+    executor = None
+    if args.executor == "ray":
+        from pairclean_workers.ray_exec import RayOptions
+        from pairclean_workers.refine_exec import ray_executor
+
+        ray_opts = RayOptions(address=args.ray_address, num_actors=args.num_actors, threads_per_actor=args.threads)
+        executor = lambda: ray_executor(out, ray_opts)  # noqa: E731 - built only when there is work
+    report = refine(out, options, executor=executor, lock_ttl_s=args.lock_ttl)
+    rate = report.pairs / report.apply_seconds if report.apply_seconds else 0.0
+    how = f"fitted on {report.sample_pairs} pairs in {report.fit_seconds:.1f} s" if report.fitted else "heads reused"
+    print(f"refined {out.uri} with {report.method} ({how}; heads {report.heads}, sha256 {report.heads_sha256[:12]}): "
+          f"{report.refined} shards rewritten, {report.skipped} already done; {report.pairs} pairs at {rate:.0f} pairs/s", file=sys.stdout)
+    return 0
