@@ -8,11 +8,59 @@ Modules: ``uris`` and ``shards`` (reading), ``decode``, ``estimators`` (the froz
 job), ``scoring`` (a shard in, arrays out), ``job`` (output folder, manifest, atomic
 commits), ``runner`` (the job loop over any shard source), ``rescore`` and ``report``
 (working on finished outputs), ``lite_train`` and ``evaldata`` (pairclean-lite's heads,
-Flickr8k), and for trainers ``sampler``, ``losses`` and ``exports``.
+Flickr8k), for trainers ``sampler``, ``losses`` and ``exports``, and for notebooks
+``api`` (``score_pairs``, ``load_estimator``, ``read_scores``).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "read_scores", "score_pairs", "load_estimator"]
+
+
+def score_pairs(images: Sequence[Any], captions: Sequence[str], **kwargs: Any) -> Any:
+    """Score in-memory image-caption pairs; see ``pairclean.api.score_pairs`` (needs torch)."""
+    from .api import score_pairs as _score_pairs
+
+    return _score_pairs(images, captions, **kwargs)
+
+
+def load_estimator(model: str = "pairclean-lite", **kwargs: Any) -> Any:
+    """Load an estimator once for ``score_pairs``; see ``pairclean.api.load_estimator``."""
+    from .api import load_estimator as _load
+
+    return _load(model, **kwargs)
+
+
+def read_scores(
+    out: str | os.PathLike[str],
+    columns: Sequence[str] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> pa.Table:
+    """Every committed score table of a job's output folder as one pyarrow Table.
+
+    ``out``: a local folder, ``file://``, ``s3://`` or ``gs://`` URI (``storage_options``
+    for endpoints and credentials). Rows come shard by shard in the job's order, only from
+    committed shards (a half-written table is never read); ``columns`` selects columns
+    (``key``, ``shard``, ``weight``, ``noisy``, ``similarity``, ...). ``.to_pandas()`` gives
+    a DataFrame. Raises ``InputError`` when the folder holds no committed shard.
+    """
+    import pyarrow as pa
+
+    from .errors import InputError
+    from .job import OutputDir
+
+    folder = OutputDir(os.fspath(out), storage_options)
+    cols = list(columns) if columns is not None else None
+    tables = [folder.read_scores(record, cols) for record in folder.iter_committed()]
+    if not tables:
+        raise InputError(f"{folder.uri} holds no committed shard")
+    return pa.concat_tables(tables, promote_options="default")

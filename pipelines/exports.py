@@ -82,6 +82,7 @@ def export(
     sums: dict[str, float] = {}
     keep: list[str] = []
     has_uid = True
+    bad: list[tuple[str, str, str]] = []  # (uid, key, shard) of kept pairs with a non-DataComp uid
     shard_folders: list[str] = []
     for record in out.iter_committed():
         table = out.read_scores(record)
@@ -102,15 +103,21 @@ def export(
                 continue
             if _is_datacomp_uid(uid):
                 keep.append(uid)
-            elif skip_bad_uids:
-                report.skipped_uids += 1
             else:
-                raise InputError(
-                    f"uid {uid!r} of key {key!r} in shard {record.shard!r} is not 32 hex digits (DataComp's "
-                    "format): pass --skip-bad-uids to leave such pairs out of datacomp_keep.npy"
-                )
+                bad.append((uid, key, record.shard))
     if not sizes:
         raise InputError(f"{out.uri} holds no committed shard")
+    if bad and not keep:
+        # No uid is DataComp's (the demo's are names): no keep list, the rest is written.
+        has_uid = False
+    elif bad and not skip_bad_uids:
+        uid, key, shard = bad[0]
+        raise InputError(
+            f"uid {uid!r} of key {key!r} in shard {shard!r} is not 32 hex digits (DataComp's format; "
+            f"{len(bad)} such): pass --skip-bad-uids to leave those pairs out of datacomp_keep.npy"
+        )
+    elif bad:
+        report.skipped_uids = len(bad)
     files: dict[str, bytes] = {
         name: json.dumps(doc, indent=1, sort_keys=True).encode() for name, doc in (("sizes.json", sizes), ("shard_weights.json", sums))
     }
@@ -119,7 +126,11 @@ def export(
         np.save(buf, uid_records(keep))
         files["datacomp_keep.npy"] = buf.getvalue()
     else:
-        report.notes.append("datacomp_keep.npy not written: it needs DataComp uids (a 'uid' in each sample's json), and these shards have none")
+        example = f" (they have e.g. {bad[0][0]!r})" if bad else ""
+        report.notes.append(
+            f"datacomp_keep.npy not written: it needs DataComp uids (32 hex digits in each sample's json 'uid'), "
+            f"and these shards have none{example}"
+        )
     copies = list(dict.fromkeys([*sizes_dirs, *(shard_folders if sizes_beside_shards else [])]))
     previous = _previous_copies(out)
     for folder in copies:  # every refusal before the first write

@@ -13,11 +13,11 @@ with ``state_for_exit``.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Literal
 
 __all__ = [
     "QUEUED", "RUNNING", "SUCCEEDED", "PARTIAL", "FAILED", "CANCELLED",
-    "STATES", "TERMINAL", "ACTIVE", "TRANSITIONS", "EXIT_CODES", "IllegalTransition",
+    "State", "STATES", "TERMINAL", "ACTIVE", "TRANSITIONS", "EXIT_CODES", "EXIT_ERROR", "IllegalTransition",
     "can_move", "state_for_exit",
 ]
 
@@ -28,6 +28,8 @@ PARTIAL: Final = "PARTIAL"
 FAILED: Final = "FAILED"
 CANCELLED: Final = "CANCELLED"
 STATES: Final = (QUEUED, RUNNING, SUCCEEDED, PARTIAL, FAILED, CANCELLED)
+#: The states as a type, for schemas (``typing.get_args(State) == STATES``, tested).
+State = Literal["QUEUED", "RUNNING", "SUCCEEDED", "PARTIAL", "FAILED", "CANCELLED"]
 TERMINAL: Final = frozenset({SUCCEEDED, PARTIAL, FAILED, CANCELLED})
 #: States in which a job holds its output location.
 ACTIVE: Final = (QUEUED, RUNNING)
@@ -43,6 +45,8 @@ TRANSITIONS: Final[dict[str, frozenset[str]]] = {
 
 #: ``pairclean score`` exit codes of the end states (1 is a usage or input error).
 EXIT_CODES: Final = {SUCCEEDED: 0, FAILED: 3, PARTIAL: 4}
+#: The exit code of a job-level error before any end state (bad input, a model that cannot load).
+EXIT_ERROR: Final = 1
 
 
 class IllegalTransition(ValueError):

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from .errors import InputError
 from .estimators import Estimator
 from .job import Calibration, JobSpec, OutputDir, ShardRecord
+from .lifecycle import FAILED, PARTIAL, SUCCEEDED
 from .lock import RunLock
 from .scoring import ScoreOptions
 from .work import CalibrationOutcome, ShardOutcome, ShardWork
@@ -47,8 +48,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-SUCCEEDED, PARTIAL, FAILED = "SUCCEEDED", "PARTIAL", "FAILED"
 
 
 class Progress(Protocol):

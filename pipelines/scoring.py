@@ -15,7 +15,7 @@ import re
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -219,9 +219,9 @@ def _prepare_batch(rows: list[PairSample], outcomes: list[_Outcome], image_size:
     return _Batch(time.perf_counter() - started, rows, statuses, errors, pixels, texts, ok_positions)
 
 
-def _batches(uri: str, options: ScoreOptions) -> Iterator[list[PairSample]]:
+def _batches(uri: str, options: ScoreOptions, samples: Iterable[PairSample] | None = None) -> Iterator[list[PairSample]]:
     rows: list[PairSample] = []
-    for pair in iter_pairs(uri, options.read):
+    for pair in iter_pairs(uri, options.read) if samples is None else samples:
         rows.append(pair)
         if len(rows) == options.batch_size:
             yield rows
@@ -241,7 +241,8 @@ def _put(out: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
     return False
 
 
-def _producer(uri: str, decoder: _Decoder, options: ScoreOptions, out: queue.Queue[Any], stop: threading.Event) -> None:
+def _producer(uri: str, decoder: _Decoder, options: ScoreOptions, out: queue.Queue[Any], stop: threading.Event,
+              samples: Iterable[PairSample] | None = None) -> None:
     """Reader thread: read the tar (here, in order), decode via ``decoder``, queue batches.
 
     Ends with ``_DONE`` or the exception that stopped it, or silently once ``stop`` is set.
@@ -250,7 +251,7 @@ def _producer(uri: str, decoder: _Decoder, options: ScoreOptions, out: queue.Que
     try:
         started = time.perf_counter()
         pending: deque[tuple[list[PairSample], list[Future[_Outcome]] | None]] = deque()
-        for rows in _batches(uri, options):
+        for rows in _batches(uri, options, samples):
             pending.append((rows, decoder.start(rows)))
             if len(pending) <= decoder.lookahead:
                 continue
@@ -268,7 +269,7 @@ def _producer(uri: str, decoder: _Decoder, options: ScoreOptions, out: queue.Que
         _put(out, exc, stop)
 
 
-def _prepared_batches(uri: str, estimator: Estimator, options: ScoreOptions) -> Iterator[_Batch]:
+def _prepared_batches(uri: str, estimator: Estimator, options: ScoreOptions, samples: Iterable[PairSample] | None = None) -> Iterator[_Batch]:
     """Batches of ``uri`` in tar order, read and decoded ahead in a background thread.
 
     At most ``prefetch`` prepared batches wait in the queue (plus the one or two the
@@ -279,7 +280,7 @@ def _prepared_batches(uri: str, estimator: Estimator, options: ScoreOptions) -> 
     q: queue.Queue[Any] = queue.Queue(maxsize=max(1, options.prefetch))
     stop = threading.Event()
     thread = threading.Thread(
-        target=_producer, args=(uri, decoder, options, q, stop), name="pairclean-reader", daemon=True
+        target=_producer, args=(uri, decoder, options, q, stop, samples), name="pairclean-reader", daemon=True
     )
     thread.start()
     try:
@@ -297,11 +298,14 @@ def _prepared_batches(uri: str, estimator: Estimator, options: ScoreOptions) -> 
         decoder.close()
 
 
-def score_shard(uri: str, estimator: Estimator, options: ScoreOptions | None = None) -> ShardResult:
+def score_shard(uri: str, estimator: Estimator, options: ScoreOptions | None = None,
+                samples: Iterable[PairSample] | None = None) -> ShardResult:
     """Read, decode and embed every pair of the shard at ``uri``.
 
-    Raises ``ShardNotFoundError`` / ``ShardReadError`` (naming ``uri``) for a shard that
-    cannot be read; per-sample failures are rows.
+    ``samples``: pairs already in memory to score instead of reading ``uri`` (which then
+    only names the result; the notebook API uses this). Raises ``ShardNotFoundError`` /
+    ``ShardReadError`` (naming ``uri``) for a shard that cannot be read; per-sample
+    failures are rows.
     """
     opts = options or ScoreOptions()
     dim = estimator.info.embed_dim
@@ -315,7 +319,7 @@ def score_shard(uri: str, estimator: Estimator, options: ScoreOptions | None = N
     img_parts: list[NDArray[np.float32]] = []
     txt_parts: list[NDArray[np.float32]] = []
     read_decode = embed = 0.0
-    for batch in _prepared_batches(uri, estimator, opts):
+    for batch in _prepared_batches(uri, estimator, opts, samples):
         read_decode += batch.seconds
         t0 = time.perf_counter()
         n = len(batch.rows)

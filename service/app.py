@@ -2,9 +2,9 @@
 runner and metrics (nothing is built at import time).
 
 Routes: ``POST /v1/jobs``, ``POST /v1/jobs:validate``, ``GET /v1/jobs``,
-``GET /v1/jobs/{id}``, ``GET /v1/jobs/{id}/shards``, ``POST /v1/jobs/{id}:cancel``,
-``POST /v1/jobs/{id}:retry`` (all with ``Authorization: Bearer <key>``), and the
-unauthenticated ``/healthz``, ``/readyz``, ``/metrics``.
+``GET /v1/jobs/{id}``, ``GET /v1/jobs/{id}/shards``, ``GET /v1/jobs/{id}/logs``,
+``POST /v1/jobs/{id}:cancel``, ``POST /v1/jobs/{id}:retry`` (all with
+``Authorization: Bearer <key>``), and the unauthenticated ``/healthz``, ``/readyz``, ``/metrics``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import AfterValidator, BaseModel, Field
 from sqlalchemy.exc import IntegrityError
+
+from pairclean.lifecycle import FAILED, PARTIAL, QUEUED, RUNNING, State
 
 from .guards import BodyLimit, BoundedReader, PrefixEnd, public_errors, safe_text, scrub
 from .metrics import Metrics
@@ -95,7 +97,7 @@ class StoredRequest(BaseModel):
 
 class JobPublic(BaseModel):
     id: str
-    state: Literal["QUEUED", "RUNNING", "SUCCEEDED", "PARTIAL", "FAILED", "CANCELLED"]
+    state: State
     request: StoredRequest
     progress: Progress
     noise_rate_estimate: float | None
@@ -127,6 +129,15 @@ class ShardPage(BaseModel):
     offset: int
 
 
+class JobLogs(BaseModel):
+    """A piece of a job's log: ``text`` is bytes ``offset`` to ``next_offset`` of ``size``."""
+
+    text: str
+    offset: int
+    next_offset: int
+    size: int
+
+
 class Validation(BaseModel):
     shards: int
     first_shard: str
@@ -155,7 +166,7 @@ def _seconds_since(iso: str | None) -> float | None:
 
 
 def _public(job: JobRow) -> JobPublic:
-    elapsed = _seconds_since(job.started_at) if job.state == "RUNNING" else None
+    elapsed = _seconds_since(job.started_at) if job.state == RUNNING else None
     rate = job.pairs / elapsed if elapsed and job.pairs else None
     finished = job.shards_done + job.shards_failed
     eta = elapsed / finished * (job.shards_total - finished) if elapsed and finished else None
@@ -355,7 +366,7 @@ def create_app(settings: ServiceSettings | None = None, state_dir: str | Path = 
 
     @app.get("/v1/jobs", response_model=JobPage)
     def list_jobs(who: Caller, limit: Annotated[int, Query(ge=1, le=500)] = 50, offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
-                  state: Literal["QUEUED", "RUNNING", "SUCCEEDED", "PARTIAL", "FAILED", "CANCELLED"] | None = None) -> JobPage:
+                  state: State | None = None) -> JobPage:
         rows, total = store.list(limit, offset, state, owner=None if who.admin else who.name)
         return JobPage(items=[_public(r) for r in rows], total=total, limit=limit, offset=offset)
 
@@ -370,6 +381,13 @@ def create_app(settings: ServiceSettings | None = None, state_dir: str | Path = 
         items = [s for s in _shard_states(job) if state is None or s.state == state]
         return ShardPage(items=items[offset : offset + limit], total=len(items), limit=limit, offset=offset)
 
+    @app.get("/v1/jobs/{job_id}/logs", response_model=JobLogs)
+    def job_logs(job_id: JobId, who: Caller, offset: Annotated[int, Query(ge=0, le=2**62)] = 0,
+                 limit: Annotated[int, Query(ge=1, le=LOG_PAGE_BYTES)] = LOG_PAGE_BYTES) -> JobLogs:
+        """The job process's output (what the runner's replica wrote), a page at a time."""
+        job = job_or_404(job_id, who)
+        return read_log(runner.logs / f"{job.id}.log", offset, limit)
+
     @app.post("/v1/jobs/{job_id}:cancel", response_model=JobPublic)
     def cancel(job_id: JobId, who: Caller) -> JobPublic:
         job = job_or_404(job_id, who)
@@ -383,7 +401,7 @@ def create_app(settings: ServiceSettings | None = None, state_dir: str | Path = 
         job = job_or_404(job_id, who)
         # Rerunning the same command resumes: only the failed (uncommitted) shards are redone.
         try:
-            moved = store.transition(job_id, ["PARTIAL", "FAILED"], state="QUEUED", error=None, finished_at=None, cancel_requested=0,
+            moved = store.transition(job_id, [PARTIAL, FAILED], state=QUEUED, error=None, finished_at=None, cancel_requested=0,
                                      output_key=output_key(job.request["output"]))
         except IntegrityError:
             holder = store.active_on_output(output_key(job.request["output"]))
@@ -394,6 +412,32 @@ def create_app(settings: ServiceSettings | None = None, state_dir: str | Path = 
         return _public(job_or_404(job_id, who))
 
     return app
+
+
+#: The most log bytes one ``/logs`` reply carries (the client pages through the rest).
+LOG_PAGE_BYTES = 1 << 20
+
+
+def read_log(path: Path, offset: int, limit: int) -> JobLogs:
+    """Bytes ``offset``..``offset + limit`` of a log file as text, ending on a whole UTF-8
+    character (a character cut by the page end, or still being written, comes next time).
+    A job that has not started has an empty log."""
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            fh.seek(min(offset, size))
+            data = fh.read(limit)
+    except FileNotFoundError:
+        return JobLogs(text="", offset=offset, next_offset=offset, size=0)
+    start = min(offset, size)
+    for cut in range(min(4, len(data) + 1)):  # a UTF-8 character is at most 4 bytes
+        try:
+            text = data[: len(data) - cut].decode("utf-8")
+            return JobLogs(text=text, offset=start, next_offset=start + len(data) - cut, size=size)
+        except UnicodeDecodeError:
+            continue
+    # Not UTF-8 at all (a binary write): replaced characters, but the log still moves on.
+    return JobLogs(text=data.decode("utf-8", "replace"), offset=start, next_offset=start + len(data), size=size)
 
 
 def _shard_states(job: JobRow) -> list[ShardPublic]:

@@ -1,8 +1,21 @@
-"""The ``pairclean`` console script: service verbs here, everything else from the workers' CLI.
+"""The ``pairclean`` console script: one command with every verb.
 
-Service verbs: ``serve --host H --port P``, ``apikey NAME [--admin]`` (create a key, printed once),
-``submit``, ``status``, ``wait``. The service layer sits on top of the workers' layer, so
-this module is the entry point and delegates ``score``, ``rescore``, ``inspect``...
+The batch verbs (``score``, ``rescore``, ``inspect``, ``export``, ``demo``, ``train-lite``,
+``pseudo-pair``, ``refine``) come from the workers' CLI (``pairclean_workers.cli``); this
+module adds the service's verbs to the same parser, so ``pairclean --help`` lists them all
+and the global options (``-v``, ``--version``) work before any verb:
+
+    serve                       run the REST service (settings from PAIRCLEAN_* variables)
+    apikey NAME [--admin]       create an API key (printed once, stored hashed)
+    submit SHARD... --out OUT   submit a scoring job; prints its id
+    status JOB / wait JOB       the job as JSON (``wait``: once it has ended; exit 1 unless SUCCEEDED)
+    logs JOB [--follow]         the job process's output
+    list [--state S]            the jobs the key may see
+    cancel JOB (alias: stop)    stop a job;  retry JOB: requeue a PARTIAL or FAILED job
+
+The client verbs talk to ``--address`` (``$PAIRCLEAN_ADDRESS``) with ``--api-key``
+(``$PAIRCLEAN_API_KEY``). The service layer sits on top of the workers' layer, so this
+module is the entry point and the workers' CLI never imports the service.
 """
 
 from __future__ import annotations
@@ -11,74 +24,112 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = ["main"]
+__all__ = ["main", "add_service_parsers", "SERVICE_VERBS"]
 
-SERVICE_VERBS = ("serve", "apikey", "submit", "status", "wait")
+SERVICE_VERBS = ("serve", "apikey", "submit", "status", "wait", "logs", "list", "cancel", "stop", "retry")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pairclean", description="pairclean REST service verbs (other verbs: pairclean score --help ...)")
-    sub = p.add_subparsers(dest="command", required=True)
+def _client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=os.environ.get("PAIRCLEAN_ADDRESS", "http://127.0.0.1:8000"),
+                   help="the service (default: $PAIRCLEAN_ADDRESS, else http://127.0.0.1:8000)")
+    p.add_argument("--api-key", default=os.environ.get("PAIRCLEAN_API_KEY"), help="default: $PAIRCLEAN_API_KEY")
+
+
+def add_service_parsers(sub: Any) -> None:
+    """Add the service's verbs to the ``pairclean`` parser's sub-commands."""
     serve = sub.add_parser("serve", help="run the REST service (settings from PAIRCLEAN_* variables)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--state-dir", default="pairclean-service", help="job logs")
-    key = sub.add_parser("apikey", help="create an API key (stored hashed in the job database)")
+    serve.add_argument("--state-dir", default="pairclean-service", help="job logs and shard lists")
+    key = sub.add_parser("apikey", help="create an API key (printed once, stored hashed in the job database)")
     key.add_argument("name")
     key.add_argument("--admin", action="store_true", help="the key sees and manages every owner's jobs")
-    for verb in ("submit", "status", "wait"):
-        v = sub.add_parser(verb)
-        v.add_argument("--address", default=os.environ.get("PAIRCLEAN_ADDRESS", "http://127.0.0.1:8000"))
-        v.add_argument("--api-key", default=os.environ.get("PAIRCLEAN_API_KEY"))
-        if verb == "submit":
-            v.add_argument("shards", nargs="+")
-            v.add_argument("--out", required=True)
-            v.add_argument("--estimator", default="pairclean-lite")
-            v.add_argument("--idempotency-key", default=None)
+    submit = sub.add_parser("submit", help="submit a scoring job to the service; prints its id")
+    submit.add_argument("shards", nargs="+", help="shard URIs, brace ranges, globs or @list.txt (as the service sees them)")
+    submit.add_argument("--out", required=True, help="output folder (as the service sees it)")
+    submit.add_argument("--estimator", default="pairclean-lite")
+    submit.add_argument("--idempotency-key", default=None, help="a repeat with the same key returns the same job")
+    _client_args(submit)
+    for verb, text in (("status", "print a job as JSON"), ("wait", "wait until a job ends, print it (exit 1 unless SUCCEEDED)"),
+                       ("retry", "requeue a PARTIAL or FAILED job (only uncommitted shards are redone)")):
+        v = sub.add_parser(verb, help=text)
+        v.add_argument("job_id")
+        _client_args(v)
+    cancel = sub.add_parser("cancel", aliases=["stop"], help="stop a job (a queued one at once, a running one's process is ended)")
+    cancel.add_argument("job_id")
+    _client_args(cancel)
+    logs = sub.add_parser("logs", help="print a job's log (the output of its `pairclean score` process)")
+    logs.add_argument("job_id")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing as the log grows, until the job ends")
+    _client_args(logs)
+    listing = sub.add_parser("list", help="list the jobs the key may see, newest first")
+    listing.add_argument("--state", default=None, help="only jobs in this state")
+    _client_args(listing)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import create_app
+
+    uvicorn.run(create_app(state_dir=args.state_dir), host=args.host, port=args.port)
+    return 0
+
+
+def cmd_apikey(args: argparse.Namespace) -> int:
+    from .security import hash_key, new_api_key
+    from .settings import ServiceSettings
+    from .store import JobStore
+
+    key = new_api_key()
+    JobStore(ServiceSettings().database_url).add_key(hash_key(key), args.name, admin=args.admin)
+    print(key)
+    return 0
+
+
+def _client_verb(args: argparse.Namespace) -> int:
+    """submit, status, wait, logs, list, cancel/stop, retry: one call to the service."""
+    from .client import JobFailed, PaircleanClient
+
+    with PaircleanClient(args.address, args.api_key) as client:
+        if args.command == "submit":
+            print(client.submit_job(args.shards, args.out, estimator=args.estimator, idempotency_key=args.idempotency_key))
+        elif args.command == "status":
+            print(json.dumps(client.get_job_info(args.job_id), indent=2))
+        elif args.command == "wait":
+            try:
+                print(json.dumps(client.wait(args.job_id), indent=2))
+            except JobFailed as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
+        elif args.command == "logs":
+            chunks = client.tail_job_logs(args.job_id) if args.follow else iter([client.get_job_logs(args.job_id)])
+            for chunk in chunks:
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+        elif args.command == "list":
+            for job in client.list_jobs(state=args.state):
+                print(f"{job['id']}  {job['state']:<9}  {job['created_at']}  {job['output']}")
+        elif args.command in ("cancel", "stop"):
+            print(json.dumps(client.cancel(args.job_id), indent=2))
         else:
-            v.add_argument("job_id")
-    return p
+            print(json.dumps(client.retry(args.job_id), indent=2))
+    return 0
+
+
+HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "serve": cmd_serve, "apikey": cmd_apikey, **{verb: _client_verb for verb in SERVICE_VERBS if verb not in ("serve", "apikey")},
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    if not args_list or args_list[0] not in SERVICE_VERBS:
-        from pairclean_workers.cli import main as workers_main
+    """Entry point of the ``pairclean`` console script (every verb; exit codes as the workers' CLI)."""
+    from pairclean_workers.cli import main as workers_main
 
-        return workers_main(args_list)
-    args = _parser().parse_args(args_list)
-    if args.command == "serve":
-        import uvicorn
-
-        from .app import create_app
-
-        uvicorn.run(create_app(state_dir=args.state_dir), host=args.host, port=args.port)
-        return 0
-    if args.command == "apikey":
-        from .security import hash_key, new_api_key
-        from .settings import ServiceSettings
-        from .store import JobStore
-
-        key = new_api_key()
-        JobStore(ServiceSettings().database_url).add_key(hash_key(key), args.name, admin=args.admin)
-        print(key)
-        return 0
-    from .client import JobFailed, PaircleanClient
-
-    client = PaircleanClient(args.address, args.api_key)
-    if args.command == "submit":
-        print(client.submit(args.shards, args.out, estimator=args.estimator, idempotency_key=args.idempotency_key))
-    elif args.command == "status":
-        print(json.dumps(client.status(args.job_id), indent=2))
-    else:
-        try:
-            print(json.dumps(client.wait(args.job_id), indent=2))
-        except JobFailed as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-    return 0
+    return workers_main(argv, extend=add_service_parsers, handlers=HANDLERS)
 
 
 if __name__ == "__main__":

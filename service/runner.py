@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pairclean.job import OutputDir
-from pairclean.lifecycle import EXIT_CODES, state_for_exit
+from pairclean.lifecycle import CANCELLED, EXIT_CODES, FAILED, QUEUED, RUNNING, SUCCEEDED, state_for_exit
 
 from .metrics import Metrics
 from .settings import ServiceSettings
@@ -82,10 +82,10 @@ class JobRunner:
 
     def start(self) -> None:
         """Resume jobs a previous service process left RUNNING, then start the loop."""
-        for job in self.store.in_states(["RUNNING"]):
+        for job in self.store.in_states([RUNNING]):
             if _is_score_process(job.pid):  # never signal a pid the system reused
                 _end_group(job.pid)
-            self.store.transition(job.id, ["RUNNING"], state="QUEUED", pid=None)
+            self.store.transition(job.id, [RUNNING], state=QUEUED, pid=None)
             log.info("resuming job %s after a restart", job.id)
         self._thread.start()
 
@@ -100,7 +100,7 @@ class JobRunner:
     def cancel(self, job: JobRow) -> None:
         """Ask a job to stop: a queued one is cancelled at once, a running one killed."""
         self.store.update(job.id, cancel_requested=1)
-        if self.store.transition(job.id, ["QUEUED"], state="CANCELLED", finished_at=now_iso()):
+        if self.store.transition(job.id, [QUEUED], state=CANCELLED, finished_at=now_iso()):
             return
         with self._lock:
             run = self.running.get(job.id)
@@ -121,7 +121,7 @@ class JobRunner:
 
     def _launch(self) -> None:
         while len(self.running) < self.settings.max_running_jobs:
-            queued = self.store.in_states(["QUEUED"])
+            queued = self.store.in_states([QUEUED])
             if not queued:
                 return
             job = queued[0]
@@ -130,10 +130,10 @@ class JobRunner:
                 proc = self._start(job, log_path)
             except Exception as exc:  # noqa: BLE001 - one job that cannot start must not block the queue
                 log.warning("job %s could not start: %s", job.id, exc)
-                self.store.transition(job.id, ["QUEUED"], state="FAILED", error=f"the job process could not start: {exc}",
+                self.store.transition(job.id, [QUEUED], state=FAILED, error=f"the job process could not start: {exc}",
                                       finished_at=now_iso())
                 continue
-            if not self.store.transition(job.id, ["QUEUED"], state="RUNNING", pid=proc.pid, started_at=now_iso()):
+            if not self.store.transition(job.id, [QUEUED], state=RUNNING, pid=proc.pid, started_at=now_iso()):
                 _end_group(proc.pid)  # cancelled in between
                 continue
             with self._lock:
@@ -160,11 +160,11 @@ class JobRunner:
             self._follow_one(run)
             job = self.store.get(job_id)
             if job is not None and job.cancel_requested:
-                state, error = "CANCELLED", None
+                state, error = CANCELLED, None
             else:
                 state = state_for_exit(code)
-                error = None if state == "SUCCEEDED" else _tail(run.log_path)
-            self.store.transition(job_id, ["RUNNING"], state=state, error=error, pid=None, finished_at=now_iso())
+                error = None if state == SUCCEEDED else _tail(run.log_path)
+            self.store.transition(job_id, [RUNNING], state=state, error=error, pid=None, finished_at=now_iso())
             with self._lock:
                 del self.running[job_id]
 

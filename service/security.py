@@ -86,7 +86,9 @@ def check_uri(uri: str, allowed_prefixes: Sequence[str], allow_pipe: bool = Fals
         return
     parsed = urlparse(uri)
     if parsed.username or parsed.password:
-        raise UriRefused(f"{uri!r}: credentials inside URIs are not accepted; configure them on the workers")
+        # The reply names the location without the secret (replies end up in logs and tickets).
+        shown = parsed._replace(netloc="***@" + parsed.netloc.rpartition("@")[2]).geturl()
+        raise UriRefused(f"{shown!r}: credentials inside URIs are not accepted; configure them on the workers")
     target = local_target(uri)
     if target is None:
         if ".." in unquote(parsed.path).split("/"):

@@ -1,10 +1,11 @@
-"""The ``pairclean`` command: score, rescore, inspect, demo, train-lite.
+"""The ``pairclean`` command's batch verbs: score, rescore, inspect, export, demo, train-lite,
+pseudo-pair, refine (the console script, ``pairclean_service.cli``, adds the service's verbs).
 
-Exit codes: 0 SUCCEEDED (every shard committed); 1 a job-level error (bad input, spec
-mismatch, model that cannot load), with a one-line message; 2 a usage error (argparse);
-3 FAILED (more shards failed than --max-failed-fraction); 4 PARTIAL (some shards failed,
-within --max-failed-fraction). Failed
-shards are quarantined in the manifest with their error; rerunning retries just those.
+Exit codes (the end states' codes live in ``pairclean.lifecycle.EXIT_CODES``): 0 SUCCEEDED
+(every shard committed); 1 a job-level error (bad input, spec mismatch, model that cannot
+load, an output that cannot be written), with a one-line message; 2 a usage error (argparse); 3 FAILED (more shards failed
+than --max-failed-fraction); 4 PARTIAL (some shards failed, within --max-failed-fraction).
+Failed shards are quarantined in the manifest with their error; rerunning retries just those.
 """
 
 from __future__ import annotations
@@ -15,18 +16,20 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any
 
 from pairclean import __version__
 from pairclean.errors import PaircleanError
+from pairclean.lifecycle import EXIT_CODES, EXIT_ERROR, FAILED, PARTIAL, SUCCEEDED
 
 __all__ = ["main", "build_parser"]
 
 log = logging.getLogger("pairclean")
 
-EXIT_OK, EXIT_ERROR, EXIT_FAILED, EXIT_PARTIAL = 0, 1, 3, 4
+# One home for the end states' codes (the service maps them back with state_for_exit).
+EXIT_OK, EXIT_FAILED, EXIT_PARTIAL = EXIT_CODES[SUCCEEDED], EXIT_CODES[FAILED], EXIT_CODES[PARTIAL]
 
 
 def _add_estimator_args(p: argparse.ArgumentParser) -> None:
@@ -46,14 +49,16 @@ def _add_storage_arg(p: argparse.ArgumentParser) -> None:
                    help="fsspec option for remote shards and outputs, e.g. endpoint_url=http://... (repeatable)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every sub-command."""
+def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.ArgumentParser:
+    """The argument parser of every sub-command; ``extend(sub)`` adds more verbs (the
+    service's: ``pairclean_service.cli``), so one parser holds them all and the global
+    options (``-v``, ``--version``) work before any verb."""
     from pairclean import osa
     from pairclean.decode import DEFAULT_MAX_PIXELS
 
     parser = argparse.ArgumentParser(prog="pairclean", description="Score image-caption pairs in WebDataset shards for noisy correspondence.")
     parser.add_argument("--version", action="version", version=f"pairclean {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level; tracebacks of job-level OS errors")
     sub = parser.add_subparsers(dest="command", required=True)
 
     score = sub.add_parser("score", help="score shards into OUT/<shard>.parquet (resumable)")
@@ -119,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     from pairclean_workers.refine_cli import add_refine_parser
 
     add_refine_parser(sub)
+    if extend is not None:
+        extend(sub)
     return parser
 
 
@@ -236,7 +243,7 @@ def _print_report(report: Any, out: str) -> int:
         print("status: " + ", ".join(f"{k}={v}" for k, v in sorted(report.statuses.items())))
     for uri, error in report.failed:
         print(f"FAILED {uri}: {error}", file=sys.stderr)
-    return {"SUCCEEDED": EXIT_OK, "PARTIAL": EXIT_PARTIAL}.get(report.state, EXIT_FAILED)
+    return EXIT_CODES.get(report.state, EXIT_FAILED)
 
 
 def cmd_rescore(args: argparse.Namespace) -> int:
@@ -325,20 +332,31 @@ def _demo_truth(out: str) -> tuple[set[str], set[str]]:
 COMMANDS = {"score": cmd_score, "rescore": cmd_rescore, "inspect": cmd_inspect, "export": cmd_export, "demo": cmd_demo}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``pairclean`` console script."""
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, extend: Callable[[Any], None] | None = None,
+         handlers: dict[str, Callable[[argparse.Namespace], int]] | None = None) -> int:
+    """Parse ``argv`` and run its verb; the ``pairclean`` console script
+    (``pairclean_service.cli.main``) calls this with the service's verbs in ``extend`` and
+    ``handlers``, so ``python -m pairclean_workers.cli`` alone has only the batch verbs."""
+    parser = build_parser(extend)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from pairclean_workers.pseudo_cli import cmd_pseudo_pair
     from pairclean_workers.refine_cli import cmd_refine
     from pairclean_workers.train_cli import cmd_train_lite
 
-    handler = {**COMMANDS, "train-lite": cmd_train_lite, "pseudo-pair": cmd_pseudo_pair, "refine": cmd_refine}[args.command]
+    handler = {**COMMANDS, "train-lite": cmd_train_lite, "pseudo-pair": cmd_pseudo_pair, "refine": cmd_refine, **(handlers or {})}[args.command]
     try:
         return handler(args)
     except PaircleanError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except OSError as exc:
+        # A job-level failure of the machine, not a bug (a read-only output, an output that
+        # is a file, a full disk): one line for the user, the stack only with -v.
+        if args.verbose:
+            log.exception("job failed")
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"error: {exc.strerror or exc}{where}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("interrupted: committed shards are kept; rerun the same command to resume", file=sys.stderr)

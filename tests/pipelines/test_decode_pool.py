@@ -196,7 +196,7 @@ def test_batched_jpeg_decode_refuses_large_images_from_the_header(photos: list[b
     sizes = [Image.open(io.BytesIO(p)).size for p in photos]
     limit = 320 * 240  # some demo photos are 320x320, others 320x213
     out = decode_jpeg_batch(photos, limit, 32, (0.5,) * 3, (0.5,) * 3, "cpu")
-    for (w, h), data, got in zip(sizes, photos, out):
+    for (w, h), data, got in zip(sizes, photos, out, strict=True):  # one result per input
         if w * h > limit:
             assert isinstance(got, DecodeFailure) and got.status == schema.STATUS_TOO_LARGE
             assert got == decode_image(data, limit, draft_size=32)

@@ -32,19 +32,18 @@ def test_towers_load_offline_in_a_fresh_process() -> None:
     assert out.stdout.split()[0] == "pairclean-lite"
 
 
-def test_image_tower_recognises_imagenet_classes_on_real_photos() -> None:
-    """The mapped EfficientNet-Lite0 weights must classify real photos correctly."""
+def test_image_tower_recognises_imagenet_classes_on_real_photos(lite) -> None:
+    """The EfficientNet-Lite0 trunk as the estimator loaded it (``_load_image_tower``'s
+    mapping, not a copy of it) must classify real photos correctly: the file's own ImageNet
+    classifier (``_fc``, which the estimator drops) is put back on top of that trunk."""
     skimage_data = pytest.importorskip("skimage.data")
-    import timm
     from PIL import Image
 
-    from pairclean.estimators.lite import LITE_PREPROCESS, _load_image_tower, tower_paths
+    from pairclean.estimators.lite import LITE_PREPROCESS, tower_paths
 
-    model = timm.create_model("efficientnet_lite0", pretrained=False).eval()
-    trunk_keys = [k for k in model.state_dict() if not k.startswith("classifier.")]
-    state = torch.load(tower_paths()[0], map_location="cpu", weights_only=True)
-    mapped = dict(zip(trunk_keys + ["classifier.weight", "classifier.bias"], [v for k, v in state.items() if not k.startswith("_fc.")] + [state["_fc.weight"], state["_fc.bias"]]))
-    model.load_state_dict(mapped)
+    trunk = lite.model.visual.trunk
+    source = torch.load(tower_paths()[0], map_location="cpu", weights_only=True)
+    fc_weight, fc_bias = source["_fc.weight"].float(), source["_fc.bias"].float()
     mean = torch.tensor(LITE_PREPROCESS["mean"])[:, None, None]
     std = torch.tensor(LITE_PREPROCESS["std"])[:, None, None]
     # ImageNet classes: 281-285 domestic cats, 967 espresso / 968 cup / 504 coffee mug
@@ -53,9 +52,10 @@ def test_image_tower_recognises_imagenet_classes_on_real_photos() -> None:
         img = Image.fromarray(getattr(skimage_data, name)()).convert("RGB").resize((224, 224), Image.Resampling.BICUBIC)
         x = (torch.from_numpy(np.array(img)).permute(2, 0, 1).float() / 255 - mean) / std
         with torch.inference_mode():
-            top = int(model(x[None]).argmax())
+            features = trunk(x[None].contiguous(memory_format=torch.channels_last)).float()
+            assert features.shape == (1, fc_weight.shape[1]), features.shape  # pooled, classifier dropped
+            top = int((features @ fc_weight.T + fc_bias).argmax())
         assert top in classes, f"{name}: predicted class {top}"
-    _ = _load_image_tower  # the estimator uses the same in-order mapping
 
 
 def test_embeddings_are_deterministic(lite) -> None:

@@ -190,3 +190,31 @@ def test_export_sizes_where_open_clip_looks_and_never_over_foreign_files(scored,
         export(OutputDir(str(out)), sizes_dirs=[str(tmp_path)])
     assert foreign.read_text() == '{"mine": 1}' and not exported.exists()  # nothing written
     beside.unlink()
+
+
+def test_read_scores_for_notebooks(scored) -> None:
+    import pyarrow.parquet as pq
+
+    import pairclean
+
+    out, _ = scored
+    table = pairclean.read_scores(out)
+    expected = [r for p in sorted(out.glob("sh-*[0-9].parquet")) for r in pq.read_table(p).to_pylist()]
+    assert table.num_rows == 20 and table.column("key").to_pylist() == [r["key"] for r in expected]
+    frame = pairclean.read_scores(str(out), columns=["key", "weight"]).to_pandas()
+    assert list(frame.columns) == ["key", "weight"] and frame["weight"].tolist() == pytest.approx([r["weight"] for r in expected])
+
+
+def test_export_on_the_demo_job_without_datacomp_uids(tmp_path: Path, capsys) -> None:
+    """The demo (10 pairs) has uids that are names ('astronaut'): no keep list, a note, and the rest written."""
+    from pairclean_workers.cli import main, sample_shard
+
+    out = tmp_path / "demo-out"
+    assert main(["score", sample_shard(), "--out", str(out), "--model", "pairclean-tiny-test", "--executor", "local", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["export", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "datacomp_keep.npy not written" in printed and "'astronaut'" in printed
+    assert "open_clip reads sizes.json from the folder of the first training shard" in printed
+    assert json.loads((out / "_export" / "sizes.json").read_text()) == {"demo-000000.tar": 10}
+    assert (out / "_export" / "shard_weights.json").exists() and not (out / "_export" / "datacomp_keep.npy").exists()

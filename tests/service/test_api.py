@@ -1,4 +1,7 @@
-"""The REST service over real HTTP (uvicorn on loopback) with a real SQLite file and real jobs."""
+"""The REST service over real HTTP (uvicorn on loopback) with a real SQLite file and real jobs.
+
+Hostile input, authentication and the allow-list: tests/security/test_threat_model.py.
+"""
 
 from __future__ import annotations
 
@@ -45,26 +48,6 @@ def test_job_lifecycle_progress_shards_metrics_and_idempotency(server, make_shar
     assert "pairclean_stage_seconds_bucket" in metrics and "pairclean_pair_weight_count 18.0" in metrics
     report = client.validate(body["shards"], body["output"], estimator="pairclean-tiny-test")
     assert report["shards"] == 3 and report["samples"] == 6 and report["statuses"] == {"ok": 6}
-
-
-def test_authentication(server) -> None:
-    assert httpx.get(f"{server.url}/healthz").status_code == 200
-    assert httpx.get(f"{server.url}/readyz").status_code == 200
-    assert httpx.get(f"{server.url}/v1/jobs").status_code == 401
-    bad = httpx.get(f"{server.url}/v1/jobs", headers={"Authorization": "Bearer pc_wrong"})
-    assert bad.status_code == 401 and bad.headers["www-authenticate"] == "Bearer"
-    assert httpx.get(f"{server.url}/v1/jobs", headers={"Authorization": f"Bearer {server.key}"}).status_code == 200
-
-
-@pytest.mark.parametrize("shard,output", [
-    ("file:///etc/passwd", None), ("/etc/passwd", None), ("pipe:curl http://x | cat", None),
-    ("{root}/../../etc/passwd", None), ("s3://user:secret@bucket/x.tar", None), (None, "/etc/pairclean-out"),
-])
-def test_refused_locations(server, tmp_path: Path, shard: str | None, output: str | None) -> None:
-    body = {"shards": [(shard or "{root}/x.tar").format(root=tmp_path)], "output": output or str(tmp_path / "o")}
-    r = httpx.post(f"{server.url}/v1/jobs", json=body, headers={"Authorization": f"Bearer {server.key}"})
-    assert r.status_code == 422, r.text
-    assert "Traceback" not in r.text
 
 
 def test_cancel_and_retry_rules(server, make_shards, tmp_path: Path) -> None:

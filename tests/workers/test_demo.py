@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,13 @@ def test_demo_flags_exactly_the_swapped_captions(tmp_path: Path, capsys: pytest.
     swapped, flagged = _demo_truth(str(out))
     assert len(swapped) == 4
     assert flagged == swapped
-    assert "flagged noisy: 4/4 swapped pairs, 0 of the clean ones" in capsys.readouterr().out
+    first = capsys.readouterr().out
+    assert "flagged noisy: 4/4 swapped pairs, 0 of the clean ones" in first
+    # The summary is filled in (its histogram and pairs once came out empty): the bins
+    # count all 10 pairs and the pairs are listed by key.
+    bins = re.findall(r"^  \[\d\.\d, \d\.\d\)\s+(\d+)", first.split("weight histogram:")[1], flags=re.M)
+    assert len(bins) == 10 and sum(map(int, bins)) == 10
+    assert all(key in first.split("first pairs:")[1] for key in swapped)
     # a second run resumes: nothing is rescored
     assert main(["demo", "--out", str(out), "--no-progress", "--executor", "local"]) == 0
     assert "1 already done" in capsys.readouterr().out

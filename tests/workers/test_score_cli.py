@@ -135,6 +135,11 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
     # rescoring keeps the quarantine record
     assert main(["rescore", str(tmp_path / "o3"), "--beta-recipe", "gmm", "--weighting", "paper"]) == 0
     assert sorted(OutputDir(str(tmp_path / "o3")).quarantined()) == ["junk"]
+    # An output that is an existing file: one line naming it, exit 1, no traceback (issue 10, item 6).
+    (tmp_path / "a-file").write_text("x")
+    assert _score(good, tmp_path / "a-file") == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(tmp_path / "a-file") in err and "Traceback" not in err and err.count("\n") == 1
 
 
 @pytest.mark.slow

@@ -1,6 +1,54 @@
-"""Hostile and broken input against the real service over real HTTP (issue 10).
+"""The threat model of the service, as tests: hostile and broken input against the real
+service over real HTTP (uvicorn on loopback, a real SQLite job store).
 
 Each test is one threat: what an attacker or a careless user sends, and what they get.
+Threats whose defence lives below the service are tested beside that code; they are
+listed here so this table is the whole model.
+
+Boundary (what a request may hold)
+  Unknown callers reach no job route (no key, wrong key: 401) ........ test_authentication
+  NUL, control characters, lone surrogates, NaN/Infinity, bad JSON: 422, never 500,
+  never echoing the input ............................................ test_hostile_fields_are_422_never_500_and_never_echoed
+  A job that cannot start (NUL in its output) blocks the queue ....... test_job_that_cannot_start_fails_clearly_and_the_next_one_runs
+  A shard list too long for one command line ......................... test_shard_specs_go_to_the_job_through_a_list_file
+
+Bounded work per request
+  A chunked (or huge) body, before any key is checked: 413 ........... test_body_limit_holds_for_chunked_bodies_before_authentication
+  Brace and glob bombs, stopped while expanding ...................... test_brace_and_glob_limits_are_enforced_while_expanding
+                                                                       (and tests/pipelines/test_uris.py::test_shard_limit_is_enforced_while_expanding)
+  Slow or many :validate calls starving /healthz, /metrics, jobs ..... test_slow_validations_are_bounded_and_never_starve_the_other_routes
+  :validate reading a whole shard or member into memory .............. test_validate_reads_a_bounded_prefix
+  A 1 GiB tar member in the scoring workers .......................... tests/pipelines/test_shards.py::test_member_over_the_limit_is_a_too_large_row_and_the_rest_still_reads
+
+The allow-list decides on what will actually be touched
+  Schemes, pipes, credentials in URIs (never echoed), paths outside,
+  ``..``, an output that is a file ................................... test_refused_locations
+  Symlinks, ``..`` and percent-escapes leading outside; existence of
+  files outside never revealed ....................................... test_symlinks_dotdot_and_percent_escapes_cannot_leave_the_allow_list
+  ``s3://laion`` admitting ``s3://laion-private/`` ................... test_remote_prefixes_match_on_segment_boundaries
+  HTTP(S) redirects to places not allowed ............................ test_http_redirects_are_followed_only_to_allowed_urls
+
+Tenants
+  Another owner's job: get, shards, logs, cancel, retry, lists,
+  idempotency keys; admins see all ................................... test_jobs_belong_to_their_owner_and_admins_see_all
+  The admin role is set when the key is created ...................... test_apikey_admin_flag
+  Two jobs writing to one output (any spelling of it): 409 ........... test_two_jobs_never_write_to_one_output
+
+Broken shards are not silently short (tests/pipelines/test_shards.py)
+  Truncated shards, corrupt headers .................................. test_shard_cut_at_a_member_boundary_is_an_error_not_a_shorter_shard,
+                                                                       test_truncated_and_non_tar_shards_raise_naming_the_uri
+  Duplicate keys and link members .................................... test_duplicate_keys_fields_and_link_members_become_status_rows
+  16-bit PNGs clipped ................................................ test_sixteen_bit_png_keeps_its_tones_instead_of_clipping
+  Pixel bombs ........................................................ test_pixel_bomb_is_refused_without_decoding
+
+No raw tracebacks for users
+  An output that is an existing file on the CLI: one line, exit 1 .... tests/workers/test_score_cli.py::test_bad_input_gives_clear_errors_and_exit_codes
+  A job process that crashes: job.error is its last line, no stack ... test_a_crashed_job_reports_one_line_not_its_stack
+
+The job lifecycle and the store
+  Illegal state moves (a cancelled job revived, a queued one "succeeding") test_the_store_refuses_moves_the_lifecycle_does_not_allow
+  An old database losing jobs or keys on upgrade, or a migration applied
+  twice on restart ................................................... test_old_databases_migrate_and_keep_their_jobs
 """
 
 from __future__ import annotations
@@ -88,6 +136,17 @@ def live(tmp_path: Path) -> Iterator[Live]:
 
 # -- 1. validation at the boundary ----------------------------------------------------------
 
+def test_authentication(live: Live) -> None:
+    assert httpx.get(f"{live.url}/healthz").status_code == 200
+    assert httpx.get(f"{live.url}/readyz").status_code == 200
+    for path in ("/v1/jobs", "/v1/jobs/x", "/v1/jobs/x/logs", "/v1/jobs/x/shards"):
+        assert httpx.get(f"{live.url}{path}").status_code == 401, path
+    bad = httpx.get(f"{live.url}/v1/jobs", headers={"Authorization": "Bearer pc_wrong"})
+    assert bad.status_code == 401 and bad.headers["www-authenticate"] == "Bearer"
+    assert httpx.post(f"{live.url}/v1/jobs", json={"shards": ["x"], "output": "y"}, headers={"Authorization": "Basic pc_x"}).status_code == 401
+    assert live.get("/v1/jobs").status_code == 200
+
+
 MARKER = "SECRET-MARKER-7f3a"
 
 
@@ -132,6 +191,17 @@ def test_job_that_cannot_start_fails_clearly_and_the_next_one_runs(tmp_path: Pat
         assert srv.get(f"/v1/jobs/{good}").json()["state"] == "SUCCEEDED"
         # The shard specs travelled in a list file in the service's state folder, not in argv.
         assert (tmp_path / "state" / "shard-lists" / f"{good}.txt").read_text().split() == [str(shards[0])]
+
+
+def test_a_crashed_job_reports_one_line_not_its_stack(tmp_path: Path) -> None:
+    from pairclean_service.runner import _tail
+
+    log = tmp_path / "job.log"
+    log.write_text('Traceback (most recent call last):\n  File "/srv/app/secret_module.py", line 3, in run\n'
+                   "    do()\nNotADirectoryError: [Errno 20] Not a directory: 'out/_pairclean/lock.json'\n")
+    error = _tail(log)
+    assert error == "job process failed: NotADirectoryError: [Errno 20] Not a directory: 'out/_pairclean/lock.json'"
+    assert "secret_module" not in error and "\n" not in error
 
 
 def test_shard_specs_go_to_the_job_through_a_list_file(tmp_path: Path) -> None:
@@ -268,6 +338,19 @@ def test_validate_reads_a_bounded_prefix(tmp_path: Path) -> None:
 
 # -- 3. the allow-list decides on what will actually be touched -----------------------------
 
+@pytest.mark.parametrize("shard,output", [
+    ("file:///etc/passwd", None), ("/etc/passwd", None), ("pipe:curl http://x | cat", None),
+    ("{root}/in/../../etc/passwd", None), ("s3://user:secret@bucket/x.tar", None), ("{root}/in/a#b.tar", None),
+    (None, "/etc/pairclean-out"), (None, "{root}/in/o"), (None, "{root}/out/a-file"),
+])
+def test_refused_locations(live: Live, tmp_path: Path, shard: str | None, output: str | None) -> None:
+    (tmp_path / "out" / "a-file").write_text("not a folder")  # an output that is a file: refused up front
+    body = {"shards": [(shard or "{root}/in/x.tar").format(root=tmp_path)], "output": (output or "{root}/out/o").format(root=tmp_path)}
+    r = live.post("/v1/jobs", json=body)
+    assert r.status_code == 422, r.text
+    assert "Traceback" not in r.text and "secret" not in r.text
+
+
 def test_symlinks_dotdot_and_percent_escapes_cannot_leave_the_allow_list(live: Live, tmp_path: Path) -> None:
     outside = tmp_path / "elsewhere"
     _shard(outside / "exists.tar")
@@ -327,14 +410,15 @@ def test_jobs_belong_to_their_owner_and_admins_see_all(live: Live, tmp_path: Pat
     r = live.post("/v1/jobs", json=body, headers={**live.keys["alice"], "Idempotency-Key": "same-key"})
     assert r.status_code == 201
     job = r.json()["id"]
-    for method, path in (("get", f"/v1/jobs/{job}"), ("get", f"/v1/jobs/{job}/shards"), ("post", f"/v1/jobs/{job}:cancel"),
-                         ("post", f"/v1/jobs/{job}:retry")):
+    for method, path in (("get", f"/v1/jobs/{job}"), ("get", f"/v1/jobs/{job}/shards"), ("get", f"/v1/jobs/{job}/logs"),
+                         ("post", f"/v1/jobs/{job}:cancel"), ("post", f"/v1/jobs/{job}:retry")):
         r = getattr(live, method)(path, who="bob")
         assert r.status_code == 404 and r.json()["detail"] == getattr(live, method)(path.replace(job, "0" * 36), who="bob").json()["detail"].replace("0" * 36, job)
     assert live.get("/v1/jobs", who="bob").json()["total"] == 0
     assert live.get("/v1/jobs", who="alice").json()["total"] == 1
     assert live.get("/v1/jobs", who="admin").json()["total"] == 1
     assert live.get(f"/v1/jobs/{job}", who="admin").status_code == 200
+    assert live.get(f"/v1/jobs/{job}/logs", who="alice").status_code == 200
     # Idempotency keys are per owner: bob's "same-key" is a new job of his own.
     bob_body = {"shards": [str(shard)], "output": str(tmp_path / "out" / "bob")}
     r = live.post("/v1/jobs", who="bob", json=bob_body, headers={**live.keys["bob"], "Idempotency-Key": "same-key"})
@@ -367,13 +451,20 @@ def test_old_databases_migrate_and_keep_their_jobs(tmp_path: Path) -> None:
         conn.execute(text("INSERT INTO jobs (id, state, request, idempotency_key, owner, created_at) "
                           "VALUES ('j1', 'SUCCEEDED', '{}', 'k', 'alice', '2024-01-01T00:00:00+00:00')"))
         conn.execute(text("INSERT INTO api_keys (key_hash, name, created_at) VALUES ('h', 'alice', 'x')"))
+    def recorded() -> list[int]:
+        with engine.connect() as conn:
+            return [row[0] for row in conn.execute(text("SELECT version FROM schema_version ORDER BY version"))]
+
     store = JobStore(url)
-    assert store.schema_version() == len(_MIGRATIONS) > 3
+    # Read from the database itself (migrate() reports the highest version whatever ran):
+    # each migration recorded once, the three old ones not applied again.
+    assert recorded() == list(range(1, len(_MIGRATIONS) + 1)) and len(_MIGRATIONS) > 3
     found = store.by_idempotency_key("k", "alice")
     assert found is not None and found.id == "j1" and store.by_idempotency_key("k", "bob") is None
     principal = store.principal("h")
     assert principal is not None and not principal.admin
-    assert JobStore(url).migrate() == len(_MIGRATIONS)  # a second start applies nothing
+    JobStore(url)  # a second start applies nothing
+    assert recorded() == list(range(1, len(_MIGRATIONS) + 1))
 
 
 def test_apikey_admin_flag(tmp_path: Path) -> None:
@@ -388,7 +479,10 @@ def test_apikey_admin_flag(tmp_path: Path) -> None:
 # -- 7. one home for the lifecycle --------------------------------------------------------------
 
 def test_the_store_refuses_moves_the_lifecycle_does_not_allow(tmp_path: Path) -> None:
-    from pairclean.lifecycle import TERMINAL, IllegalTransition, state_for_exit
+    import typing
+
+    from pairclean.lifecycle import EXIT_CODES, STATES, TERMINAL, IllegalTransition, State, state_for_exit
+    from pairclean_workers import cli
     from pairclean_service.client import TERMINAL as CLIENT_TERMINAL
 
     store = JobStore(f"sqlite:///{tmp_path / 'j.db'}")
@@ -402,3 +496,7 @@ def test_the_store_refuses_moves_the_lifecycle_does_not_allow(tmp_path: Path) ->
         store.transition(job.id, ["CANCELLED"], state="QUEUED")  # cancelled is final
     assert (state_for_exit(0), state_for_exit(4), state_for_exit(3), state_for_exit(-9)) == ("SUCCEEDED", "PARTIAL", "FAILED", "FAILED")
     assert CLIENT_TERMINAL == TERMINAL
+    # The schemas' state type and the batch CLI's exit codes come from the same module.
+    assert typing.get_args(State) == STATES
+    assert all(state_for_exit(code) == state for state, code in EXIT_CODES.items())
+    assert (cli.EXIT_OK, cli.EXIT_PARTIAL, cli.EXIT_FAILED) == (EXIT_CODES["SUCCEEDED"], EXIT_CODES["PARTIAL"], EXIT_CODES["FAILED"])

@@ -1,0 +1,60 @@
+"""The notebook API: score in-memory pairs with an estimator loaded once; read a job's scores."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pairclean
+from pairclean.shards import iter_raw_samples
+
+SAMPLE = Path(pairclean.__file__).parent / "data" / "sample" / "demo-000000.tar"
+
+
+def _demo_pairs() -> tuple[list[bytes], list[str], list[bool]]:
+    images, captions, swapped = [], [], []
+    for s in iter_raw_samples(str(SAMPLE)):
+        images.append(s.files["jpg"] if "jpg" in s.files else s.files["png"])
+        captions.append(s.files["txt"].decode())
+        swapped.append(bool(json.loads(s.files["json"]).get("swapped")))
+    return images, captions, swapped
+
+
+@pytest.mark.slow
+def test_score_pairs_flags_the_swapped_captions_of_the_demo_like_a_job(tmp_path: Path) -> None:
+    from PIL import Image
+
+    images, captions, swapped = _demo_pairs()
+    est = pairclean.load_estimator("pairclean-lite", device="cpu")
+    # paths, bytes and PIL images are all accepted; a broken image and an empty caption become statuses
+    (tmp_path / "first.jpg").write_bytes(images[0])
+    mixed: list[object] = [str(tmp_path / "first.jpg"), *images[1:]]
+    mixed[1] = Image.open(io.BytesIO(images[1]))
+    result = pairclean.score_pairs(mixed + [b"broken", images[0]], captions + ["a caption", "  "], estimator=est)
+    n = len(captions)
+    assert result.status[:n] == ["ok"] * n and result.status[n:] == ["decode_error", "empty_text"]
+    assert result.weight[n:].tolist() == [0, 0] and result.noisy[n:].all()
+    assert set(np.flatnonzero(result.noisy[:n])) == {i for i, s in enumerate(swapped) if s}
+    assert ((result.p_clean >= 0) & (result.p_clean <= 1)).all()
+    assert result.calibration.recipe in ("gmm", "random-inputs")
+    # the same estimator object is reused; the demo job scores the same pairs the same way
+    assert main_demo_similarities(tmp_path) == pytest.approx(result.similarity[:n].tolist(), abs=1e-4)
+    assert list(result.to_pandas().columns) == ["similarity", "weight", "noisy", "p_clean", "status", "error"]
+
+
+def main_demo_similarities(tmp_path: Path) -> list[float]:
+    from pairclean_workers.cli import main
+
+    assert main(["score", str(SAMPLE), "--out", str(tmp_path / "job"), "--executor", "local", "--no-progress", "--device", "cpu"]) == 0
+    return pairclean.read_scores(tmp_path / "job", columns=["similarity"]).column("similarity").to_pylist()
+
+
+def test_score_pairs_refuses_unequal_lengths() -> None:
+    from pairclean.errors import InputError
+
+    with pytest.raises(InputError, match="pair up one to one"):
+        pairclean.score_pairs([b"x"], ["a", "b"], estimator="pairclean-tiny-test")

@@ -1,0 +1,77 @@
+"""One ``pairclean`` command with every verb, and the Ray-shaped Python client over real HTTP
+(issue 10, item 8)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+from pairclean.lifecycle import STATES  # noqa: E402
+from pairclean_service.app import read_log  # noqa: E402
+from pairclean_service.client import PaircleanClient, ServiceError  # noqa: E402
+from pairclean_service.security import hash_key, new_api_key  # noqa: E402
+
+VERBS = ("score", "rescore", "inspect", "export", "demo", "train-lite", "pseudo-pair", "refine",
+         "serve", "apikey", "submit", "status", "wait", "logs", "list", "cancel", "retry")
+
+
+def _pairclean(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pairclean_service.cli", *args], capture_output=True, text=True, timeout=120,
+                          env=env or dict(os.environ))
+
+
+def test_help_lists_every_verb_and_global_options_come_first(tmp_path: Path) -> None:
+    helped = _pairclean("--help")
+    assert helped.returncode == 0
+    listed = helped.stdout.split("positional arguments:")[1]
+    assert [v for v in VERBS if f"\n    {v} " not in listed and f"\n    {v}\n" not in listed] == []
+    env = dict(os.environ, PAIRCLEAN_DATABASE_URL=f"sqlite:///{tmp_path / 'k.db'}")
+    made = _pairclean("-v", "apikey", "someone", env=env)  # a global option before a service verb
+    assert made.returncode == 0 and made.stdout.strip().startswith("pc_"), made.stderr
+    assert _pairclean("-v", "serve", "--help").returncode == 0
+    assert _pairclean("-v", "score", "--help").returncode == 0
+
+
+def test_an_unreachable_service_is_one_line_exit_1() -> None:
+    r = _pairclean("status", "some-job", "--address", "http://127.0.0.1:9")
+    assert r.returncode == 1 and r.stderr.startswith("error: cannot reach") and "Traceback" not in r.stderr
+
+
+def test_read_log_pages_end_on_whole_characters(tmp_path: Path) -> None:
+    log = tmp_path / "j.log"
+    log.write_bytes("ab\u00e9cd".encode())  # 'é' is 2 bytes: 2..4
+    first = read_log(log, 0, 3)  # the page ends inside 'é': it waits for the next one
+    assert (first.text, first.next_offset, first.size) == ("ab", 2, 6)
+    rest = read_log(log, first.next_offset, 100)
+    assert (rest.text, rest.next_offset) == ("\u00e9cd", 6)
+    assert read_log(tmp_path / "missing.log", 0, 10).text == ""
+
+
+@pytest.mark.slow
+def test_ray_named_client_methods_and_logs_over_http(server, make_shards, tmp_path: Path) -> None:
+    shards = make_shards(n_shards=1, per_shard=4, folder=tmp_path / "shards")
+    client = PaircleanClient(server.url, server.key)
+    job = client.submit_job([str(shards[0])], str(tmp_path / "out"), estimator="pairclean-tiny-test")
+    assert client.get_job_status(job) in STATES
+    chunks = list(client.tail_job_logs(job, poll=0.2))  # ends once the job has ended and all is read
+    assert client.get_job_status(job) == "SUCCEEDED"
+    logs = client.get_job_logs(job)
+    assert "SUCCEEDED: 1 shards scored" in logs and "".join(chunks) == logs
+    assert client.get_job_info(job)["progress"]["pairs"] == 4
+    assert [j["id"] for j in client.list_jobs()] == [job] and client.list_jobs(state="FAILED") == []
+    assert client.stop_job(job) is False  # it had ended: nothing to stop
+    # The CLI verbs print the same log and list.
+    common = ("--address", server.url, "--api-key", server.key)
+    assert _pairclean("logs", job, *common).stdout == logs
+    assert job in _pairclean("list", *common).stdout
+    # Another owner's key learns nothing about the job, its logs included.
+    other = new_api_key()
+    server.app.state.store.add_key(hash_key(other), "someone-else")
+    with pytest.raises(ServiceError, match="404") as refused:
+        PaircleanClient(server.url, other).get_job_logs(job)
+    assert refused.value.status_code == 404
