@@ -30,7 +30,6 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import flickr_root
 
 
 def _emit(row: dict) -> None:
@@ -117,34 +116,6 @@ def bench_scale(args: argparse.Namespace) -> None:
 
 
 # -- quality ----------------------------------------------------------------------------------
-def _embed_dev(cache: Path, model: str = "pairclean-lite", batch: int = 32) -> dict[str, np.ndarray]:
-    """{"img": (N, D), "txt": (N, C, D)} float32 for the dev images and C captions each (cached)."""
-    if cache.exists():
-        with np.load(cache) as data:
-            return {k: data[k] for k in data.files}
-    import torch
-
-    from pairclean.decode import DEFAULT_MAX_PIXELS, decode_and_preprocess
-    from pairclean.estimators import EstimatorSpec, load_estimator
-    from pairclean.evaldata import load_flickr8k
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    est = load_estimator(EstimatorSpec(model, None, None, "auto", "cpu"))
-    images = load_flickr8k(flickr_root(), "dev")
-    ncap = min(len(img.captions) for img in images)
-    t0 = time.perf_counter()
-    img_parts, txt_parts = [], []
-    for start in range(0, len(images), batch):
-        chunk = images[start : start + batch]
-        pixels = torch.stack([decode_and_preprocess(i.path.read_bytes(), DEFAULT_MAX_PIXELS, est.preprocess, draft_size=est.image_size) for i in chunk])
-        img_parts.append(est.encode_images(pixels))
-        txt_parts.append(est.encode_texts([c for i in chunk for c in i.captions[:ncap]]).reshape(len(chunk), ncap, -1))
-    out = {"img": np.concatenate(img_parts), "txt": np.concatenate(txt_parts), "seconds": np.array(time.perf_counter() - t0)}
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(cache, **out)
-    return out
-
-
 def _setting(img: np.ndarray, txt0: np.ndarray, noise: float, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(image emb, pair text emb, truly noisy flags, home): pair j carries the first caption
     of image ``owner[j]``; ``home[i]`` is the pair holding image i's own caption."""
@@ -188,7 +159,9 @@ def _recovery(img: np.ndarray, txt: np.ndarray, noisy: np.ndarray, home: np.ndar
 
 
 def bench_quality(args: argparse.Namespace) -> None:
-    emb = _embed_dev(Path(args.cache))
+    from _embed_dev import embed_dev  # shared with estimators.py: one cache of the dev embeddings
+
+    emb = embed_dev(Path(args.cache))
     img, txt0 = emb["img"].astype(np.float32), emb["txt"][:, 0].astype(np.float32)
     for noise in (0.2, 0.5, 0.8):
         im, tx, noisy, home = _setting(img, txt0, noise, args.seed)

@@ -218,3 +218,34 @@ def test_export_on_the_demo_job_without_datacomp_uids(tmp_path: Path, capsys) ->
     assert "open_clip reads sizes.json from the folder of the first training shard" in printed
     assert json.loads((out / "_export" / "sizes.json").read_text()) == {"demo-000000.tar": 10}
     assert (out / "_export" / "shard_weights.json").exists() and not (out / "_export" / "datacomp_keep.npy").exists()
+
+
+def test_export_names_a_bad_uid_and_writes_nothing_unless_told_to_skip(dev_images: list, tmp_path: Path, capsys) -> None:
+    from pairclean.evaldata import write_shard
+    from pairclean_workers.cli import main
+
+    samples = [
+        {"__key__": f"k-{i:03d}", "jpg": dev_images[i].path.read_bytes(), "txt": dev_images[i].captions[0],
+         "json": {"uid": f"{i:032x}" if i % 2 == 0 else f"not-a-datacomp-uid-{i}"}}
+        for i in range(12)
+    ]
+    shard = write_shard(tmp_path / "shards" / "bad-00000.tar", samples)
+    out = tmp_path / "out"
+    assert main(["score", str(shard), "--out", str(out), "--model", "pairclean-tiny-test", "--executor", "local", "--no-progress"]) == 0
+    kept = [r["uid"] for r in pairclean_read(out) if r["status"] == "ok" and not r["noisy"]]
+    bad = [u for u in kept if u.startswith("not-")]
+    assert bad and len(bad) < len(kept), "the fixture needs kept pairs with good and with bad uids"
+    capsys.readouterr()
+    assert main(["export", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "not-a-datacomp-uid-" in err and "k-0" in err and "bad-00000.tar" in err and "Traceback" not in err
+    assert not (out / "_export").exists()  # nothing written
+    assert main(["export", str(out), "--skip-bad-uids"]) == 0
+    keep = np.load(out / "_export" / "datacomp_keep.npy")
+    assert len(keep) == len(kept) - len(bad)
+
+
+def pairclean_read(out: Path) -> list[dict]:
+    import pairclean
+
+    return pairclean.read_scores(out, columns=["uid", "status", "noisy"]).to_pylist()
