@@ -1,0 +1,244 @@
+"""``/v1/jobs``: submit, validate, list, get, shards, logs, cancel, retry (all need an API key;
+a job is visible to its owner and to admins only)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Header, HTTPException, Query, Response
+from sqlalchemy.exc import IntegrityError
+
+from pairclean.lifecycle import FAILED, PARTIAL, QUEUED, RUNNING, TERMINAL, State
+
+from ..dependencies import Caller, JobId, Runner, Settings, Store, Validations, job_or_404, output_key
+from ..guards import BoundedReader, PrefixEnd, scrub
+from ..security import UriRefused, check_uri, local_target
+from ..settings import ServiceSettings
+from ..store import JobRow, OutputInUse
+from ..schemas import (
+    JobLogs, JobPage, JobPublic, JobRequest, Problem, Progress, ShardPage, ShardPublic, StoredRequest, Validation,
+)
+
+__all__ = ["router", "read_log", "LOG_PAGE_BYTES"]
+
+router = APIRouter(prefix="/v1")
+
+#: The most log bytes one ``/logs`` reply carries (the client pages through the rest).
+LOG_PAGE_BYTES = 1 << 20
+
+
+@router.post("/jobs", status_code=201, response_model=JobPublic)
+def submit(request: JobRequest, who: Caller, response: Response, store: Store, settings: Settings,
+           idempotency_key: Annotated[str | None, Header(max_length=200, pattern=r"^[\x21-\x7e]{1,200}$")] = None) -> JobPublic:
+    if idempotency_key:  # a repeat returns the job before any check (the shards may have moved since)
+        existing = store.by_idempotency_key(idempotency_key, who.name)
+        if existing is not None:
+            response.status_code = 200
+            return _public(existing)
+    total = len(expand(request, settings))
+    try:
+        job, created = store.create(request.model_dump(), who.name, idempotency_key, total, output_key(request.output))
+    except OutputInUse as exc:
+        raise HTTPException(409, f"job {exc.job_id} is already writing to {request.output!r}; wait for it or cancel it") from exc
+    if not created:
+        response.status_code = 200
+    return _public(job)
+
+
+@router.post("/jobs:validate", response_model=Validation,
+             responses={429: {"model": Problem, "description": "too many validations in progress"},
+                        504: {"model": Problem, "description": "the shard did not answer in time"}})
+async def validate(request: JobRequest, who: Caller, settings: Settings, validations: Validations) -> Validation:
+    if not validations.slots.acquire(blocking=False):
+        raise HTTPException(429, "too many validations in progress; retry later", headers={"Retry-After": "5"})
+    future = asyncio.get_running_loop().run_in_executor(validations.pool, validate_blocking, request, settings)
+    # The slot is freed when the read really ends, not when this request gives up on it.
+    future.add_done_callback(lambda _: validations.slots.release())
+    try:
+        return await asyncio.wait_for(asyncio.shield(future), timeout=settings.validate_timeout_s + 5)
+    except asyncio.TimeoutError:
+        raise HTTPException(504, f"the first shard did not answer within {settings.validate_timeout_s:g} s") from None
+
+
+@router.get("/jobs", response_model=JobPage)
+def list_jobs(who: Caller, store: Store, limit: Annotated[int, Query(ge=1, le=500)] = 50,
+              offset: Annotated[int, Query(ge=0, le=10**9)] = 0, state: State | None = None) -> JobPage:
+    rows, total = store.list(limit, offset, state, owner=None if who.admin else who.name)
+    return JobPage(items=[_public(r) for r in rows], total=total, limit=limit, offset=offset)
+
+
+@router.get("/jobs/{job_id}", response_model=JobPublic)
+def get_job(job_id: JobId, who: Caller, store: Store) -> JobPublic:
+    return _public(job_or_404(store, job_id, who))
+
+
+@router.get("/jobs/{job_id}/shards", response_model=ShardPage)
+def job_shards(job_id: JobId, who: Caller, store: Store, state: Literal["committed", "quarantined", "pending"] | None = None,
+               limit: Annotated[int, Query(ge=1, le=1000)] = 100, offset: Annotated[int, Query(ge=0, le=10**9)] = 0) -> ShardPage:
+    job = job_or_404(store, job_id, who)
+    items = [s for s in _shard_states(job) if state is None or s.state == state]
+    return ShardPage(items=items[offset : offset + limit], total=len(items), limit=limit, offset=offset)
+
+
+@router.get("/jobs/{job_id}/logs", response_model=JobLogs)
+def job_logs(job_id: JobId, who: Caller, store: Store, runner: Runner, offset: Annotated[int, Query(ge=0, le=2**62)] = 0,
+             limit: Annotated[int, Query(ge=1, le=LOG_PAGE_BYTES)] = LOG_PAGE_BYTES) -> JobLogs:
+    """The job process's output (what the runner's replica wrote), a page at a time."""
+    job = job_or_404(store, job_id, who)
+    return read_log(runner.logs / f"{job.id}.log", offset, limit)
+
+
+@router.post("/jobs/{job_id}:cancel", response_model=JobPublic)
+def cancel(job_id: JobId, who: Caller, store: Store, runner: Runner) -> JobPublic:
+    job = job_or_404(store, job_id, who)
+    if job.state in TERMINAL:
+        raise HTTPException(409, f"job is {job.state}")
+    runner.cancel(job)
+    return _public(job_or_404(store, job_id, who))
+
+
+@router.post("/jobs/{job_id}:retry", response_model=JobPublic)
+def retry(job_id: JobId, who: Caller, store: Store) -> JobPublic:
+    job = job_or_404(store, job_id, who)
+    # Rerunning the same command resumes: only the failed (uncommitted) shards are redone.
+    try:
+        moved = store.transition(job_id, [PARTIAL, FAILED], state=QUEUED, error=None, finished_at=None, cancel_requested=0,
+                                 output_key=output_key(job.request["output"]))
+    except IntegrityError:
+        holder = store.active_on_output(output_key(job.request["output"]))
+        raise HTTPException(409, f"job {holder.id if holder else '?'} is already writing to this job's output; "
+                                 "wait for it or cancel it") from None
+    if not moved:
+        raise HTTPException(409, f"only PARTIAL or FAILED jobs can be retried; this one is {job.state}")
+    return _public(job_or_404(store, job_id, who))
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+def expand(request: JobRequest, settings: ServiceSettings) -> list[str]:
+    """Allow-list every location before it is touched and expand the shards; 422 otherwise."""
+    from pairclean.errors import PaircleanError
+    from pairclean.uris import expand_shards
+
+    def allowed_input(uri: str) -> None:
+        check_uri(uri, settings.allowed_inputs, settings.allow_pipe)
+
+    try:
+        for spec in request.shards:
+            if "#" in spec:  # the runner passes specs through an @list file, where '#' starts a comment
+                raise UriRefused(f"{spec!r}: '#' is not accepted in shard URIs")
+            allowed_input(spec[1:] if spec.startswith("@") else spec)
+        check_uri(request.output, settings.allowed_outputs)
+        target = local_target(request.output)
+        if target is not None and os.path.exists(target) and not os.path.isdir(target):
+            raise UriRefused(f"output {request.output!r} exists and is not a folder")
+        # The check runs on every list file, glob and shard before it is opened or
+        # listed, so nothing outside the allow-list is touched or reported on.
+        return expand_shards(request.shards, max_shards=settings.max_shards, check=allowed_input)
+    except UriRefused as exc:
+        raise HTTPException(422, str(exc)) from exc
+    except PaircleanError as exc:
+        raise HTTPException(422, str(exc)) from exc
+
+
+def validate_blocking(request: JobRequest, settings: ServiceSettings) -> Validation:
+    """Expand the shards and read a bounded prefix of the first (bytes, seconds, samples)."""
+    from pairclean.errors import PaircleanError
+    from pairclean.shards import DEFAULT_MAX_MEMBER_BYTES, ReadOptions, iter_pairs_from
+    from pairclean.uris import open_shard
+
+    shards = expand(request, settings)
+    first = shards[0]
+    statuses: dict[str, int] = {}
+    problems: list[str] = []
+    samples = 0
+    deadline = time.monotonic() + settings.validate_timeout_s
+    options = ReadOptions(max_member_bytes=min(DEFAULT_MAX_MEMBER_BYTES, settings.validate_max_bytes))
+    reader: BoundedReader | None = None
+    try:
+        with open_shard(first, http_allowed=settings.allowed_inputs) as fh:
+            reader = BoundedReader(fh, settings.validate_max_bytes, deadline)
+            for pair in iter_pairs_from(reader, first, options):  # type: ignore[arg-type]
+                samples += 1
+                statuses[pair.status] = statuses.get(pair.status, 0) + 1
+                if pair.status != "ok" and len(problems) < 20:
+                    problems.append(f"{pair.key}: {pair.status} ({pair.error})")
+                if samples >= settings.validate_max_samples:
+                    problems.append(f"stopped after the first {samples} samples")
+                    break
+    except PrefixEnd:
+        limit = f"{settings.validate_max_bytes} bytes" if reader and reader.reason == "bytes" else f"{settings.validate_timeout_s:g} s"
+        problems.append(f"read only the first {limit} of {first!r}")
+    except PaircleanError as exc:
+        problems.append(str(exc))
+    return Validation(shards=len(shards), first_shard=first, samples=samples, statuses=statuses, problems=problems)
+
+
+def _seconds_since(iso: str | None) -> float | None:
+    if not iso:
+        return None
+    return max(0.0, (datetime.now(timezone.utc) - datetime.fromisoformat(iso)).total_seconds())
+
+
+def _public(job: JobRow) -> JobPublic:
+    elapsed = _seconds_since(job.started_at) if job.state == RUNNING else None
+    rate = job.pairs / elapsed if elapsed and job.pairs else None
+    finished = job.shards_done + job.shards_failed
+    eta = elapsed / finished * (job.shards_total - finished) if elapsed and finished else None
+    request = scrub(job.request)
+    return JobPublic(
+        id=job.id, state=job.state, request=StoredRequest.model_validate(request),  # type: ignore[arg-type]
+        progress=Progress(shards_total=job.shards_total, shards_done=job.shards_done, shards_failed=job.shards_failed,
+                          pairs=job.pairs, pairs_per_s=rate, eta_s=eta),
+        noise_rate_estimate=job.noise_rate, output=request["output"], error=scrub(job.error),
+        created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
+    )
+
+
+def read_log(path: Path, offset: int, limit: int) -> JobLogs:
+    """Bytes ``offset``..``offset + limit`` of a log file as text, ending on a whole UTF-8
+    character (a character cut by the page end, or still being written, comes next time).
+    A job that has not started has an empty log."""
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            fh.seek(min(offset, size))
+            data = fh.read(limit)
+    except FileNotFoundError:
+        return JobLogs(text="", offset=offset, next_offset=offset, size=0)
+    start = min(offset, size)
+    for cut in range(min(4, len(data) + 1)):  # a UTF-8 character is at most 4 bytes
+        try:
+            text = data[: len(data) - cut].decode("utf-8")
+            return JobLogs(text=text, offset=start, next_offset=start + len(data) - cut, size=size)
+        except UnicodeDecodeError:
+            continue
+    # Not UTF-8 at all (a binary write): replaced characters, but the log still moves on.
+    return JobLogs(text=data.decode("utf-8", "replace"), offset=start, next_offset=start + len(data), size=size)
+
+
+def _shard_states(job: JobRow) -> list[ShardPublic]:
+    """Every shard of a job with its state, from the job's own output folder."""
+    from pairclean.job import OutputDir
+    from pairclean.uris import shard_stem
+
+    out = OutputDir(job.request["output"])
+    spec = out.read_spec()
+    if spec is None:
+        return []  # the job has not started writing yet
+    committed, failed = out.committed(), out.quarantined()
+    items = []
+    for uri in spec.shards:
+        stem = shard_stem(uri)
+        if stem in committed:
+            items.append(ShardPublic(shard=uri, state="committed", rows=committed[stem].rows))
+        elif stem in failed:
+            items.append(ShardPublic(shard=uri, state="quarantined", error=failed[stem].get("error")))
+        else:
+            items.append(ShardPublic(shard=uri, state="pending"))
+    return items

@@ -1,0 +1,131 @@
+"""The API's request and response bodies (pydantic models) and its documented errors."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, Field
+
+from pairclean.lifecycle import State
+
+from .guards import safe_text
+
+__all__ = [
+    "SafeStr", "JobOptions", "JobRequest", "Progress", "StoredRequest", "JobPublic", "JobPage", "ShardPublic", "ShardPage",
+    "JobLogs", "Validation", "Problem", "ERRORS",
+]
+
+_NAME = r"^[A-Za-z0-9._-]{1,100}$"
+#: Text fields hold no NUL, no control characters and no lone surrogates (422 otherwise).
+SafeStr = Annotated[str, AfterValidator(safe_text)]
+
+
+class JobOptions(BaseModel):
+    """Optional scoring options (the `pairclean score` flags of the same names)."""
+
+    model_config = {"extra": "forbid", "allow_inf_nan": False}
+
+    batch_size: int | None = Field(None, ge=1, le=4096)
+    max_failed_fraction: float | None = Field(None, ge=0, le=1)
+    max_retries: int | None = Field(None, ge=0, le=20)
+    shard_timeout: float | None = Field(None, gt=0, le=86_400)
+    beta_k: int | None = Field(None, ge=2, le=4096)
+    seed: int | None = Field(None, ge=0, le=2**31 - 1)
+
+
+class JobRequest(BaseModel):
+    """A scoring job: shard URIs (braces, globs allowed), an output folder and the method."""
+
+    model_config = {"extra": "forbid", "allow_inf_nan": False}
+
+    shards: list[Annotated[SafeStr, Field(min_length=1, max_length=2048)]] = Field(min_length=1, max_length=10_000)
+    output: SafeStr = Field(min_length=1, max_length=2048)
+    estimator: str = Field("pairclean-lite", pattern=_NAME)
+    beta_recipe: Literal["auto", "random-inputs", "shuffled", "gmm"] = "auto"
+    weighting: Literal["paper", "reference", "reference-batch"] = "paper"
+    options: JobOptions = Field(default_factory=JobOptions)
+
+
+class Progress(BaseModel):
+    shards_total: int
+    shards_done: int
+    shards_failed: int
+    pairs: int
+    pairs_per_s: float | None
+    eta_s: float | None
+
+
+class StoredRequest(BaseModel):
+    """A job's request as stored (rows written before today's checks still read back)."""
+
+    shards: list[str]
+    output: str
+    estimator: str
+    beta_recipe: str
+    weighting: str
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class JobPublic(BaseModel):
+    id: str
+    state: State
+    request: StoredRequest
+    progress: Progress
+    noise_rate_estimate: float | None
+    output: str
+    error: str | None
+    created_at: str
+    started_at: str | None
+    finished_at: str | None
+
+
+class JobPage(BaseModel):
+    items: list[JobPublic]
+    total: int
+    limit: int
+    offset: int
+
+
+class ShardPublic(BaseModel):
+    shard: str
+    state: Literal["committed", "quarantined", "pending"]
+    rows: int | None = None
+    error: str | None = None
+
+
+class ShardPage(BaseModel):
+    items: list[ShardPublic]
+    total: int
+    limit: int
+    offset: int
+
+
+class JobLogs(BaseModel):
+    """A piece of a job's log: ``text`` is bytes ``offset`` to ``next_offset`` of ``size``."""
+
+    text: str
+    offset: int
+    next_offset: int
+    size: int
+
+
+class Validation(BaseModel):
+    shards: int
+    first_shard: str
+    samples: int
+    statuses: dict[str, int]
+    problems: list[str]
+
+
+class Problem(BaseModel):
+    detail: str
+
+
+#: Error replies every route may give (in the OpenAPI schema).
+ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": Problem, "description": "missing or invalid API key"},
+    404: {"model": Problem, "description": "no such job (or not one of the caller's)"},
+    409: {"model": Problem, "description": "the job is not in a state that allows this, or another job is writing to the output"},
+    413: {"model": Problem, "description": "request too large"},
+    422: {"model": Problem, "description": "invalid request (bad URI, refused location, bad field)"},
+}
