@@ -31,8 +31,9 @@ def add_pseudo_parser(sub: Any) -> None:
     p.add_argument("--nprobe", type=int, default=None, help="IVF lists probed per query (default nlist/64, at least 8)")
     p.add_argument("--seed", type=int, default=None, help="index training seed (default: the job's seed)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="fsspec option for the output folder and the shards, e.g. endpoint_url=http://... (repeatable)")
+    from pairclean_workers.cli import _add_storage_arg
+
+    _add_storage_arg(p)  # one spelling of --storage-option for every verb
     p.add_argument("--lock-ttl", type=float, default=None, help="seconds without a heartbeat after which a crashed run's lock is taken over")
 
 

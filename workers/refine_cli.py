@@ -27,7 +27,9 @@ def add_refine_parser(sub: Any) -> None:
     p.add_argument("--num-actors", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads of the fit (and of each actor)")
     p.add_argument("--lock-ttl", type=float, default=None)
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", help="fsspec option for OUT and --heads (repeatable)")
+    from pairclean_workers.cli import _add_storage_arg
+
+    _add_storage_arg(p)  # one spelling of --storage-option for every verb (OUT, --heads)
 
 
 def _overrides(pairs: list[str]) -> dict[str, Any]:
