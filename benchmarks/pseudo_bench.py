@@ -14,8 +14,16 @@ the job flags noisy (OSA, gmm beta as pairclean-lite's default), the truly noisy
 (nearest pool caption, own caption excluded) is the caption displaced from them, with and
 without the mutual filter, and the same at 50% noise against pool size (250/500/1000 images).
 
+``executor``: a synthetic scored job of ``--n`` pairs (score tables, float16 sidecars and
+caption-only shards written through pairclean's own output APIs, pool = every pair),
+pseudo-paired by ``pairclean.pseudo.pseudo_pair`` with the queries in this process and
+then on a Ray actor pool (``pairclean_workers.pseudo_exec``: actors read their query rows
+from the sidecars). Prints load/build/search/total seconds of each, Ray's start-up, and
+whether the two outputs are byte-identical.
+
     python benchmarks/pseudo_bench.py scale [--n 1000000]
     python benchmarks/pseudo_bench.py quality [--cache /tmp/pairclean-bench/dev-lite.npz]
+    python benchmarks/pseudo_bench.py executor [--n 100000] [--num-actors 1]
 """
 
 from __future__ import annotations
@@ -115,6 +123,82 @@ def bench_scale(args: argparse.Namespace) -> None:
         })
 
 
+# -- executor ---------------------------------------------------------------------------------
+def _synthetic_job(uri: str, folder: str, n: int, dim: int, per_shard: int, clusters: int, seed: int) -> None:
+    """A scored job at ``uri`` over ``n`` synthetic pairs (as ``_synthetic``), every pair ok,
+    with sidecars, and caption-only tar shards under ``folder`` (captions are read back)."""
+    from pairclean.calibration import calibrate
+    from pairclean.evaldata import write_shard
+    from pairclean.job import JobSpec, OutputDir, ShardRecord, spec_digest
+    from pairclean.scoring import embeddings_table, output_metadata, scores_table
+
+    image, text, _ = _synthetic(n, dim, folder, clusters, seed)
+    starts = range(0, n, per_shard)
+    shards = tuple(os.path.join(folder, "shards", f"syn-{s:05d}.tar") for s in range(len(starts)))
+    spec = JobSpec(shards, "synthetic", None, None, "fp32", "shuffled", 16, "paper", seed, 64, 1, None, True, 4096)
+    out = OutputDir(uri)
+    out.prepare(spec, overwrite=False)
+    sample = slice(0, min(n, 4096))
+    img0, txt0 = np.asarray(image[sample], np.float32), np.asarray(text[sample], np.float32)
+    cal = calibrate(beta_recipe="shuffled", k=16, seed=seed, weighting="paper", batch_size=64, similarities=(img0 * txt0).sum(1),
+                    image_emb=img0, text_emb=txt0, random_beta=lambda: 0.0)
+    out.write_calibration(cal)
+    digest = spec_digest(spec)
+    for s, start in enumerate(starts):
+        rows = slice(start, min(start + per_shard, n))
+        img, txt = np.asarray(image[rows], np.float32), np.asarray(text[rows], np.float32)
+        m = img.shape[0]
+        keys = [f"{s:05d}/{i:06d}" for i in range(m)]
+        write_shard(shards[s], ({"__key__": k, "txt": f"caption {k}"} for k in keys))
+        meta = output_metadata({"model_id": "synthetic", "embed_dim": dim, "checkpoint_sha256": None}, cal, {"shard": shards[s], "job": digest})
+        table = scores_table(shards[s], keys, np.arange(m), ["ok"] * m, [None] * m, (img * txt).sum(1).astype(np.float32), cal, meta)
+        stem = f"syn-{s:05d}"
+        info = out.write_table(out.score_name(stem), table)
+        out.write_table(out.emb_name(stem), embeddings_table(keys, img, txt, np.ones(m, bool), meta))
+        out.record_completion(ShardRecord(shards[s], stem, None, m, out.score_name(stem), info.sha256, info.bytes, {"ok": m}, out.emb_name(stem)))
+    out.compact()
+
+
+def bench_executor(args: argparse.Namespace) -> None:
+    from pairclean.job import OutputDir
+    from pairclean.pseudo import PSEUDO_DIR, PseudoOptions, pseudo_pair
+    from pairclean_workers.pseudo_exec import RaySearcher
+    from pairclean_workers.ray_exec import RayOptions, init_ray
+
+    with tempfile.TemporaryDirectory(prefix="pseudo-bench-", dir=args.tmp) as folder:
+        uri = os.path.join(folder, "job")
+        t0 = time.perf_counter()
+        _synthetic_job(uri, folder, args.n, args.dim, args.per_shard, args.clusters, args.seed)
+        gen_s = time.perf_counter() - t0
+        out = OutputDir(uri)
+        opts = PseudoOptions(pool="all", index=args.index, chunk=args.chunk)
+
+        def files() -> dict[str, bytes | None]:
+            return {n: out.store.get(f"{PSEUDO_DIR}/{n}") for n in out.store.list(PSEUDO_DIR)}
+
+        def row(report) -> dict[str, float]:
+            t = report.timings
+            return {"load_s": round(t["load_s"], 1), "build_s": round(sum(v for k, v in t.items() if k.endswith(("train_s", "add_s"))), 1),
+                    "search_s": round(t["i2t_search_s"] + t["t2i_search_s"], 1), "total_s": round(t["total_s"], 1)}
+
+        local = pseudo_pair(out, opts)
+        local_files = files()
+        ray_opts = RayOptions(num_actors=args.num_actors, threads_per_actor=args.threads)
+        t0 = time.perf_counter()
+        init_ray(ray_opts)
+        ray_start_s = time.perf_counter() - t0
+        with RaySearcher(out, ray_opts, min_pool=0) as searcher:
+            t0 = time.perf_counter()
+            remote = pseudo_pair(out, opts, searcher=searcher)
+            actors = searcher.num_actors
+        _emit({
+            "bench": "pseudo_executor", "n": args.n, "dim": args.dim, "shards": -(-args.n // args.per_shard), "chunk": args.chunk,
+            "plan": local.plans["i2t"], "generate_s": round(gen_s, 1), "cpus": os.cpu_count(), "local": row(local),
+            "ray": {**row(remote), "actors": actors, "ray_start_s": round(ray_start_s, 1), "executor": remote.executor},
+            "identical_output": files() == local_files, "pseudo_pairs": local.pairs,
+        })
+
+
 # -- quality ----------------------------------------------------------------------------------
 def _setting(img: np.ndarray, txt0: np.ndarray, noise: float, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(image emb, pair text emb, truly noisy flags, home): pair j carries the first caption
@@ -194,8 +278,19 @@ def main() -> None:
     q = sub.add_parser("quality")
     q.add_argument("--cache", default="/tmp/pairclean-bench/dev-lite.npz")
     q.add_argument("--seed", type=int, default=0)
+    e = sub.add_parser("executor")
+    e.add_argument("--n", type=int, default=100_000)
+    e.add_argument("--dim", type=int, default=512)
+    e.add_argument("--per-shard", type=int, default=10_000)
+    e.add_argument("--clusters", type=int, default=1_000)
+    e.add_argument("--index", default="auto")
+    e.add_argument("--chunk", type=int, default=16_384, help="query rows per FAISS call and per Ray task")
+    e.add_argument("--num-actors", type=int, default=None)
+    e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--tmp", default=None)
     args = parser.parse_args()
-    bench_scale(args) if args.what == "scale" else bench_quality(args)
+    {"scale": bench_scale, "quality": bench_quality, "executor": bench_executor}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ must be set before numpy is imported, so it is the user's environment, not ours.
 
 Vectors are added and queried in chunks of ``chunk`` rows, converted to float32 one chunk
 at a time, so the only O(n) memory is the index itself (plus the caller's vectors, which
-may be a ``numpy.memmap``). k-means training uses a seeded sample of at most
+may be a ``numpy.memmap``). The FAISS calls of a search may run elsewhere (a ``RawSearch``,
+e.g. on a Ray actor pool) on the same chunks (``query_chunks``), so with the same results;
+re-ranking stays with the caller, who holds the indexed vectors. k-means training uses a seeded sample of at most
 ``TRAIN_PER_LIST * nlist`` vectors.
 
 GPU: with the ``faiss-gpu`` extra installed (instead of ``faiss-cpu``: the two cannot share
@@ -38,6 +40,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
 import numpy as np
@@ -53,6 +56,10 @@ __all__ = [
     "choose_index",
     "build_index",
     "search",
+    "RawSearch",
+    "query_chunks",
+    "search_shape",
+    "local_raw_search",
     "gpu_count",
 ]
 
@@ -193,33 +200,72 @@ def build_index(plan: IndexPlan, vectors: NDArray[Any], chunk: int = DEFAULT_CHU
     return index, plan, timings
 
 
+#: ``raw(fetch, chunk)``: FAISS's own results ``(start, scores, ids)`` for the query rows
+#: ``[start, start + chunk)`` of every chunk of ``query_chunks(m, chunk)``, ``fetch``
+#: neighbours each, in any order. ``search`` runs one in this process by default; a Ray
+#: actor pool is another (``pairclean_workers.pseudo_exec``). Same chunks, same FAISS
+#: inputs: the same results wherever they run.
+RawSearch = Callable[[int, int], Iterable[tuple[int, NDArray[np.float32], NDArray[np.int64]]]]
+
+
+def query_chunks(m: int, chunk: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each chunk of ``m`` query rows, ``chunk`` rows each (the last one
+    shorter): the one chunking every ``RawSearch`` must follow."""
+    return [(start, min(start + chunk, m)) for start in range(0, m, chunk)]
+
+
+def search_shape(k: int, n: int, dim: int, chunk: int, refine_k: int | None, with_data: bool) -> tuple[int, int, bool]:
+    """``(fetch, chunk, refine)`` of a search for ``k`` neighbours among ``n`` vectors:
+    neighbours asked of FAISS per query, query rows per FAISS call, whether the candidates
+    are re-ranked exactly."""
+    refine = with_data and refine_k is not None and refine_k > k
+    fetch = min(int(refine_k), n) if refine else k  # type: ignore[arg-type]
+    if refine:
+        # The gathered candidates are chunk x fetch x dim float32: keep them near 256 MB.
+        chunk = max(1, min(chunk, (1 << 26) // max(1, fetch * dim)))
+    return fetch, chunk, refine
+
+
+def local_raw_search(index: Any, queries: NDArray[Any]) -> RawSearch:
+    """The ``RawSearch`` of ``index`` over ``queries`` in this process."""
+
+    def raw(fetch: int, chunk: int) -> Iterator[tuple[int, NDArray[np.float32], NDArray[np.int64]]]:
+        for start, stop in query_chunks(queries.shape[0], chunk):
+            d, i = index.search(_f32(queries[start:stop]), fetch)
+            yield start, d, i
+
+    return raw
+
+
 def search(index: Any, queries: NDArray[Any], k: int, chunk: int = DEFAULT_CHUNK,
-           data: NDArray[Any] | None = None, refine_k: int | None = None) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
+           data: NDArray[Any] | None = None, refine_k: int | None = None,
+           raw: RawSearch | None = None) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
     """Top-``k`` neighbours of each row of (m, dim) ``queries``: ``(scores, ids)``, (m, k) each.
 
     Queried in chunks of ``chunk`` rows (float32 one chunk at a time). With ``data`` (the
     indexed vectors, row = id) and ``refine_k`` > k, ``refine_k`` candidates are fetched and
-    re-ranked by exact inner product (for IVF-PQ). Missing neighbours (fewer than k vectors,
-    or empty probed lists) have id -1 and score -inf.
+    re-ranked by exact inner product here (for IVF-PQ). Missing neighbours (fewer than k
+    vectors, or empty probed lists) have id -1 and score -inf. ``raw``: where FAISS runs
+    (default: ``local_raw_search``); ``queries`` is then read only to re-rank.
     """
     m = queries.shape[0]
     k = max(1, int(k))
-    refine = data is not None and refine_k is not None and refine_k > k
-    fetch = min(int(refine_k), data.shape[0]) if refine else k  # type: ignore[union-attr]
-    if refine:
-        # The gathered candidates are chunk x fetch x dim float32: keep them near 256 MB.
-        chunk = max(1, min(chunk, (1 << 26) // (fetch * queries.shape[1])))
-    scores = np.empty((m, k), dtype=np.float32)
-    ids = np.empty((m, k), dtype=np.int64)
-    for start in range(0, m, chunk):
-        q = _f32(queries[start : start + chunk])
-        d, i = index.search(q, fetch)
+    n = data.shape[0] if data is not None else k  # n matters only when re-ranking
+    fetch, chunk, refine = search_shape(k, n, queries.shape[1], chunk, refine_k, data is not None)
+    scores = np.full((m, k), -np.inf, dtype=np.float32)
+    ids = np.full((m, k), -1, dtype=np.int64)
+    done = 0
+    for start, d, i in (raw or local_raw_search(index, queries))(fetch, chunk):
+        stop = start + i.shape[0]
         if refine:
-            d, i = _rerank(q, i, data, k)
+            d, i = _rerank(_f32(queries[start:stop]), i, data, k)
         elif fetch < k:
             d = np.pad(d, ((0, 0), (0, k - fetch)), constant_values=-np.inf)
             i = np.pad(i, ((0, 0), (0, k - fetch)), constant_values=-1)
-        scores[start : start + chunk], ids[start : start + chunk] = d, i
+        scores[start:stop], ids[start:stop] = d, i
+        done += stop - start
+    if done != m:  # a RawSearch that skipped or repeated chunks: a bug, never silently
+        raise RuntimeError(f"search returned {done} query rows of {m}")
     scores[ids < 0] = -np.inf
     return scores, ids
 

@@ -3,7 +3,8 @@
 Pairs a job judged noisy are the *unpaired pool*. For each pool image we find its nearest
 pool caption and for each pool caption its nearest pool image (cosine of the stored
 embeddings, FAISS via ``pairclean.ann``), score every pseudo-pair with the job's own OSA
-calibration and write them to ``OUT/_pseudo/<image shard stem>.parquet``.
+calibration and write them to ``OUT/_pseudo/<image shard stem>.parquet``, then the run's
+completion record ``OUT/_pseudo/_run.json`` (see ``pseudo_pair`` for what a crash leaves).
 
 Decisions (visible as options, recorded in each file's metadata):
 
@@ -22,10 +23,13 @@ The output is under ``_pseudo/`` (not ``pseudo/`` as first proposed): folders st
 "_" are skipped by pyarrow, pandas, duckdb and Ray Data, so ``OUT`` still reads as exactly
 the score tables.
 
-Memory: the pool's embeddings are copied, float16, into memory-mapped files in a temporary
-folder (2 bytes x dim per vector and modality, on disk), indexes are built and queried in
-chunks, and one index is alive at a time. Captions are read back from the shards (only
-those shards holding a chosen caption), since score tables do not store text.
+Memory: the pool's embeddings are copied, float16, into memory-mapped scratch files
+(2 bytes x dim per vector and modality, on disk, unlinked once mapped), indexes are built
+and queried in chunks, and one index is alive at a time. Queries may run elsewhere (a
+``PoolSearcher``: workers read the query rows from the sidecars themselves, see
+``Pool.segments`` and ``read_rows``) with the same chunks, so the same results. Captions
+are read back from the shards (only those shards holding a chosen caption), since score
+tables do not store text.
 
 ``PseudoCaptions`` is the trainer side: it maps ``(shard, key)`` of an image to its best
 pseudo-caption and weight, loading one shard's file at a time (numpy and pyarrow only).
@@ -47,6 +51,7 @@ import pyarrow as pa
 from numpy.typing import NDArray
 
 if TYPE_CHECKING:
+    from .ann import IndexPlan, RawSearch
     from .job import Calibration, OutputDir
 
 __all__ = [
@@ -57,6 +62,10 @@ __all__ = [
     "PairResult",
     "PseudoReport",
     "load_pool",
+    "read_rows",
+    "Search",
+    "PoolSearcher",
+    "RECORD",
     "nearest_pairs",
     "exact_cosine",
     "pseudo_pair",
@@ -66,6 +75,9 @@ __all__ = [
 POOLS: Final = ("noisy", "all")
 #: Folder of the output, under OUT (the "_" keeps it out of dataset discovery).
 PSEUDO_DIR: Final = "_pseudo"
+#: The completion record of the last run, written after every file: a set of files without
+#: it is an unfinished run (readers refuse it). The "_" keeps it out of dataset discovery.
+RECORD: Final = f"{PSEUDO_DIR}/_run.json"
 #: Columns of ``OUT/_pseudo/<stem>.parquet``.
 COLUMNS: Final = ("image_shard", "image_key", "caption_shard", "caption_key", "caption", "similarity", "weight", "mutual", "rank", "direction")
 _CHUNK: Final = 65_536
@@ -109,7 +121,10 @@ class PseudoOptions:
 class Pool:
     """The unpaired pool: row ``g`` is pair ``keys[g]`` of shard ``stems[shard_of[g]]``.
 
-    ``image``/``text``: (n, dim) float16 L2-normalised embeddings (memory-mapped files).
+    ``image``/``text``: (n, dim) float16 L2-normalised embeddings (memory-mapped scratch
+    files, already unlinked: see ``_scratch``). ``sidecars[s]`` is the sidecar of shard
+    ``s`` and ``side_rows[g]`` the row of pair ``g`` in it, so a worker can read any pool
+    rows itself (``segments``, ``read_rows``).
     """
 
     stems: list[str]
@@ -118,10 +133,36 @@ class Pool:
     keys: list[str]
     image: NDArray[np.float16]
     text: NDArray[np.float16]
+    sidecars: list[str] = field(default_factory=list)
+    side_rows: NDArray[np.int64] = field(default_factory=lambda: np.empty(0, dtype=np.int64))
 
     @property
     def size(self) -> int:
         return len(self.keys)
+
+    def segments(self, start: int, stop: int) -> list[tuple[str, NDArray[np.int64]]]:
+        """Pool rows ``[start, stop)`` as ``(sidecar name, rows in it)``, in pool order."""
+        shards, rows = self.shard_of[start:stop], self.side_rows[start:stop]
+        cuts = np.flatnonzero(np.diff(shards)) + 1
+        return [(self.sidecars[int(part[0])], r) for part, r in zip(np.split(shards, cuts), np.split(rows, cuts))]
+
+
+def _column(modality: str) -> str:
+    """The sidecar column of ``modality`` (image or text)."""
+    from . import schema
+
+    if modality not in ("image", "text"):
+        raise ValueError(f"modality must be image or text, not {modality!r}")
+    return schema.COL_IMAGE_EMB if modality == "image" else schema.COL_TEXT_EMB
+
+
+def read_rows(out: OutputDir, segments: Iterable[tuple[str, NDArray[np.int64]]], modality: str) -> NDArray[np.float16]:
+    """The ``modality`` embeddings of pool rows given as ``Pool.segments``, read from the
+    sidecars of ``out`` and stored exactly as ``load_pool`` stores them (float16), so a
+    search of them equals a search of the pool's own arrays."""
+    column = _column(modality)
+    parts = [_fixed_list_rows(out.store.read_parquet(name, columns=[column]).column(column), rows) for name, rows in segments]
+    return np.concatenate(parts) if parts else np.empty((0, 0), dtype=np.float16)
 
 
 def _pool_rows(table: pa.Table, pool: str) -> NDArray[np.int64]:
@@ -170,8 +211,8 @@ def load_pool(out: OutputDir, pool: str, workdir: str | os.PathLike[str]) -> Poo
         which = "flagged noisy" if pool == "noisy" else "with status ok"
         raise InputError(f"the pool of {out.uri} is empty: no pair is {which}" + ("; try --pool all" if pool == "noisy" else ""))
     dim = out.read_embeddings_table(records[0]).schema.field(schema.COL_IMAGE_EMB).type.list_size
-    image = np.lib.format.open_memmap(os.path.join(workdir, "image.npy"), mode="w+", dtype=np.float16, shape=(n, dim))
-    text = np.lib.format.open_memmap(os.path.join(workdir, "text.npy"), mode="w+", dtype=np.float16, shape=(n, dim))
+    image = _scratch(workdir, (n, dim))
+    text = _scratch(workdir, (n, dim))
     keys: list[str] = []
     shard_of = np.empty(n, dtype=np.int32)
     pos = 0
@@ -184,10 +225,22 @@ def load_pool(out: OutputDir, pool: str, workdir: str | os.PathLike[str]) -> Poo
         keys += side.column(schema.COL_KEY).take(pa.array(sel)).to_pylist()
         shard_of[pos : pos + len(sel)] = s
         pos += len(sel)
-    image.flush()
-    text.flush()
     stems = [r.stem for r in records]
-    return Pool(stems, [uri_of.get(st, r.shard) for st, r in zip(stems, records)], shard_of, keys, image, text)
+    return Pool(stems, [uri_of.get(st, r.shard) for st, r in zip(stems, records)], shard_of, keys, image, text,
+                sidecars=[r.emb_output or out.emb_name(r.stem) for r in records], side_rows=np.concatenate(rows))
+
+
+def _scratch(workdir: str | os.PathLike[str], shape: tuple[int, int]) -> NDArray[np.float16]:
+    """A float16 array of ``shape`` backed by a file under ``workdir`` that is unlinked as
+    soon as it is mapped: the mapping keeps the data (paged to disk, not held in memory)
+    and the kernel frees the file when the process ends, even by kill -9, so a crashed run
+    leaves no scratch files behind (POSIX; the memory stays bounded by the page cache)."""
+    fd, path = tempfile.mkstemp(prefix="pairclean-pseudo-", suffix=".npy", dir=workdir)
+    os.close(fd)
+    try:
+        return np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=shape)
+    finally:
+        os.unlink(path)
 
 
 # -- nearest neighbours -----------------------------------------------------------------------
@@ -216,14 +269,24 @@ def _drop_self(ids: NDArray[np.int64], k: int) -> NDArray[np.int64]:
     return np.take_along_axis(ids, order, axis=1)[:, :k]
 
 
-def _neighbours(data: NDArray[Any], queries: NDArray[Any], k: int, opts: PseudoOptions, seed: int) -> tuple[NDArray[np.int64], dict[str, Any], dict[str, float]]:
+#: ``search(index, plan, modality)``: where FAISS searches the pool's ``modality`` rows
+#: ("image" or "text") against ``index``: an ``ann.RawSearch``, or None for this process.
+Search = Callable[[Any, "IndexPlan", str], "RawSearch | None"]
+#: ``searcher(pool, index, plan, modality)``: a ``Search`` that knows the pool (its sidecars),
+#: e.g. a Ray actor pool reading query rows itself (``pairclean_workers.pseudo_exec``).
+PoolSearcher = Callable[["Pool", Any, "IndexPlan", str], "RawSearch | None"]
+
+
+def _neighbours(data: NDArray[Any], queries: NDArray[Any], modality: str, k: int, opts: PseudoOptions, seed: int,
+                search: Search | None) -> tuple[NDArray[np.int64], dict[str, Any], dict[str, float]]:
     from . import ann
 
     plan = ann.choose_index(data.shape[0], data.shape[1], opts.index, seed=seed, nprobe=opts.nprobe)
     index, plan, timings = ann.build_index(plan, data, chunk=opts.chunk)
     t0 = time.perf_counter()
+    raw = search(index, plan, modality) if search is not None else None
     # One extra neighbour: the query's own item (same pool row) is dropped.
-    _, ids = ann.search(index, queries, min(k + 1, data.shape[0]), chunk=opts.chunk, data=data, refine_k=plan.refine_k)
+    _, ids = ann.search(index, queries, min(k + 1, data.shape[0]), chunk=opts.chunk, data=data, refine_k=plan.refine_k, raw=raw)
     timings["search_s"] = time.perf_counter() - t0
     del index
     ids = _drop_self(ids, k)
@@ -232,17 +295,18 @@ def _neighbours(data: NDArray[Any], queries: NDArray[Any], k: int, opts: PseudoO
     return ids, plan.to_json(), timings
 
 
-def nearest_pairs(image: NDArray[Any], text: NDArray[Any], opts: PseudoOptions, seed: int = 0) -> PairResult:
+def nearest_pairs(image: NDArray[Any], text: NDArray[Any], opts: PseudoOptions, seed: int = 0, search: Search | None = None) -> PairResult:
     """Pseudo-pairs of a pool of (n, dim) L2-normalised ``image`` and ``text`` rows (row i of
     each is the same original pair).
 
     ``i2t``: each image's ``opts.neighbours`` nearest captions; ``t2i``: each caption's
     nearest images; own pair excluded; a pair found both ways at rank 0 is ``mutual`` and
     appears once (as ``i2t``). With ``opts.mutual_only`` only mutual pairs remain.
+    ``search``: where the queries run (default: here); the result is the same.
     """
     k = max(1, int(opts.neighbours))
-    i2t, plan_t, tim_t = _neighbours(text, image, k, opts, seed)
-    t2i, plan_i, tim_i = _neighbours(image, text, k, opts, seed)
+    i2t, plan_t, tim_t = _neighbours(text, image, "image", k, opts, seed, search)
+    t2i, plan_i, tim_i = _neighbours(image, text, "text", k, opts, seed, search)
     n = image.shape[0]
     top_i2t, top_t2i = i2t[:, 0], t2i[:, 0]
 
@@ -293,7 +357,8 @@ def weigh(similarity: NDArray[np.float32], calibration: Calibration) -> NDArray[
 # -- the command ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PseudoReport:
-    """What ``pseudo_pair`` did: pool size, pairs written (mutual among them), files, timings."""
+    """What ``pseudo_pair`` did: pool size, pairs written (mutual among them), files, index
+    plans, timings and where the queries ran."""
 
     pool_size: int
     pairs: int
@@ -301,6 +366,9 @@ class PseudoReport:
     files: list[str]
     plans: dict[str, Any]
     timings: dict[str, float]
+    #: where the queries ran: local (this process), the searcher's ``name`` (default
+    #: "remote"), or mixed
+    executor: str = "local"
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
@@ -329,10 +397,21 @@ def _captions(pool: Pool, caps: NDArray[np.int64], caption_field: str | None, st
 
 
 def pseudo_pair(out: OutputDir, opts: PseudoOptions, storage_options: Mapping[str, Any] | None = None,
-                before_write: Callable[[], None] | None = None) -> PseudoReport:
+                before_write: Callable[[], None] | None = None, searcher: PoolSearcher | None = None,
+                workdir: str | os.PathLike[str] | None = None) -> PseudoReport:
     """Pseudo-pair the pool of the scored job ``out`` and write ``OUT/_pseudo/<stem>.parquet``
     (one file per committed shard, empty when none of its images got a pseudo-caption;
-    files of an earlier run under other names are removed). Deterministic for a seed.
+    files of an earlier run under other names are removed), then the completion record
+    ``OUT/_pseudo/_run.json``. Deterministic for a seed, wherever ``searcher`` runs the
+    queries (default: this process).
+
+    Crash safety (kill -9 at any point): every file is written whole or not at all
+    (``Store.put``); the record is removed before the first file is replaced and written
+    after the last, so an interrupted run leaves no record and readers refuse the mix of
+    old and new files until a rerun, which recomputes everything (the search results are
+    not kept) and writes the same bytes as an uninterrupted run. Temporaries of a killed
+    local write are removed first; the pool's scratch files under ``workdir`` (default: the
+    system's temporary folder) never outlive the process.
 
     Hold the folder's ``RunLock`` while calling and pass its ``check`` as ``before_write``
     (a run that lost the lock writes nothing). Raises ``InputError`` for unusable input.
@@ -344,34 +423,51 @@ def pseudo_pair(out: OutputDir, opts: PseudoOptions, storage_options: Mapping[st
         raise InputError(f"{out.uri} has no calibration yet: run pairclean score to completion first")
     if opts.min_weight < 0 or opts.min_weight > 1:
         raise InputError(f"--min-weight must be in [0, 1], not {opts.min_weight}")
+    if opts.chunk < 1:
+        raise InputError(f"--chunk must be at least 1, not {opts.chunk}")
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="pairclean-pseudo-") as work:
-        pool = load_pool(out, opts.pool, work)
-        spec = out.read_spec()
-        assert spec is not None
-        seed = spec.seed if opts.seed is None else opts.seed
-        timings = {"load_s": time.perf_counter() - t0}
-        if pool.size < 2:
-            raise InputError(f"the pool of {out.uri} has a single pair: nothing to pair it with")
-        result = nearest_pairs(pool.image, pool.text, opts, seed)
-        timings.update(result.timings)
-        t1 = time.perf_counter()
-        sim = exact_cosine(pool.image, pool.text, result.img, result.cap, opts.chunk)
-        weight = weigh(sim, calibration)
-        keep = weight >= opts.min_weight
-        texts = _captions(pool, result.cap[keep], spec.caption_field, storage_options or {})
-        timings["captions_s"] = time.perf_counter() - t1
-        meta = {
-            "kind": "pseudo-pairs", "method": "RCSL nearest-neighbour pseudo-pairing (docs/methods.md)",
-            "pool": opts.pool, "pool_size": pool.size, "mutual_only": opts.mutual_only, "neighbours": opts.neighbours,
-            "min_weight": opts.min_weight, "seed": seed, "index": result.plans, "calibration": calibration.to_json(),
-            "job": _job_digest(out),
-        }
-        if before_write is not None:
-            before_write()
-        files = _write(out, pool, result, sim, weight, keep, texts, meta)
+    out.store.remove_temporaries(PSEUDO_DIR)  # a killed run's half-written temporaries (ours)
+    pool = load_pool(out, opts.pool, workdir if workdir is not None else tempfile.gettempdir())
+    spec = out.read_spec()
+    assert spec is not None
+    seed = spec.seed if opts.seed is None else opts.seed
+    timings = {"load_s": time.perf_counter() - t0}
+    if pool.size < 2:
+        raise InputError(f"the pool of {out.uri} has a single pair: nothing to pair it with")
+    where: set[str] = set()
+
+    def search(index: Any, plan: IndexPlan, modality: str) -> RawSearch | None:
+        raw = searcher(pool, index, plan, modality) if searcher is not None else None
+        where.add("local" if raw is None else "remote")
+        return raw
+
+    result = nearest_pairs(pool.image, pool.text, opts, seed, search)
+    timings.update(result.timings)
+    t1 = time.perf_counter()
+    sim = exact_cosine(pool.image, pool.text, result.img, result.cap, opts.chunk)
+    weight = weigh(sim, calibration)
+    keep = weight >= opts.min_weight
+    texts = _captions(pool, result.cap[keep], spec.caption_field, storage_options or {})
+    timings["captions_s"] = time.perf_counter() - t1
+    meta = {
+        "kind": "pseudo-pairs", "method": "RCSL nearest-neighbour pseudo-pairing (docs/methods.md)",
+        "pool": opts.pool, "pool_size": pool.size, "mutual_only": opts.mutual_only, "neighbours": opts.neighbours,
+        "min_weight": opts.min_weight, "seed": seed, "index": result.plans, "calibration": calibration.to_json(),
+        "job": _job_digest(out),
+    }
+    if before_write is not None:
+        before_write()
+    out.store.rm(RECORD)  # from here until the record is back, the folder is a run in progress
+    files = _write(out, pool, result, sim, weight, keep, texts, meta)
+    pairs, mutual = int(keep.sum()), int((result.mutual & keep).sum())
+    record = {**{k: v for k, v in meta.items() if k != "calibration"}, "pairs": pairs, "mutual": mutual, "files": files}
+    if before_write is not None:
+        before_write()
+    out.store.put(RECORD, json.dumps(record, indent=1, sort_keys=True).encode())
     timings["total_s"] = time.perf_counter() - t0
-    return PseudoReport(pool.size, int(keep.sum()), int((result.mutual & keep).sum()), files, result.plans, timings)
+    remote = getattr(searcher, "name", "remote")
+    return PseudoReport(pool.size, pairs, mutual, sorted(files), result.plans, timings,
+                        executor=remote if where == {"remote"} else "local" if where <= {"local"} else "mixed")
 
 
 def _job_digest(out: OutputDir) -> str | None:
@@ -380,7 +476,9 @@ def _job_digest(out: OutputDir) -> str | None:
 
 
 def _write(out: OutputDir, pool: Pool, result: PairResult, sim: NDArray[np.float32], weight: NDArray[np.float32],
-           keep: NDArray[np.bool_], texts: dict[int, str | None], meta: dict[str, Any]) -> list[str]:
+           keep: NDArray[np.bool_], texts: dict[int, str | None], meta: dict[str, Any]) -> dict[str, str]:
+    """Write one file per shard; returns ``{name: sha256}``. Removes our files of shards no
+    longer committed (only ours: ``written_by``)."""
     from . import __version__, schema
 
     idx = np.flatnonzero(keep)
@@ -388,7 +486,7 @@ def _write(out: OutputDir, pool: Pool, result: PairResult, sim: NDArray[np.float
     # Rows grouped by image shard, in pool order, i2t before t2i, then rank: deterministic.
     order = np.lexsort((result.rank[idx], result.direction[idx] != "i2t", result.img[idx], img_shard))
     idx, img_shard = idx[order], img_shard[order]
-    written = []
+    written: dict[str, str] = {}
     for s, stem in enumerate(pool.stems):
         rows = idx[img_shard == s]
         ig, cg = result.img[rows], result.cap[rows]
@@ -407,8 +505,7 @@ def _write(out: OutputDir, pool: Pool, result: PairResult, sim: NDArray[np.float
         doc = {**meta, "shard": pool.uris[s], "pairclean_version": __version__}
         table = table.replace_schema_metadata({schema.META_KEY: json.dumps(doc, sort_keys=True).encode()})
         name = f"{PSEUDO_DIR}/{stem}.parquet"
-        out.write_table(name, table)
-        written.append(name)
+        written[name] = out.write_table(name, table).sha256
     # Files of an earlier run for shards that are no longer committed: ours, so removed.
     for name in out.store.list(PSEUDO_DIR):
         full = f"{PSEUDO_DIR}/{name}"
@@ -427,7 +524,8 @@ def _stem_of(url: str) -> str:
 class PseudoCaptions:
     """Pseudo-captions of a job's images: ``get(shard_url, key)`` -> ``(caption, weight)`` or None.
 
-    Reads ``OUT/_pseudo/<stem>.parquet`` (local folder) lazily, one shard's file the first
+    Reads ``OUT/_pseudo/<stem>.parquet`` (local folder) of a finished run (its ``_run.json``
+    record present; else ``FileNotFoundError``) lazily, one shard's file the first
     time one of its samples is seen, keeping at most ``max_cached_shards``. An image with
     several pseudo-pairs (``t2i`` rows, or ``neighbours`` > 1) gets the highest-weighted one
     (ties: its own nearest caption first). Plain attributes only: picklable, so it works in
@@ -441,6 +539,10 @@ class PseudoCaptions:
         self.root = Path(output_dir) / PSEUDO_DIR
         if not self.root.is_dir():
             raise FileNotFoundError(f"no pseudo-pairs in {output_dir}: run pairclean pseudo-pair {output_dir} first")
+        if not (Path(output_dir) / RECORD).is_file():
+            # Files without the record are a mix of an interrupted run's and an older run's.
+            raise FileNotFoundError(f"the pseudo-pairs in {output_dir} are incomplete (a pseudo-pair run was interrupted): "
+                                    f"run pairclean pseudo-pair {output_dir} again")
         self.caption_key = caption_key
         self.max_cached = max_cached_shards
         self._cache: dict[str, dict[str, tuple[str, float]]] = {}

@@ -57,11 +57,19 @@ def test_every_index_recovers_planted_captions(planted, kind: str) -> None:
 
 def test_flat_and_ivf_agree_on_a_small_pool(planted) -> None:
     img, text, _ = planted
-    flat = nearest_pairs(img, text, PseudoOptions(index="flat"))
-    ivf = nearest_pairs(img, text, PseudoOptions(index="ivf", nprobe=16))
-    a, b = _i2t_top1(flat), _i2t_top1(ivf)
-    agree = np.mean([a[i] == b[i] for i in a])
-    assert agree >= 0.99
+    flat = nearest_pairs(img, text, PseudoOptions(index="flat", neighbours=2))
+    # Probing every list, IVF-Flat computes the exact scores of every vector: the same pairs.
+    nlist = ann.choose_index(N, DIM, "ivf").nlist
+    every = nearest_pairs(img, text, PseudoOptions(index="ivf", nprobe=nlist, neighbours=2))
+    assert every.plans["i2t"]["nprobe"] == nlist
+    for field in ("img", "cap", "rank", "direction", "mutual"):
+        assert np.array_equal(getattr(flat, field), getattr(every, field)), field
+    # With its default probes (a fraction of the lists), top-1 still agrees in both directions,
+    # orphans (whose nearest caption is any caption) included.
+    default = nearest_pairs(img, text, PseudoOptions(index="ivf"))
+    assert default.plans["i2t"]["nprobe"] < nlist
+    assert np.mean(flat.i2t_top == default.i2t_top) >= 0.99
+    assert np.mean(flat.t2i_top == default.t2i_top) >= 0.99
 
 
 def test_mutual_filter_and_no_duplicates(planted) -> None:
@@ -95,10 +103,19 @@ def test_ranks_follow_similarity_and_skip_own_caption(planted) -> None:
 
 
 def test_deterministic_for_a_seed(planted) -> None:
+    import faiss
+
     img, text, _ = planted
-    a = nearest_pairs(img, text, PseudoOptions(index="ivf"), seed=3)
-    b = nearest_pairs(img, text, PseudoOptions(index="ivf"), seed=3)
-    assert np.array_equal(a.img, b.img) and np.array_equal(a.cap, b.cap)
+    a = nearest_pairs(img, text, PseudoOptions(index="ivf", neighbours=2), seed=3)
+    b = nearest_pairs(img, text, PseudoOptions(index="ivf", neighbours=2), seed=3)
+    for field in ("img", "cap", "rank", "direction", "mutual"):
+        assert np.array_equal(getattr(a, field), getattr(b, field)), field
+    for kind in ("ivf", "ivfpq"):
+        # The trained index itself, byte for byte; another seed trains another one.
+        plan = ann.choose_index(N, DIM, kind, seed=3)
+        same = [faiss.serialize_index(ann.build_index(plan, text)[0]).tobytes() for _ in range(2)]
+        other = faiss.serialize_index(ann.build_index(ann.choose_index(N, DIM, kind, seed=4), text)[0]).tobytes()
+        assert same[0] == same[1] and other != same[0], kind
 
 
 def test_drop_self() -> None:
@@ -126,3 +143,38 @@ def test_chunked_search_equals_one_shot(planted) -> None:
     d1, i1 = ann.search(index, img, 2, chunk=257)
     d2, i2 = ann.search(index, img, 2, chunk=N)
     assert np.array_equal(i1, i2) and np.allclose(d1, d2)
+
+
+def test_search_takes_its_chunks_from_anywhere_in_any_order(planted) -> None:
+    """The contract a remote executor (a Ray pool) relies on: FAISS results of the chunks
+    ``search`` asks for, in any order, give the local answer; a missing chunk is an error."""
+    img, text, _ = planted
+    plan = ann.choose_index(N, DIM, "ivfpq")
+    index, plan, _ = ann.build_index(plan, text)
+    want = ann.search(index, img, 3, chunk=300, data=text, refine_k=plan.refine_k)
+    local = ann.local_raw_search(index, img)
+    asked = []
+
+    def reversed_chunks(fetch: int, chunk: int) -> list:
+        asked.append((fetch, chunk))
+        return list(local(fetch, chunk))[::-1]
+
+    got = ann.search(index, img, 3, chunk=300, data=text, refine_k=plan.refine_k, raw=reversed_chunks)
+    assert np.array_equal(got[1], want[1]) and np.array_equal(got[0], want[0])
+    assert asked == [(plan.refine_k, 300)]  # candidates for re-ranking, in the caller's chunks
+    assert ann.query_chunks(N, 300)[-1] == (1800, 2000) and len(ann.query_chunks(N, 300)) == 7
+    with pytest.raises(RuntimeError, match="query rows"):
+        ann.search(index, img, 3, chunk=300, raw=lambda fetch, chunk: list(local(fetch, chunk))[1:])
+
+
+def test_pool_segments_map_rows_to_sidecars() -> None:
+    from pairclean.pseudo import Pool
+
+    shard_of = np.array([0, 0, 1, 1, 1, 3], dtype=np.int32)
+    side_rows = np.array([2, 5, 0, 1, 7, 4], dtype=np.int64)
+    empty = np.empty((6, 2), dtype=np.float16)
+    pool = Pool(["a", "b", "c", "d"], ["a.tar", "b.tar", "c.tar", "d.tar"], shard_of, list("uvwxyz"), empty, empty,
+                sidecars=["_emb/a.parquet", "_emb/b.parquet", "_emb/c.parquet", "_emb/d.parquet"], side_rows=side_rows)
+    got = [(name, rows.tolist()) for name, rows in pool.segments(1, 6)]
+    assert got == [("_emb/a.parquet", [5]), ("_emb/b.parquet", [0, 1, 7]), ("_emb/d.parquet", [4])]
+    assert [(n, r.tolist()) for n, r in pool.segments(2, 4)] == [("_emb/b.parquet", [0, 1])]

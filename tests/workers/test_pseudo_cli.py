@@ -147,3 +147,169 @@ def test_clear_errors(job, tmp_path: Path, dev_images: list, capsys) -> None:
     assert main(["pseudo-pair", str(tmp_path / "empty"), "--pool", "all"]) == 1
     err = capsys.readouterr().err.strip()
     assert "pool" in err and "empty" in err and "\n" not in err
+
+
+# -- crash safety, executors, object stores ---------------------------------------------------
+def _snapshot(out: Path) -> dict[str, bytes]:
+    """Every file under OUT/_pseudo (record included), by name."""
+    return {p.name: p.read_bytes() for p in sorted((out / "_pseudo").iterdir())}
+
+
+#: Runs the CLI and SIGKILLs itself (a real kill -9: no cleanup, no finally) inside the
+#: rename of the Nth file written into _pseudo/, after its temporary is complete.
+_KILL_ON_NTH_WRITE = """
+import os, signal, sys
+nth, seen, replace = int(sys.argv[1]), [0], os.replace
+def killing_replace(src, dst, *a, **kw):
+    if "/_pseudo/" in str(dst) and str(dst).endswith(".parquet"):
+        seen[0] += 1
+        if seen[0] == nth:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return replace(src, dst, *a, **kw)
+os.replace = killing_replace
+from pairclean_workers.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_resume_after_kill_9_writes_what_an_uncrashed_run_writes(job, tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from pairclean.pseudo import RECORD, PseudoCaptions
+
+    out, _, _ = job
+    args = ["pseudo-pair", str(out), "--pool", "all", "--index", "ivf", "--neighbours", "2", "--executor", "local"]
+    assert main(args) == 0
+    uncrashed = _snapshot(out)
+    assert "_run.json" in uncrashed and len(uncrashed) == 3
+    record = json.loads(uncrashed["_run.json"])
+    assert record["files"] == {f"_pseudo/{n}": __import__("hashlib").sha256(b).hexdigest() for n, b in uncrashed.items() if n != "_run.json"}
+    # An older, different, complete run: the crash below leaves a mix of its files and new ones.
+    assert main(["pseudo-pair", str(out), "--pool", "all", "--mutual", "--executor", "local"]) == 0
+    older = _snapshot(out)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    crashed = subprocess.run([sys.executable, "-c", _KILL_ON_NTH_WRITE, "2", *args], env=env, capture_output=True, text=True, timeout=300)
+    assert crashed.returncode == -9, crashed.stderr[-2000:]
+    after = {p.name for p in (out / "_pseudo").iterdir()}
+    temporaries = [n for n in after if ".tmp-" in n]
+    assert len(temporaries) == 1 and "_run.json" not in after  # killed mid-write: no record
+    assert _snapshot(out)["part-00000.parquet"] == uncrashed["part-00000.parquet"]  # the first file is new,
+    assert _snapshot(out)["part-00001.parquet"] == older["part-00001.parquet"]  # the second still the older run's
+    with pytest.raises(FileNotFoundError, match="incomplete"):
+        PseudoCaptions(out)  # trainers refuse the mix
+    assert list(scratch.iterdir()) == []  # the pool's scratch files died with the process
+    assert (out / schema.LOCK_FILE).exists()  # the dead run's lock: taken over below (same host, pid gone)
+    rerun = subprocess.run([sys.executable, "-m", "pairclean_workers.cli", *args], env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert _snapshot(out) == uncrashed  # byte for byte, temporaries gone, record back
+    assert not (out / schema.LOCK_FILE).exists() and list(scratch.iterdir()) == []
+    assert (out / RECORD).exists() and PseudoCaptions(out).get(str(job[1][0]), "s0/000") is not None
+
+
+def test_query_searcher_reads_its_rows_from_the_sidecars(job, tmp_path: Path) -> None:
+    """The Ray actor's logic without Ray: query rows read from the sidecars by
+    ``Pool.segments`` search exactly like the driver's copy of them."""
+    import faiss
+
+    from pairclean import ann
+    from pairclean.pseudo import load_pool
+    from pairclean_workers.pseudo_exec import QuerySearcher
+
+    out, _, _ = job
+    folder = OutputDir(str(out))
+    pool = load_pool(folder, "all", tmp_path)
+    assert len(pool.segments(0, pool.size)) == 2  # both shards
+    for modality, data, queries in (("image", pool.text, pool.image), ("text", pool.image, pool.text)):
+        index, _, _ = ann.build_index(ann.choose_index(pool.size, data.shape[1], "flat"), data)
+        actor = QuerySearcher(folder, threads=1)
+        actor.load("i", faiss.serialize_index(index))
+        for start, stop in ann.query_chunks(pool.size, 7):  # chunks across the shard boundary
+            d, i = actor.search("i", [None], pool.segments(start, stop), modality, 3, None)
+            d0, i0 = index.search(np.ascontiguousarray(queries[start:stop], dtype=np.float32), 3)
+            assert np.array_equal(i, i0) and np.array_equal(d, d0), (modality, start)
+    assert list(tmp_path.iterdir()) == []  # the pool's scratch files are unlinked once mapped
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray for this module's Ray tests (2 CPUs), shut down after them unless it
+    was already up."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.mark.ray
+def test_ray_executor_writes_what_the_local_one_writes(job, ray_session, capsys) -> None:
+    out, _, _ = job
+    for index in ("flat", "ivfpq"):  # ivfpq: candidates from the actors, re-ranked by the driver
+        common = ["pseudo-pair", str(out), "--pool", "all", "--index", index, "--neighbours", "2", "--chunk", "5", "--json"]
+        assert main([*common, "--executor", "local"]) == 0
+        assert json.loads(capsys.readouterr().out)["executor"] == "local"
+        local = _snapshot(out)
+        # 24 queries in chunks of 5: 5 tasks a direction over 2 actors, chunks spanning both shards
+        assert main([*common, "--executor", "ray", "--ray-min-pool", "0", "--num-actors", "2"]) == 0
+        assert json.loads(capsys.readouterr().out)["executor"] == "ray"
+        assert _snapshot(out) == local, index
+    # Below --ray-min-pool the queries stay in this process.
+    assert main(["pseudo-pair", str(out), "--pool", "all", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["executor"] == "local"
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_pool_in_the_loopback_s3_store(job, ray_session, s3_endpoint: str, tmp_path: Path) -> None:
+    """Shards, sidecars and output on S3: captions read from the S3 shards, the Ray actors
+    read their query rows from the S3 sidecars; both executors write the same objects, and
+    the pairs are those of the same job scored into a local folder."""
+    import hashlib
+
+    import s3fs
+
+    out, shards, captions = job
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint, key="testing", secret="testing")
+    fs.mkdir("shards")
+    fs.mkdir("weights")
+    for i, path in enumerate(shards):
+        fs.put(str(path), f"shards/part-{i:05d}.tar")
+    # Credentials as storage options, not only the environment: Ray workers get them with the OutputDir.
+    storage = ["--storage-option", f"endpoint_url={s3_endpoint}", "--storage-option", "key=testing", "--storage-option", "secret=testing"]
+    s3_shards = [f"s3://shards/part-{i:05d}.tar" for i in range(len(shards))]
+    assert main(["score", *s3_shards, "--out", "s3://weights/job", *TINY, *storage]) == 0
+    common = ["pseudo-pair", "s3://weights/job", "--pool", "all", "--neighbours", "2", "--chunk", "7", *storage]
+
+    def objects() -> dict[str, bytes]:
+        return {p.rsplit("/", 1)[1]: fs.cat_file(p) for p in sorted(fs.find("weights/job/_pseudo"))}
+
+    assert main([*common, "--executor", "local"]) == 0
+    on_s3 = objects()
+    assert sorted(on_s3) == ["_run.json", "part-00000.parquet", "part-00001.parquet"]
+    record = json.loads(on_s3["_run.json"])
+    assert record["files"] == {f"_pseudo/{n}": hashlib.sha256(b).hexdigest() for n, b in on_s3.items() if n != "_run.json"}
+    assert not fs.exists(f"weights/job/{schema.LOCK_FILE}")
+    assert main([*common, "--executor", "ray", "--ray-min-pool", "0", "--num-actors", "2"]) == 0
+    assert objects() == on_s3
+    # The same pairs as the local folder's job (the same shards, scored the same way).
+    assert main(["pseudo-pair", str(out), "--pool", "all", "--neighbours", "2", "--executor", "local"]) == 0
+    import io
+
+    def rows(tables: dict[str, bytes]) -> list[tuple]:
+        got = []
+        for name in sorted(n for n in tables if n.endswith(".parquet")):
+            for r in pq.read_table(io.BytesIO(tables[name])).to_pylist():
+                got.append((r["image_key"], r["caption_key"], r["caption"], round(r["similarity"], 5), r["direction"], r["rank"]))
+        return got
+
+    s3_rows = rows(on_s3)
+    assert s3_rows == rows(_snapshot(out)) and len(s3_rows) >= 24
+    assert all(caption == captions[key] for _, key, caption, *_ in s3_rows)  # text read from the S3 shards
+    first = pq.read_table(io.BytesIO(on_s3["part-00000.parquet"])).to_pylist()
+    assert {r["image_shard"] for r in first} == {s3_shards[0]}
