@@ -1,10 +1,12 @@
-"""The durable job store: SQLAlchemy over SQLite (default) or PostgreSQL (by URL).
+"""The durable job store: SQLAlchemy Core over SQLite (default) or PostgreSQL (by URL).
 
-Schema changes are numbered migrations applied in order at start-up and recorded in
-``schema_version`` (a small equivalent of Alembic: the service owns its two tables and
-needs no autogeneration). On PostgreSQL the migrating transaction holds an advisory lock,
-so API replicas starting together apply each migration once. Every write is its own
-short transaction, so a crash loses at most the change in flight.
+The tables are ``tables.py``; every query is built from them with Core constructs and
+bound parameters (no SQL text is assembled from strings). The schema is migrated at
+start-up by Alembic (``migrations/``): on PostgreSQL under an advisory lock and on SQLite
+under the file's write lock, so API replicas starting together apply each revision once,
+and databases made by the hand-written migrations of earlier releases are adopted in
+place. Every write is its own short transaction, so a crash loses at most the change in
+flight.
 
 Tenancy lives in the schema: idempotency keys are unique per owner (``owner, idem_key``),
 and a partial unique index lets only one QUEUED or RUNNING job hold an output location
@@ -21,57 +23,15 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Engine, bindparam, create_engine, event, text
+from sqlalchemy import ColumnElement, Engine, Row, Select, create_engine, event, func, insert, literal, select, update
 from sqlalchemy.exc import IntegrityError
 
-from pairclean.lifecycle import ACTIVE, STATES, TERMINAL, IllegalTransition, can_move
+from pairclean.lifecycle import ACTIVE, QUEUED, STATES, TERMINAL, IllegalTransition, can_move
+
+from . import migrations
+from .tables import api_keys, jobs
 
 __all__ = ["STATES", "TERMINAL", "ACTIVE", "JobRow", "JobStore", "OutputInUse", "Principal"]
-
-# Random, fixed: the PostgreSQL advisory lock id that serialises migrations.
-_MIGRATION_LOCK = 0x70C1EA17
-
-_MIGRATIONS: list[str] = [
-    # 1: jobs and API keys
-    """
-    CREATE TABLE jobs (
-        id VARCHAR(36) PRIMARY KEY,
-        state VARCHAR(16) NOT NULL,
-        request TEXT NOT NULL,
-        idempotency_key VARCHAR(200) UNIQUE,
-        owner VARCHAR(100),
-        error TEXT,
-        pid INTEGER,
-        cancel_requested INTEGER NOT NULL DEFAULT 0,
-        shards_total INTEGER NOT NULL DEFAULT 0,
-        shards_done INTEGER NOT NULL DEFAULT 0,
-        shards_failed INTEGER NOT NULL DEFAULT 0,
-        pairs INTEGER NOT NULL DEFAULT 0,
-        noise_rate DOUBLE PRECISION,
-        created_at VARCHAR(32) NOT NULL,
-        started_at VARCHAR(32),
-        finished_at VARCHAR(32)
-    )
-    """,
-    "CREATE INDEX jobs_state ON jobs (state)",
-    """
-    CREATE TABLE api_keys (
-        key_hash VARCHAR(64) PRIMARY KEY,
-        name VARCHAR(100) NOT NULL,
-        created_at VARCHAR(32) NOT NULL
-    )
-    """,
-    # 4: an admin role on keys (set when the key is created)
-    "ALTER TABLE api_keys ADD COLUMN admin INTEGER NOT NULL DEFAULT 0",
-    # 5-7: idempotency keys unique per owner, not across owners (the old column's UNIQUE
-    # constraint cannot be dropped portably on SQLite, so keys move to a new column)
-    "ALTER TABLE jobs ADD COLUMN idem_key VARCHAR(200)",
-    "UPDATE jobs SET idem_key = idempotency_key, idempotency_key = NULL WHERE idempotency_key IS NOT NULL",
-    "CREATE UNIQUE INDEX jobs_owner_idem ON jobs (owner, idem_key)",
-    # 8-9: one active job per output location
-    "ALTER TABLE jobs ADD COLUMN output_key VARCHAR(64)",
-    "CREATE UNIQUE INDEX jobs_active_output ON jobs (output_key) WHERE state IN ('QUEUED', 'RUNNING')",
-]
 
 
 def _now() -> str:
@@ -100,7 +60,16 @@ class JobRow:
     finished_at: str | None
 
 
-_COLUMNS = ", ".join("idem_key AS idempotency_key" if f == "idempotency_key" else f for f in JobRow.__dataclass_fields__)
+# JobRow field -> column: the same name except the idempotency key (``idem_key`` since keys
+# became per owner).
+_COLUMN_OF = {field: "idem_key" if field == "idempotency_key" else field for field in JobRow.__dataclass_fields__}
+# Fields update/transition may set: everything but the id and the request, plus the output key.
+_SETTABLE = {field: column for field, column in _COLUMN_OF.items() if field not in {"id", "request"}} | {"output_key": "output_key"}
+
+
+def _select_jobs() -> Select[Any]:
+    """SELECT of every JobRow field, labelled with the field's name."""
+    return select(*(jobs.c[column].label(field) for field, column in _COLUMN_OF.items()))
 
 
 @dataclass(frozen=True)
@@ -123,48 +92,47 @@ def _states(states: Sequence[str]) -> list[str]:
     return [s for s in states if s in STATES]
 
 
-def _row(r: Any) -> JobRow:
+def _row(r: Row[Any]) -> JobRow:
     data = dict(r._mapping)
     data["request"] = json.loads(data["request"])
     data["cancel_requested"] = bool(data["cancel_requested"])
     return JobRow(**data)
 
 
+def _values(fields: dict[str, Any]) -> dict[str, Any]:
+    """Column values for ``fields``; names are this package's own, checked against an allow-list."""
+    bad = set(fields) - set(_SETTABLE)
+    if bad:
+        raise ValueError(f"unknown job fields {bad}")
+    if not fields:
+        raise ValueError("nothing to set")
+    return {_SETTABLE[name]: value for name, value in fields.items()}
+
+
 class JobStore:
     """Jobs and API keys in a real database file (or server)."""
 
     def __init__(self, url: str) -> None:
-        self.engine: Engine = create_engine(url, future=True, pool_pre_ping=True)
-        if url.startswith("sqlite"):
+        self.engine: Engine = create_engine(url, pool_pre_ping=True)
+        if self.engine.dialect.name == "sqlite":
             event.listen(self.engine, "connect", _sqlite_pragmas)
         self.migrate()
 
-    def migrate(self) -> int:
-        """Apply pending migrations; returns the schema version the database now records."""
-        with self.engine.begin() as conn:
-            if self.engine.dialect.name == "postgresql":
-                # Replicas starting together: the first migrates, the others wait, then see
-                # the new version and apply nothing.
-                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _MIGRATION_LOCK})
-            conn.execute(text("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)"))
-            current = conn.execute(text("SELECT MAX(version) FROM schema_version")).scalar() or 0
-            for number, statement in enumerate(_MIGRATIONS, start=1):
-                if number > current:
-                    conn.execute(text(statement))
-                    conn.execute(text("INSERT INTO schema_version (version) VALUES (:v)"), {"v": number})
-        return self.schema_version()
+    def migrate(self) -> str:
+        """Bring the schema to the Alembic head (see ``migrations``); returns the revision
+        the database now records, read back from it."""
+        return migrations.upgrade(self.engine)
 
-    def schema_version(self) -> int:
-        """The highest migration recorded in the database."""
+    def schema_revision(self) -> str | None:
+        """The Alembic revision the database records."""
         with self.engine.connect() as conn:
-            return int(conn.execute(text("SELECT MAX(version) FROM schema_version")).scalar() or 0)
+            return migrations.current_revision(conn)
 
     # -- API keys ---------------------------------------------------------------------
     def add_key(self, key_hash: str, name: str, admin: bool = False) -> None:
         """Store a key's hash under ``name``; an admin key sees every owner's jobs."""
         with self.engine.begin() as conn:
-            conn.execute(text("INSERT INTO api_keys (key_hash, name, admin, created_at) VALUES (:h, :n, :a, :t)"),
-                         {"h": key_hash, "n": name, "a": int(admin), "t": _now()})
+            conn.execute(insert(api_keys).values(key_hash=key_hash, name=name, admin=int(admin), created_at=_now()))
 
     def key_owner(self, key_hash: str) -> str | None:
         principal = self.principal(key_hash)
@@ -173,8 +141,8 @@ class JobStore:
     def principal(self, key_hash: str) -> Principal | None:
         """The owner of a key and its role, or None for an unknown key."""
         with self.engine.connect() as conn:
-            r = conn.execute(text("SELECT name, admin FROM api_keys WHERE key_hash = :h"), {"h": key_hash}).first()
-        return Principal(str(r[0]), bool(r[1])) if r else None
+            r = conn.execute(select(api_keys.c.name, api_keys.c.admin).where(api_keys.c.key_hash == key_hash)).first()
+        return Principal(str(r.name), bool(r.admin)) if r else None
 
     # -- jobs -----------------------------------------------------------------------------
     def create(self, request: dict[str, Any], owner: str | None, idempotency_key: str | None, shards_total: int,
@@ -195,14 +163,9 @@ class JobStore:
         job_id = str(uuid.uuid4())
         try:
             with self.engine.begin() as conn:
-                conn.execute(
-                    text(
-                        "INSERT INTO jobs (id, state, request, idem_key, owner, shards_total, output_key, created_at) "
-                        "VALUES (:id, 'QUEUED', :req, :ik, :owner, :total, :ok, :t)"
-                    ),
-                    {"id": job_id, "req": json.dumps(request), "ik": idempotency_key, "owner": owner, "total": shards_total,
-                     "ok": output_key, "t": _now()},
-                )
+                conn.execute(insert(jobs).values(
+                    id=job_id, state=QUEUED, request=json.dumps(request), idem_key=idempotency_key, owner=owner,
+                    shards_total=shards_total, output_key=output_key, created_at=_now()))
         except IntegrityError:
             # A concurrent request won the race: the same job (same key) or the output's holder.
             existing = self.by_idempotency_key(idempotency_key, owner) if idempotency_key else None
@@ -218,65 +181,51 @@ class JobStore:
 
     def by_idempotency_key(self, key: str, owner: str | None = None) -> JobRow | None:
         """The job ``owner`` created with ``key`` (keys are per owner)."""
-        with self.engine.connect() as conn:
-            if owner is None:
-                r = conn.execute(text(f"SELECT {_COLUMNS} FROM jobs WHERE idem_key = :k AND owner IS NULL"), {"k": key}).first()
-            else:
-                r = conn.execute(text(f"SELECT {_COLUMNS} FROM jobs WHERE idem_key = :k AND owner = :o"), {"k": key, "o": owner}).first()
-        return _row(r) if r else None
+        same_owner = jobs.c.owner.is_(None) if owner is None else jobs.c.owner == owner
+        return self._first(jobs.c.idem_key == key, same_owner)
 
     def active_on_output(self, output_key: str) -> JobRow | None:
         """The QUEUED or RUNNING job that holds an output location, if any."""
-        with self.engine.connect() as conn:
-            r = conn.execute(
-                text(f"SELECT {_COLUMNS} FROM jobs WHERE output_key = :k AND state IN ('QUEUED', 'RUNNING')"), {"k": output_key}
-            ).first()
-        return _row(r) if r else None
+        return self._first(jobs.c.output_key == output_key, jobs.c.state.in_(ACTIVE))
 
     def get(self, job_id: str) -> JobRow | None:
+        return self._first(jobs.c.id == job_id)
+
+    def _first(self, *conditions: ColumnElement[bool]) -> JobRow | None:
         with self.engine.connect() as conn:
-            r = conn.execute(text(f"SELECT {_COLUMNS} FROM jobs WHERE id = :id"), {"id": job_id}).first()
+            r = conn.execute(_select_jobs().where(*conditions)).first()
         return _row(r) if r else None
 
     def list(self, limit: int, offset: int, state: str | None = None, owner: str | None = None) -> tuple[list[JobRow], int]:
         """A page of jobs, newest first, and the total count; only ``owner``'s when given."""
-        conditions, params = [], {}
+        conditions: list[ColumnElement[bool]] = []
         if state:
-            conditions.append("state = :s")
-            params["s"] = state
+            conditions.append(jobs.c.state == state)
         if owner is not None:
-            conditions.append("owner = :owner")
-            params["owner"] = owner
-        where = ("WHERE " + " AND ".join(conditions)) if conditions else ""
+            conditions.append(jobs.c.owner == owner)
+        page = _select_jobs().where(*conditions).order_by(jobs.c.created_at.desc(), jobs.c.id).limit(limit).offset(offset)
         with self.engine.connect() as conn:
-            total = conn.execute(text(f"SELECT COUNT(*) FROM jobs {where}"), params).scalar() or 0
-            rows = conn.execute(
-                text(f"SELECT {_COLUMNS} FROM jobs {where} ORDER BY created_at DESC, id LIMIT :l OFFSET :o"),
-                {**params, "l": limit, "o": offset},
-            ).all()
+            total = conn.execute(select(func.count()).select_from(jobs).where(*conditions)).scalar() or 0
+            rows = conn.execute(page).all()
         return [_row(r) for r in rows], int(total)
 
     def in_states(self, states: Sequence[str]) -> list[JobRow]:
-        query = text(f"SELECT {_COLUMNS} FROM jobs WHERE state IN :states ORDER BY created_at, id").bindparams(
-            bindparam("states", expanding=True))
+        """Jobs in any of ``states``, oldest first."""
+        query = _select_jobs().where(jobs.c.state.in_(_states(states))).order_by(jobs.c.created_at, jobs.c.id)
         with self.engine.connect() as conn:
-            rows = conn.execute(query, {"states": _states(states)}).all()
+            rows = conn.execute(query).all()
         return [_row(r) for r in rows]
 
     def update(self, job_id: str, **fields: Any) -> None:
-        """Set columns of one job (names are this module's own, never user input).
+        """Set fields of one job (names are this package's own, never user input).
 
         The state is not one of them: it changes only through ``transition``.
         """
         if "state" in fields:
             raise IllegalTransition("job states change through JobStore.transition")
-        allowed = set(JobRow.__dataclass_fields__) - {"id", "request"} | {"output_key"}
-        bad = set(fields) - allowed
-        if bad:
-            raise ValueError(f"unknown job fields {bad}")
-        assignments = ", ".join(f"{k} = :{k}" for k in fields)
+        statement = update(jobs).where(jobs.c.id == job_id).values(_values(fields))
         with self.engine.begin() as conn:
-            conn.execute(text(f"UPDATE jobs SET {assignments} WHERE id = :id"), {**fields, "id": job_id})
+            conn.execute(statement)
 
     def transition(self, job_id: str, from_states: Sequence[str], **fields: Any) -> bool:
         """Update only if the job is in one of ``from_states``; returns whether it was.
@@ -289,32 +238,28 @@ class JobStore:
             illegal = [s for s in from_states if not can_move(s, target)]
             if illegal or target not in STATES:
                 raise IllegalTransition(f"a job cannot go from {illegal or list(from_states)} to {target!r}")
-        allowed = set(JobRow.__dataclass_fields__) - {"id", "request"} | {"output_key"}
-        if set(fields) - allowed:
-            raise ValueError(f"unknown job fields {set(fields) - allowed}")
-        assignments = ", ".join(f"{k} = :{k}" for k in fields)
-        query = text(f"UPDATE jobs SET {assignments} WHERE id = :id AND state IN :from_states").bindparams(
-            bindparam("from_states", expanding=True))
+        statement = (update(jobs).where(jobs.c.id == job_id, jobs.c.state.in_(_states(from_states)))
+                     .values(_values(fields)))
         with self.engine.begin() as conn:
-            result = conn.execute(query, {**fields, "id": job_id, "from_states": _states(from_states)})
+            result = conn.execute(statement)
         return bool(result.rowcount)
 
     def counts_by_state(self) -> dict[str, int]:
         with self.engine.connect() as conn:
-            rows = conn.execute(text("SELECT state, COUNT(*) FROM jobs GROUP BY state")).all()
+            rows = conn.execute(select(jobs.c.state, func.count()).group_by(jobs.c.state)).all()
         return {state: 0 for state in STATES} | {r[0]: int(r[1]) for r in rows}
 
     def ping(self) -> bool:
         with self.engine.connect() as conn:
-            return conn.execute(text("SELECT 1")).scalar() == 1
+            return conn.execute(select(literal(1))).scalar() == 1
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     # WAL lets status readers proceed while the runner writes; a busy timeout instead of
     # "database is locked" errors under concurrent pollers.
     cursor = dbapi_conn.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA busy_timeout=5000")
+    cursor.execute("PRAGMA journal_mode=WAL")
     cursor.close()
 
 

@@ -91,3 +91,6 @@ def test_wheel_installs_only_prefixed_top_level_names(tmp_path: Path) -> None:
     assert top == set(PACKAGES.values())
     # the trainer-facing package ships its data and typing marker
     assert "pairclean/py.typed" in names and "pairclean/data/sample/demo-000000.tar" in names
+    # the job store's migrations run from the installed package (no alembic.ini, no checkout)
+    migrations = "pairclean_service/migrations/"
+    assert {migrations + "env.py", migrations + "script.py.mako", migrations + "versions/0001_jobs_and_keys.py"} <= set(names)

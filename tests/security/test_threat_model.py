@@ -48,7 +48,9 @@ No raw tracebacks for users
 The job lifecycle and the store
   Illegal state moves (a cancelled job revived, a queued one "succeeding") test_the_store_refuses_moves_the_lifecycle_does_not_allow
   An old database losing jobs or keys on upgrade, or a migration applied
-  twice on restart ................................................... test_old_databases_migrate_and_keep_their_jobs
+  twice on restart ................................................... tests/service/test_migrations.py::test_pre_alembic_databases_are_adopted_and_keep_their_rows
+  Replicas starting together migrating one database twice ............ tests/service/test_migrations.py::test_processes_starting_together_on_one_fresh_file,
+                                                                       tests/service/test_store_postgres.py::test_replicas_starting_together_migrate_once
 """
 
 from __future__ import annotations
@@ -434,37 +436,6 @@ def test_two_jobs_never_write_to_one_output(live: Live, tmp_path: Path) -> None:
         assert r.status_code == 409 and first in r.json()["detail"], r.text
     assert live.post(f"/v1/jobs/{first}:cancel").json()["state"] == "CANCELLED"
     assert live.post("/v1/jobs", who="bob", json={"shards": [str(shard)], "output": str(tmp_path / "out" / "o")}).status_code == 201
-
-
-def test_old_databases_migrate_and_keep_their_jobs(tmp_path: Path) -> None:
-    from sqlalchemy import create_engine, text
-
-    from pairclean_service.store import _MIGRATIONS
-
-    url = f"sqlite:///{tmp_path / 'old.db'}"
-    engine = create_engine(url)
-    with engine.begin() as conn:  # the schema as version 3 of the service left it
-        conn.execute(text("CREATE TABLE schema_version (version INTEGER NOT NULL)"))
-        for number, statement in enumerate(_MIGRATIONS[:3], start=1):
-            conn.execute(text(statement))
-            conn.execute(text("INSERT INTO schema_version (version) VALUES (:v)"), {"v": number})
-        conn.execute(text("INSERT INTO jobs (id, state, request, idempotency_key, owner, created_at) "
-                          "VALUES ('j1', 'SUCCEEDED', '{}', 'k', 'alice', '2024-01-01T00:00:00+00:00')"))
-        conn.execute(text("INSERT INTO api_keys (key_hash, name, created_at) VALUES ('h', 'alice', 'x')"))
-    def recorded() -> list[int]:
-        with engine.connect() as conn:
-            return [row[0] for row in conn.execute(text("SELECT version FROM schema_version ORDER BY version"))]
-
-    store = JobStore(url)
-    # Read from the database itself (migrate() reports the highest version whatever ran):
-    # each migration recorded once, the three old ones not applied again.
-    assert recorded() == list(range(1, len(_MIGRATIONS) + 1)) and len(_MIGRATIONS) > 3
-    found = store.by_idempotency_key("k", "alice")
-    assert found is not None and found.id == "j1" and store.by_idempotency_key("k", "bob") is None
-    principal = store.principal("h")
-    assert principal is not None and not principal.admin
-    JobStore(url)  # a second start applies nothing
-    assert recorded() == list(range(1, len(_MIGRATIONS) + 1))
 
 
 def test_apikey_admin_flag(tmp_path: Path) -> None:

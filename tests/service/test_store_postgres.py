@@ -8,39 +8,59 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from store_fixtures import build_legacy, recorded_revisions, start_replicas
 
 URL = os.environ.get("PAIRCLEAN_TEST_POSTGRES_URL")
 pytestmark = pytest.mark.skipif(not URL, reason="no PostgreSQL server: set PAIRCLEAN_TEST_POSTGRES_URL (.ci/run starts one)")
 
 
 @pytest.fixture
-def pg_url() -> str:
+def pg_url() -> Iterator[str]:
     """A fresh schema per test: the store's migrations start from nothing."""
-    from sqlalchemy import create_engine, text
+    from sqlalchemy import create_engine
+    from sqlalchemy.schema import CreateSchema, DropSchema
 
     schema = f"t_{uuid.uuid4().hex[:12]}"
     engine = create_engine(URL)
     with engine.begin() as conn:
-        conn.execute(text(f"CREATE SCHEMA {schema}"))
+        conn.execute(CreateSchema(schema))
     yield f"{URL}{'&' if '?' in URL else '?'}options=-csearch_path%3D{schema}"
     with engine.begin() as conn:
-        conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+        conn.execute(DropSchema(schema, cascade=True))
+    engine.dispose()
+
+
+def _diffs(url: str) -> list[object]:
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+    from sqlalchemy import create_engine
+
+    from pairclean_service.tables import metadata
+
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        diffs = compare_metadata(MigrationContext.configure(conn), metadata)
+    engine.dispose()
+    return diffs
 
 
 def test_store_on_postgres(pg_url: str) -> None:
-    from sqlalchemy import text
-
-    from pairclean_service.store import _MIGRATIONS, JobStore
+    from pairclean_service import migrations
+    from pairclean_service.store import JobStore, OutputInUse
 
     store = JobStore(pg_url)
-    # schema_version() reads the database, so this fails if a migration was not recorded.
-    assert store.migrate() == store.schema_version() == len(_MIGRATIONS) and store.ping()
-    job, created = store.create({"shards": ["/d/a.tar"], "output": "/d/o"}, "team", "key-1", 1)
-    again, created_again = store.create({"shards": ["/d/a.tar"], "output": "/d/o"}, "team", "key-1", 1)
+    # Read from the database itself: one row in Alembic's table, the head of this release.
+    assert recorded_revisions(store.engine) == [migrations.head()] == [store.schema_revision()] and store.ping()
+    assert _diffs(pg_url) == []  # the head is the Core tables
+    job, created = store.create({"shards": ["/d/a.tar"], "output": "/d/o"}, "team", "key-1", 1, output_key="o1")
+    again, created_again = store.create({"shards": ["/d/a.tar"], "output": "/d/o"}, "team", "key-1", 1, output_key="o1")
     assert created and not created_again and again.id == job.id
+    with pytest.raises(OutputInUse):
+        store.create({"shards": ["/d/a.tar"], "output": "/d/o"}, "team", None, 1, output_key="o1")
     assert store.transition(job.id, ["QUEUED"], state="RUNNING", pid=123)
     assert not store.transition(job.id, ["QUEUED"], state="RUNNING")
     store.update(job.id, shards_done=1, pairs=10, noise_rate=0.2)
@@ -49,12 +69,28 @@ def test_store_on_postgres(pg_url: str) -> None:
     rows, total = store.list(10, 0, "RUNNING")
     assert total == 1 and rows[0].id == job.id
     assert store.counts_by_state()["RUNNING"] == 1
-    JobStore(pg_url).migrate()  # idempotent on restart: every migration recorded once, none again
-    with store.engine.connect() as conn:
-        versions = [row[0] for row in conn.execute(text("SELECT version FROM schema_version ORDER BY version"))]
-    assert versions == list(range(1, len(_MIGRATIONS) + 1))
+    assert JobStore(pg_url).migrate() == migrations.head()  # a restart applies nothing
+    assert recorded_revisions(store.engine) == [migrations.head()]
     other, _ = store.create({"shards": ["/d/a.tar"], "output": "/d/o"}, "other-team", "key-1", 1)
     assert other.id != job.id  # idempotency keys are per owner
+
+
+@pytest.mark.parametrize("version", [3, 9])
+def test_pre_alembic_database_on_postgres_is_adopted(pg_url: str, version: int) -> None:
+    from sqlalchemy import create_engine, inspect
+
+    from pairclean_service import migrations
+    from pairclean_service.store import JobStore
+
+    legacy = create_engine(pg_url)
+    build_legacy(legacy, version)
+    store = JobStore(pg_url)
+    assert recorded_revisions(legacy) == [migrations.head()]
+    assert "schema_version" not in inspect(legacy).get_table_names()
+    assert _diffs(pg_url) == []
+    found = store.by_idempotency_key("k", "alice")
+    assert found is not None and found.id == "j1" and store.by_idempotency_key("k", "bob") is None
+    legacy.dispose()
 
 
 @pytest.mark.slow
@@ -71,27 +107,27 @@ def test_job_lifecycle_on_postgres(pg_url: str, make_shards, tmp_path: Path, liv
         assert httpx.get(f"{live.url}/readyz").status_code == 200
 
 
-def test_replicas_starting_together_migrate_once(pg_url: str) -> None:
-    import threading
+def test_replicas_starting_together_migrate_once(pg_url: str, tmp_path: Path) -> None:
+    from sqlalchemy import create_engine
 
-    from sqlalchemy import create_engine, text
+    from pairclean_service import migrations
 
-    from pairclean_service.store import _MIGRATIONS, JobStore
+    # Separate processes, released at the same moment after their imports: one migrates
+    # under the advisory lock, the others wait and find the head.
+    assert start_replicas(pg_url, 4, tmp_path) == [{"revision": migrations.head()}] * 4
+    engine = create_engine(pg_url)
+    assert recorded_revisions(engine) == [migrations.head()]
+    engine.dispose()
+    assert _diffs(pg_url) == []
 
-    errors: list[BaseException] = []
 
-    def start() -> None:
-        try:
-            JobStore(pg_url)
-        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
-            errors.append(exc)
+def test_replicas_adopting_one_legacy_database_together(pg_url: str, tmp_path: Path) -> None:
+    from sqlalchemy import create_engine
 
-    threads = [threading.Thread(target=start) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
-    with create_engine(pg_url).connect() as conn:
-        versions = [r[0] for r in conn.execute(text("SELECT version FROM schema_version ORDER BY version"))]
-    assert versions == list(range(1, len(_MIGRATIONS) + 1))  # each migration applied exactly once
+    from pairclean_service import migrations
+
+    engine = create_engine(pg_url)
+    build_legacy(engine, 9)
+    assert start_replicas(pg_url, 4, tmp_path) == [{"revision": migrations.head()}] * 4
+    assert recorded_revisions(engine) == [migrations.head()]
+    engine.dispose()

@@ -1,0 +1,1 @@
+"""Alembic revisions of the job store (loaded by Alembic from their files, not imported)."""

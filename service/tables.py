@@ -1,0 +1,62 @@
+"""The job store's schema as SQLAlchemy Core tables: what the Alembic head creates.
+
+``tests/service/test_migrations.py`` compares this metadata with a database migrated to
+the head (``alembic.autogenerate.compare_metadata``), so a change here without a migration
+in ``migrations/versions/`` (or the other way round) fails the suite.
+
+Types stay those of the first releases (ISO-8601 text timestamps, 0/1 integers for flags)
+so databases created before Alembic adopt this schema without a table rewrite.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Column, Double, Index, Integer, MetaData, String, Table, Text, text
+
+from pairclean.lifecycle import ACTIVE
+
+__all__ = ["metadata", "jobs", "api_keys"]
+
+metadata = MetaData()
+
+_ZERO = text("0")  # a constant server default, not built from input
+
+jobs = Table(
+    "jobs",
+    metadata,
+    Column("id", String(36), primary_key=True),
+    Column("state", String(16), nullable=False),
+    Column("request", Text, nullable=False),  # the validated request, as JSON
+    Column("owner", String(100)),
+    # Idempotency keys are per owner (unique index below). The first release had a global
+    # UNIQUE ``idempotency_key`` column; migration 0003 drops it.
+    Column("idem_key", String(200)),
+    Column("error", Text),
+    Column("pid", Integer),
+    Column("cancel_requested", Integer, nullable=False, server_default=_ZERO),
+    Column("shards_total", Integer, nullable=False, server_default=_ZERO),
+    Column("shards_done", Integer, nullable=False, server_default=_ZERO),
+    Column("shards_failed", Integer, nullable=False, server_default=_ZERO),
+    Column("pairs", Integer, nullable=False, server_default=_ZERO),
+    Column("noise_rate", Double),
+    Column("created_at", String(32), nullable=False),
+    Column("started_at", String(32)),
+    Column("finished_at", String(32)),
+    # sha256 of the resolved output location (pairclean_service.security.output_key)
+    Column("output_key", String(64)),
+)
+
+Index("jobs_state", jobs.c.state)
+Index("jobs_owner_idem", jobs.c.owner, jobs.c.idem_key, unique=True)
+# Only one QUEUED or RUNNING job may hold an output location: a partial unique index, so
+# two replicas accepting jobs for one folder at the same moment cannot both insert.
+Index("jobs_active_output", jobs.c.output_key, unique=True,
+      sqlite_where=jobs.c.state.in_(ACTIVE), postgresql_where=jobs.c.state.in_(ACTIVE))
+
+api_keys = Table(
+    "api_keys",
+    metadata,
+    Column("key_hash", String(64), primary_key=True),  # sha256 hex of the key; keys are never stored
+    Column("name", String(100), nullable=False),
+    Column("created_at", String(32), nullable=False),
+    Column("admin", Integer, nullable=False, server_default=_ZERO),
+)
