@@ -1,34 +1,81 @@
-"""Does training on noisy pairs get better with pairclean's weights? (Flickr8k, one run)
+"""Does training on noisy pairs get better with pairclean's weights? (Flickr8k, one split)
 
-Setup, all on frozen pairclean-lite tower features (cached by ``pairclean train-lite``):
+Setup, all on frozen pairclean-lite tower features (cached by ``pairclean train-lite``, or
+by the first run of this script, ~10 minutes on 2 cores):
 
 - The train split's photos are split in two halves by a seeded permutation. The
   *estimator* is pairclean-lite's recipe trained on half A (clean), so it has never seen
-  half B's pairs; the *student* trains on half B (all five captions per photo) in which a
-  fraction of captions (0%, 20%, 50%) is moved to other photos.
-- Half B is scored with the pairclean library itself: estimator embeddings, beta by the
-  estimator's default recipe (gmm), calibrated on the first 4,096 pairs, ``paper``
-  weighting, noisy flag ``similarity <= beta``. (Photos are not re-decoded: the features
-  are exactly what the towers give; ``detection.py`` exercises the score command.)
-- The student (same head recipe, same budget: 3 epochs) trains with (a) no weights,
-  (b) pairclean weights in the loss, (c) the noisy flag as a hard filter, (d) only the
-  truly clean pairs (oracle). Retrieval on the dev split (1,000 photos, first caption).
+  half B's pairs; the *student* trains on half B (all five captions per photo, 15,000
+  pairs) in which a fraction of captions (0%, 20%, 50%, 80%) is moved to other photos.
+- Half B is scored with the pairclean library itself, as a job would be: estimator
+  embeddings (stored float16, as the sidecars are), beta by the estimator's default recipe
+  (gmm), calibrated on the first 4,096 pairs; ``noisy = similarity <= beta``; weights by
+  the ``paper`` and ``reference`` weightings and ``p_clean`` (the calibration's pinned
+  mixture, what every score table carries). (Photos are not re-decoded: the features are
+  exactly what the towers give; ``detection.py`` exercises the score command.)
+- Learned estimators (issue 12), the label-free way ``pairclean refine`` does it:
+  ``pairclean.refine.fit`` on the noisy half B's own float16 embeddings (all 15,000 pairs,
+  below the 500,000-pair sample bound), seed 0, default settings, then ``apply``; a refined
+  table's ``weight`` is ``p_clean`` and ``noisy`` is ``p_clean <= 0.5``. The ensemble is
+  fitted once and its members' heads (fitted inside it with the same seed and settings as a
+  lone fit) give the NCR, DisNCL and SDCMR rows. ``--heads-cache DIR`` keeps fitted heads.
+- The student (same head recipe, same budget: 3 epochs) trains with no weights, each
+  weight in the loss (``weighted_clip_loss``'s rule: weight times both directions' cross
+  entropy, mean over the batch size), each ``noisy`` flag as a hard filter (weight 0/1),
+  and only the truly clean pairs (oracle). Retrieval on the dev split (1,000 photos, first
+  caption), averaged over ``--student-seeds`` seeds of the student (init and batch order).
+- Pseudo-pairs (issue 13), at ``--pseudo-noise`` (50% and 80%): RCSL nearest-neighbour
+  pairing as ``pairclean pseudo-pair`` does it, with ``pairclean.ann`` (FAISS, exact index
+  at this size) in the estimator's space. Pool = the pairs the job flags noisy: their photos
+  (each photo once: Flickr has five captions per photo, a web corpus one) and their
+  captions. Each pool photo gets its nearest pool caption and each pool caption its nearest
+  pool photo (a pseudo-pair found both ways is *mutual*, kept once); a photo's own flagged
+  captions are never its pseudo-caption (they were judged mismatched, the multi-caption
+  form of "own caption excluded"). Similarity is the exact cosine of the float16 vectors
+  (``pairclean.pseudo.exact_cosine``) and the weight the job's own OSA calibration of it, in
+  the same weighting as the base weights. Pseudo-pairs are *added* to half B as extra
+  training rows with their weights (a flagged pair's own weight is 0 under ``paper`` and
+  small under ``p_clean``, so this is close to the sampler's substitution, plus the t2i
+  pairs; an epoch has more steps). Losses: ``infonce`` (the student's weighted loss for every row) or ``rcm``
+  (``pairclean.losses.rcm_loss``, RCSL's robust loss, weighted, for the pseudo rows of a
+  batch; the weighted InfoNCE for the real rows). Filters, fixed before looking at dev:
+  ``all``; ``mutual`` (the ``--mutual`` option); ``minw`` (``--min-weight`` set to the
+  median base weight of the pairs the job keeps, a label-free threshold). Control
+  ``shuffled``: the ``all`` rows with their captions shuffled among them (same photos, same
+  weights): does the nearest-neighbour choice matter, or only the extra weighted rows?
 
-Prints one JSON line per (noise, variant) with R@1/5/10 both ways.
+Prints one JSON line per (noise, variant): retrieval R@1/5/10 both ways (mean over the
+student seeds), ``r1`` (mean of the two R@1) and its spread over seeds (``r1_sd``), pairs
+used, the weight's clean share (truth is used for reporting only), and for pseudo-pair
+rows their count, mutual count and the share that are right. Variants: ``none``,
+``osa_paper``, ``osa_reference``, ``osa_p_clean``, ``osa_filter``, ``<method>_p_clean``,
+``<method>_filter``, ``oracle``, and ``osa_<base>+pseudo_<filter>_<loss>`` (``--pseudo-base``,
+default ``paper`` and ``p_clean``). Results: README, "Refining with learned estimators" and
+"Pseudo-pairs". Time on the 2-core CPU: 15-30 minutes (idle to shared) with the heads cached, plus
+about 10 minutes per noise level to fit them.
 
-    python benchmarks/downstream.py [--noise 0 0.2 0.5]
+    OPENBLAS_CORETYPE=SkylakeX python benchmarks/downstream.py [--noise 0 0.2 0.5 0.8]
+        [--methods ncr disncl sdcmr ensemble] [--pseudo-noise 0.5 0.8] [--student-seeds 5]
+        [--heads-cache DIR] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
-import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
 from _common import flickr_root
 
 import numpy as np
+
+OSA_WEIGHTS = ("paper", "reference", "p_clean")
+PSEUDO_FILTERS = ("all", "mutual", "minw")
+PSEUDO_LOSSES = ("infonce", "rcm")
 
 
 def _subset(feats, image_idx: np.ndarray):
@@ -61,8 +108,37 @@ def _add_noise(feats, rate: float, seed: int):
     return Features(feats.image, feats.text, owner, feats.names), noisy
 
 
-def _score(estimator_state, recipe, feats):
-    """pairclean's weights and flags for (image, caption) pairs, through the library."""
+@dataclass
+class Scored:
+    """Half B as a scored job holds it: per-photo and per-caption float16 embeddings (as
+    float32 arrays), each pair's similarity, the calibration and the OSA weightings."""
+
+    photo: np.ndarray  # (I, D) estimator image embeddings, float16 values
+    text: np.ndarray  # (C, D) estimator text embeddings, float16 values
+    owner: np.ndarray  # (C,) photo of each (noisy) pair
+    sims: np.ndarray  # (C,) float32 cosine, as scoring computes it
+    cal: Any
+    d_ref: float
+
+    def weight(self, kind: str, sims: np.ndarray | None = None) -> np.ndarray:
+        """The job's OSA ``kind`` (paper | reference | p_clean) of ``sims`` (default: the pairs')."""
+        from pairclean import osa
+
+        s = self.sims if sims is None else sims
+        if kind == "p_clean":
+            e = self.cal.extra
+            return osa.mixture_posterior_clean(s, tuple(e["gmm_means"]), tuple(e["gmm_stds"]), e["gmm_noise_weight"])
+        return osa.apply_weighting(s, self.cal.beta, osa.WeightingParams(kind, self.d_ref if kind == "reference" else None))
+
+    @property
+    def flags(self) -> np.ndarray:
+        from pairclean import osa
+
+        return osa.noisy_flags(self.sims, self.cal.beta)
+
+
+def _score(estimator_state, recipe, feats) -> Scored:
+    """Score (image, caption) pairs through the library, as ``pairclean score`` does."""
     from pairclean import osa
     from pairclean.calibration import calibrate
     from pairclean.lite_train import _project
@@ -71,51 +147,259 @@ def _score(estimator_state, recipe, feats):
     img, txt = zi[feats.caption_image], zt
     sims = osa.cosine_rows(img, txt)
     n = 4096
+    f16 = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731 - what the sidecars store
     cal = calibrate(
         beta_recipe="gmm", k=256, seed=0, weighting="paper", batch_size=64, similarities=sims[:n],
-        image_emb=img[:n].astype(np.float16).astype(np.float32), text_emb=txt[:n].astype(np.float16).astype(np.float32),
-        random_beta=lambda: float("nan"),
+        image_emb=f16(img[:n]), text_emb=f16(txt[:n]), random_beta=lambda: float("nan"),
     )
-    weights = osa.apply_weighting(sims, cal.beta, osa.WeightingParams(cal.weighting, cal.d_ref, cal.weighting_batch_size))
-    return weights, osa.noisy_flags(sims, cal.beta), cal
+    d_ref = osa.weighting_params("reference", sims[:n], cal.beta, 64).d_ref
+    return Scored(f16(zi), f16(zt), feats.caption_image, sims, cal, float(d_ref))
+
+
+def _refined(scored: Scored, methods: list[str], seed: int, cache: Path | None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(raw score, p_clean) of every pair under each method, fitted on the pairs themselves."""
+    from pairclean import refine
+    from pairclean.refine import ensemble
+
+    img, txt = scored.photo[scored.owner], scored.text
+    heads = None
+    path = None
+    if cache is not None:
+        digest = hashlib.sha256(img.tobytes() + txt.tobytes()).hexdigest()[:16]
+        path = cache / f"ensemble-seed{seed}-{digest}.safetensors"
+        if path.exists():
+            heads = refine.heads_from_bytes(path.read_bytes())
+    if heads is None:
+        heads = refine.fit("ensemble", img, txt, seed)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(refine.heads_bytes(heads))
+            tmp.replace(path)
+    out = {}
+    for method in methods:
+        # A member's heads inside the ensemble are its lone fit (same seed, default settings).
+        member = heads if method == "ensemble" else ensemble._member_heads(heads, method)
+        out[method] = refine.apply(member, img, txt)
+    return out
+
+
+@dataclass
+class Pseudo:
+    """Pseudo-pairs: photo ``img[r]`` with caption ``cap[r]`` (indices into half B)."""
+
+    img: np.ndarray
+    cap: np.ndarray
+    sim: np.ndarray
+    mutual: np.ndarray
+
+
+def _nearest(data: np.ndarray, queries: np.ndarray, k: int, seed: int) -> np.ndarray:
+    from pairclean import ann
+
+    plan = ann.choose_index(len(data), data.shape[1], "auto", seed=seed)
+    index, plan, _ = ann.build_index(plan, data)
+    return ann.search(index, queries, min(k, len(data)), data=data, refine_k=plan.refine_k)[1]
+
+
+def _first_not_own(ids: np.ndarray, own: np.ndarray) -> np.ndarray:
+    """Per row, the first neighbour id (>= 0) for which ``own`` (same shape) is False, or -1."""
+    ok = (ids >= 0) & ~own
+    first = ok.argmax(axis=1)
+    return np.where(ok.any(axis=1), ids[np.arange(len(ids)), first], -1)
+
+
+def _pseudo_pairs(scored: Scored, flagged: np.ndarray, seed: int) -> Pseudo:
+    """RCSL pseudo-pairs among the flagged pairs (see the module docstring)."""
+    from pairclean.pseudo import exact_cosine
+
+    caps = np.flatnonzero(flagged)
+    photos = np.unique(scored.owner[caps])
+    pos = -np.ones(len(scored.photo), dtype=np.int64)
+    pos[photos] = np.arange(len(photos))
+    # i2t: a photo's own flagged captions (at most 5) are skipped, so 6 neighbours suffice.
+    k = 1 + int(np.bincount(scored.owner[caps]).max())
+    ids = _nearest(scored.text[caps], scored.photo[photos], k, seed)
+    i2t = _first_not_own(ids, scored.owner[caps[ids.clip(0)]] == photos[:, None])  # pool caption row
+    # t2i: a caption's nearest pool photo other than the one it is attached to.
+    ids = _nearest(scored.photo[photos], scored.text[caps], 2, seed)
+    t2i = _first_not_own(ids, photos[ids.clip(0)] == scored.owner[caps][:, None])  # pool photo row
+    img_i, cap_i = np.arange(len(photos))[i2t >= 0], i2t[i2t >= 0]
+    has = t2i >= 0
+    img_t, cap_t = t2i[has], np.flatnonzero(has)
+    mutual_i = t2i[cap_i] == img_i
+    new_t = ~(i2t[img_t] == cap_t)  # a t2i pair that is also the photo's i2t pair is written once
+    img = np.concatenate([photos[img_i], photos[img_t[new_t]]])
+    cap = np.concatenate([caps[cap_i], caps[cap_t[new_t]]])
+    mutual = np.concatenate([mutual_i, np.zeros(int(new_t.sum()), bool)])
+    sim = exact_cosine(scored.photo, scored.text, img, cap)
+    return Pseudo(img, cap, sim, mutual)
+
+
+def _train(train, recipe, weights, pseudo: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None, loss: str = "infonce") -> dict[str, Any]:
+    """The student's heads: ``train_heads`` on half B, plus pseudo rows (photo, caption, weight)."""
+    from pairclean.lite_train import Features, train_heads
+
+    if pseudo is None:
+        return train_heads(train, recipe, weights=weights)
+    p_img, p_cap, p_w = pseudo
+    rows = np.concatenate([np.arange(len(train.text)), p_cap])
+    aug = Features(train.image, train.text[rows], np.concatenate([train.caption_image, p_img]), train.names)
+    w = np.concatenate([np.ones(len(train.text), np.float32) if weights is None else weights, p_w]).astype(np.float32)
+    if loss == "infonce":
+        return train_heads(aug, recipe, weights=w)
+    is_pseudo = np.r_[np.zeros(len(train.text), bool), np.ones(len(p_cap), bool)]
+    return _train_rcm(aug, recipe, w, is_pseudo)
+
+
+def _train_rcm(train, recipe, weights: np.ndarray, is_pseudo: np.ndarray) -> dict[str, Any]:
+    """``train_heads``'s loop (same init, order, optimiser, schedule) where a batch's pseudo
+    rows get ``rcm_loss`` (weighted, among themselves) and its real rows the weighted
+    InfoNCE among themselves; both sums are over the batch size, as in ``train_heads``.
+    (Written here: ``train_heads`` has one loss for all rows and is the product's recipe.)"""
+    import torch
+    import torch.nn.functional as F
+
+    from pairclean.lite_train import _heads
+    from pairclean.losses import rcm_loss
+
+    vhead, tproj = _heads(recipe)
+    gen = torch.Generator().manual_seed(recipe.seed)
+    img, txt = torch.from_numpy(train.image), torch.from_numpy(train.text)
+    owner, w_all = torch.from_numpy(train.caption_image), torch.from_numpy(weights)
+    pseudo_all = torch.from_numpy(is_pseudo)
+    temperature = recipe.temperature
+    opt = torch.optim.AdamW(list(vhead.parameters()) + list(tproj.parameters()), lr=recipe.lr, weight_decay=recipe.weight_decay)
+    steps = recipe.epochs * ((len(txt) + recipe.batch_size - 1) // recipe.batch_size)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=recipe.lr, total_steps=max(1, steps), pct_start=0.1)
+    vhead.train()
+    tproj.train()
+    for _ in range(recipe.epochs):
+        order = torch.randperm(len(txt), generator=gen)
+        for start in range(0, len(order), recipe.batch_size):
+            idx = order[start : start + recipe.batch_size]
+            b = len(idx)
+            zi = F.normalize(vhead(img[owner[idx]]), dim=-1)
+            zt = F.normalize(tproj(txt[idx]), dim=-1)
+            p = pseudo_all[idx]
+            # Zero with a graph: a batch with no term (the last batch can be one pseudo row)
+            # still steps the optimiser (weight decay), as train_heads does with a 1-row batch.
+            loss = 0.0 * (zi.sum() + zt.sum())
+            real = ~p
+            if real.any():
+                o = owner[idx][real]
+                logits = zi[real] @ zt[real].T / temperature
+                same = o[:, None] == o[None, :]
+                logits = logits.masked_fill(same & ~torch.eye(len(o), dtype=torch.bool), float("-inf"))
+                t = torch.arange(len(o))
+                per = F.cross_entropy(logits, t, reduction="none") + F.cross_entropy(logits.T, t, reduction="none")
+                loss = loss + (w_all[idx][real] * per).sum() / (2 * b)
+            if p.sum() >= 2:  # a softmax over one pair is 1 whatever the heads do
+                loss = loss + rcm_loss(zi[p], zt[p], weights=w_all[idx][p]) * (int(p.sum()) / b)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    state = {f"visual.head.{k}": v.detach().clone().contiguous() for k, v in vhead.state_dict().items()}
+    state.update({f"text.proj.{k}": v.detach().clone().contiguous() for k, v in tproj.state_dict().items()})
+    return state
+
+
+def _student(noisy_b, recipe, dev, seeds: list[int], weights, **pseudo_kw: Any) -> dict[str, float]:
+    """Dev retrieval of the student, mean over ``seeds``; ``r1`` = mean of both R@1, ``r1_sd``."""
+    from pairclean.lite_train import evaluate
+
+    runs = []
+    for s in seeds:
+        state = _train(noisy_b, replace(recipe, seed=s), weights, **pseudo_kw)
+        m = evaluate(state, recipe, dev)
+        m.pop("auc_true_vs_shuffled")
+        m["r1"] = (m["i2t_r1"] + m["t2i_r1"]) / 2
+        runs.append(m)
+    out = {k: round(float(np.mean([r[k] for r in runs])), 4) for k in runs[0]}
+    out["r1_sd"] = round(float(np.std([r["r1"] for r in runs])), 4)
+    return out
+
+
+def _weight_stats(w: np.ndarray | None, truth: np.ndarray) -> dict[str, Any]:
+    if w is None:
+        w = np.ones(len(truth), np.float32)
+    clean = ~truth
+    return {"pairs_used": int((w > 0).sum()), "weight_mean": round(float(w.mean()), 4),
+            "clean_share_of_weight": round(float((w * clean).sum() / max(w.sum(), 1e-12)), 4)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--noise", type=float, nargs="+", default=[0.0, 0.2, 0.5])
+    parser.add_argument("--noise", type=float, nargs="+", default=[0.0, 0.2, 0.5, 0.8])
+    parser.add_argument("--methods", nargs="*", default=["ncr", "disncl", "sdcmr", "ensemble"])
+    parser.add_argument("--pseudo-noise", type=float, nargs="*", default=[0.5, 0.8])
+    parser.add_argument("--pseudo-base", nargs="+", default=["paper", "p_clean"], choices=OSA_WEIGHTS,
+                        help="OSA weights the pseudo-pair rows add to (and weigh the pseudo-pairs by)")
+    parser.add_argument("--student-seeds", type=int, default=5)
+    parser.add_argument("--heads-cache", type=Path, default=None, help="keep fitted refine heads here")
     parser.add_argument("--seed", type=int, default=0)
+    # One thread by default: on a 2-core CPU shared with other jobs, torch's spinning
+    # intra-op threads made a student 10x slower with 2 threads (155 s) than with 1 (15 s).
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = parser.parse_args()
     logging.disable(logging.WARNING)
 
     import torch
 
     from pairclean.calibration import cache_dir
-    from pairclean.lite_train import HeadRecipe, evaluate, extract_features, train_heads
+    from pairclean.lite_train import HeadRecipe, extract_features, train_heads
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    root = flickr_root()
-    feats = extract_features(root, cache_dir() / "features")
+    torch.set_num_threads(max(1, args.threads))
+    feats = extract_features(flickr_root(), cache_dir() / "features")
     perm = np.random.default_rng(args.seed).permutation(len(feats["train"].image))
     half_a, half_b = _subset(feats["train"], np.sort(perm[: len(perm) // 2])), _subset(feats["train"], np.sort(perm[len(perm) // 2 :]))
     recipe = HeadRecipe()
     estimator = train_heads(half_a, recipe)
+    seeds = list(range(args.seed, args.seed + args.student_seeds))
     for rate in args.noise:
         noisy_b, truth = _add_noise(half_b, rate, args.seed)
-        weights, flags, cal = _score(estimator, recipe, noisy_b)
-        variants = {
-            "a_no_weights": None,
-            "b_pairclean_weights": weights,
-            "c_noisy_flag_filter": (~flags).astype(np.float32),
-            "d_oracle_clean_only": (~truth).astype(np.float32),
-        }
-        for name, w in variants.items():
-            state = train_heads(noisy_b, replace(recipe, seed=args.seed), weights=w)
-            metrics = evaluate(state, recipe, feats["dev"])
-            row = {"benchmark": "downstream", "noise": rate, "variant": name, "pairs": int(len(truth)),
-                   "pairs_used": int((w > 0).sum()) if w is not None else int(len(truth)),
-                   "beta": round(cal.beta, 4), "flag_recall": round(float(flags[truth].mean()), 4) if truth.any() else None}
-            row.update({k: round(v, 4) for k, v in metrics.items() if k != "auc_true_vs_shuffled"})
+        scored = _score(estimator, recipe, noisy_b)
+        base = {"benchmark": "downstream", "noise": rate, "pairs": int(len(truth)), "beta": round(scored.cal.beta, 4),
+                "osa_noise_recall": round(float(scored.flags[truth].mean()), 4) if truth.any() else None}
+        variants: dict[str, tuple[str, str, np.ndarray | None]] = {"none": ("none", "none", None)}
+        for kind in OSA_WEIGHTS:
+            variants[f"osa_{kind}"] = (f"osa_{kind}", "loss", scored.weight(kind))
+        variants["osa_filter"] = ("osa_noisy", "filter", (~scored.flags).astype(np.float32))
+        refined = _refined(scored, args.methods, args.seed, args.heads_cache) if args.methods else {}
+        for method, (_, p) in refined.items():
+            variants[f"{method}_p_clean"] = (f"{method}_p_clean", "loss", p)
+            variants[f"{method}_filter"] = (f"{method}_noisy", "filter", (p > 0.5).astype(np.float32))
+        variants["oracle"] = ("truth", "filter", (~truth).astype(np.float32))
+        for name, (weight, use, w) in variants.items():
+            row = {**base, "variant": name, "weight": weight, "use": use, **_weight_stats(w, truth)}
+            row.update(_student(noisy_b, recipe, feats["dev"], seeds, w))
             print(json.dumps(row), flush=True)
+        if rate not in args.pseudo_noise:
+            continue
+        flagged = scored.flags
+        pseudo = _pseudo_pairs(scored, flagged, args.seed)
+        for kind in args.pseudo_base:
+            w_base = scored.weight(kind)
+            w_pseudo = scored.weight(kind, pseudo.sim)
+            min_w = float(np.median(w_base[~flagged]))
+            keeps = {"all": np.ones(len(pseudo.img), bool), "mutual": pseudo.mutual, "minw": w_pseudo >= min_w}
+            # Control: the same photos and weights as "all", captions shuffled among them
+            # (does the nearest-neighbour choice matter, or only the extra weighted rows?).
+            shuffled = np.random.default_rng(args.seed).permutation(len(pseudo.img))
+            for filt in (*PSEUDO_FILTERS, "shuffled"):
+                keep = keeps.get(filt, keeps["all"])
+                cap = pseudo.cap[shuffled] if filt == "shuffled" else pseudo.cap
+                ok = half_b.caption_image[cap] == pseudo.img
+                for loss in PSEUDO_LOSSES:
+                    rows = (pseudo.img[keep], cap[keep], w_pseudo[keep])
+                    row = {**base, "variant": f"osa_{kind}+pseudo_{filt}_{loss}", "weight": f"osa_{kind}", "use": "loss",
+                           **_weight_stats(w_base, truth), "pseudo_pool": int(flagged.sum()), "pseudo_pairs": int(keep.sum()),
+                           "pseudo_mutual": None if filt == "shuffled" else int(pseudo.mutual[keep].sum()), "pseudo_right": round(float(ok[keep].mean()), 4) if keep.any() else None,
+                           "pseudo_weight_mean": round(float(w_pseudo[keep].mean()), 4) if keep.any() else None,
+                           "pseudo_min_weight": round(min_w, 4) if filt == "minw" else None}
+                    row.update(_student(noisy_b, recipe, feats["dev"], seeds, w_base, pseudo=rows, loss=loss))
+                    print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """Image decoding with a pixel limit checked from the header, before any full decode.
 
-Two ways to turn image bytes into model input:
+Three ways to turn image bytes into model input:
 
 - ``decode_and_preprocess``: PIL decode (``decode_image``) then the estimator's own
   preprocess, on the CPU. Thread-safe, so callers may run it on a thread pool.
+- ``decode_pixels`` + ``SplitPreprocess.finish``: the same result cut in two, so that
+  decode threads run PIL only (uint8 pixels) and the model's thread scales and normalises
+  whole batches: no torch op, hence no second OpenMP team, off the model's thread.
 - ``decode_jpeg_batch``: one batched ``torchvision.io.decode_jpeg`` call (nvJPEG on
   CUDA) for the JPEGs of a batch, resize / crop / normalise as tensor ops on ``device``;
   every image it cannot take goes through ``decode_image`` so statuses stay the same.
@@ -31,6 +34,9 @@ __all__ = [
     "DecodeFailure",
     "decode_image",
     "decode_and_preprocess",
+    "SplitPreprocess",
+    "split_preprocess_of",
+    "decode_pixels",
     "TensorPreprocess",
     "tensor_preprocess_of",
     "is_jpeg",
@@ -132,6 +138,64 @@ def decode_and_preprocess(
     if isinstance(img, DecodeFailure):
         return img
     return preprocess(img)
+
+
+@dataclass(frozen=True)
+class SplitPreprocess:
+    """An open_clip eval preprocess cut where its PIL work ends, for decode threads that
+    must not run torch ops.
+
+    A torch op on a 150,000-element image tensor (``ToTensor``, ``Normalize``) runs on an
+    OpenMP team of its own when called from a decode thread: a second team of spinning
+    threads beside the model's, on the same cores. So decode threads run only ``pixels``
+    (the preprocess's own ``Resize`` and ``CenterCrop`` on the PIL image, then its bytes as
+    an (S, S, 3) uint8 array), and the model's thread runs ``finish`` on the stacked batch:
+    scale to [0, 1] and normalise, the same float32 operations in the same order as
+    ``ToTensor`` then ``Normalize``, so ``finish(stack([pixels(im), ...]))`` equals
+    ``stack([preprocess(im), ...])`` bit for bit (tested).
+    """
+
+    steps: tuple[Callable[[Image.Image], Image.Image], ...]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def pixels(self, img: Image.Image) -> Any:
+        """The PIL part on an RGB image: (S, S, 3) uint8 numpy array. Thread-safe."""
+        import numpy as np
+
+        for step in self.steps:
+            img = step(img)
+        return np.asarray(img.convert("RGB") if img.mode != "RGB" else img)
+
+    def finish(self, batch: Any) -> torch.Tensor:
+        """(N, S, S, 3) uint8 numpy array -> (N, 3, S, S) float32 (channels-last memory)."""
+        import torch
+
+        x = torch.from_numpy(batch).permute(0, 3, 1, 2).to(torch.float32).div(255)
+        mean = torch.as_tensor(self.mean, dtype=torch.float32).view(1, -1, 1, 1)
+        std = torch.as_tensor(self.std, dtype=torch.float32).view(1, -1, 1, 1)
+        return x.sub_(mean).div_(std)
+
+
+def split_preprocess_of(preprocess: Any) -> SplitPreprocess | None:
+    """The ``SplitPreprocess`` of an open_clip eval ``preprocess``, or None when it is not
+    exactly ``Compose([Resize(S), CenterCrop(S), <to RGB / to tensor>..., Normalize])``
+    (then decode threads must run ``preprocess`` whole)."""
+    if tensor_preprocess_of(preprocess) is None:
+        return None
+    resize, crop, *_, normalize = preprocess.transforms
+    if any(std == 0 for std in normalize.std):
+        return None  # Normalize raises for these: leave that to it
+    return SplitPreprocess((resize, crop), tuple(normalize.mean), tuple(normalize.std))
+
+
+def decode_pixels(data: bytes, max_pixels: int, split: SplitPreprocess, draft_size: int | None = None) -> Any | DecodeFailure:
+    """``decode_image`` then ``split.pixels``: a uint8 (S, S, 3) array, or the
+    ``DecodeFailure``. Runs no torch op (see ``SplitPreprocess``); thread-safe."""
+    img = decode_image(data, max_pixels, draft_size=draft_size)
+    if isinstance(img, DecodeFailure):
+        return img
+    return split.pixels(img)
 
 
 #: Every JPEG starts with SOI (FF D8) followed by the first marker's FF.

@@ -215,7 +215,17 @@ def shuffled_similarities(image_emb: FloatArray, text_emb: FloatArray, k: int, s
     i = rng.integers(0, n, size=k)
     # An offset in [1, n) guarantees j != i while keeping j uniform over the others.
     j = (i + rng.integers(1, n, size=k)) % n
-    return cosine_rows(image_emb[i], text_emb[j])
+    # In blocks of rows (same per-row sums): gathered at once, K = 256 (k = 65,536) copied
+    # 3 x 134 MB and took 2.3 s of every job's calibration; in blocks, 0.1 s.
+    out = np.empty(k, dtype=np.float32)
+    for start in range(0, k, _GATHER_BLOCK):
+        rows = slice(start, start + _GATHER_BLOCK)
+        out[rows] = cosine_rows(image_emb[i[rows]], text_emb[j[rows]])
+    return out
+
+
+#: Rows gathered at a time by ``shuffled_similarities`` (4,096 x 512 floats = 8 MB).
+_GATHER_BLOCK = 4096
 
 
 def weight_paper(s: FloatArray, beta: float) -> FloatArray:

@@ -126,6 +126,7 @@ def _rewrite(out: OutputDir, record: ShardRecord, table: pa.Table, calibration: 
         metadata=meta,
         uid=table.column(schema.COL_UID).to_pylist() if schema.COL_UID in cols else None,
         url=table.column(schema.COL_URL).to_pylist() if schema.COL_URL in cols else None,
+        members={c: table.column(c).to_pylist() for c in schema.MEMBER_COLUMNS} if cols >= set(schema.MEMBER_COLUMNS) else None,
     )
     info = out.write_table(record.output, new)
     return replace(record, sha256=info.sha256, bytes=info.bytes)

@@ -27,6 +27,11 @@ __all__ = [
     "COL_P_CLEAN",
     "COL_UID",
     "COL_URL",
+    "COL_IMAGE_OFFSET",
+    "COL_IMAGE_SIZE",
+    "COL_CAPTION_OFFSET",
+    "COL_CAPTION_SIZE",
+    "MEMBER_COLUMNS",
     "COL_IMAGE_EMB",
     "COL_TEXT_EMB",
     "META_KEY",
@@ -78,6 +83,16 @@ COL_NOISY: Final = "noisy"
 COL_P_CLEAN: Final = "p_clean"
 COL_UID: Final = "uid"
 COL_URL: Final = "url"
+#: Where the pair's members lie in its (uncompressed) tar: the byte offset of the member's
+#: data and its size (wids-style random access: a viewer reads just these bytes). The
+#: caption member is the ``txt`` member, or the ``json`` member when the job reads a
+#: ``caption_field`` (recipe in the metadata). Null where unknown: compressed tars, members
+#: not read (too large, links), captions from the json fallback.
+COL_IMAGE_OFFSET: Final = "image_offset"
+COL_IMAGE_SIZE: Final = "image_size"
+COL_CAPTION_OFFSET: Final = "caption_offset"
+COL_CAPTION_SIZE: Final = "caption_size"
+MEMBER_COLUMNS: Final = (COL_IMAGE_OFFSET, COL_IMAGE_SIZE, COL_CAPTION_OFFSET, COL_CAPTION_SIZE)
 COL_IMAGE_EMB: Final = "image_emb"
 COL_TEXT_EMB: Final = "text_emb"
 
@@ -100,11 +115,13 @@ LOCK_FILE: Final = f"{STATE_DIR}/lock.json"
 EXPORTS_FILE: Final = f"{STATE_DIR}/exports.json"
 
 
-def scores_schema(with_uid: bool, with_url: bool, extra_scores: tuple[str, ...] = ()) -> pa.Schema:
+def scores_schema(with_uid: bool, with_url: bool, extra_scores: tuple[str, ...] = (), with_members: bool = False) -> pa.Schema:
     """The schema of ``OUT/<stem>.parquet``; ``uid``/``url`` only when the shard has them.
 
     ``similarity`` is NaN, ``weight`` and ``p_clean`` 0 for rows whose status is not ``ok``.
     ``extra_scores``: raw-score columns (float32) a refined table adds after ``p_clean``.
+    ``with_members``: the ``MEMBER_COLUMNS`` (nullable int64) last, for tables scored from
+    a tar (tables written before they existed, and in-memory scores, have none).
     """
     fields = [
         pa.field(COL_KEY, pa.string(), nullable=False),
@@ -122,6 +139,8 @@ def scores_schema(with_uid: bool, with_url: bool, extra_scores: tuple[str, ...] 
         fields.append(pa.field(COL_UID, pa.string()))
     if with_url:
         fields.append(pa.field(COL_URL, pa.string()))
+    if with_members:
+        fields += [pa.field(name, pa.int64()) for name in MEMBER_COLUMNS]
     return pa.schema(fields)
 
 

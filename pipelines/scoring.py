@@ -15,7 +15,7 @@ import re
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +25,17 @@ import pyarrow as pa
 from numpy.typing import NDArray
 
 from . import __version__, osa, schema
-from .decode import DEFAULT_MAX_PIXELS, DecodeFailure, TensorPreprocess, decode_and_preprocess, decode_jpeg_batch, tensor_preprocess_of
+from .decode import (
+    DEFAULT_MAX_PIXELS,
+    DecodeFailure,
+    SplitPreprocess,
+    TensorPreprocess,
+    decode_and_preprocess,
+    decode_jpeg_batch,
+    decode_pixels,
+    split_preprocess_of,
+    tensor_preprocess_of,
+)
 from .errors import InputError
 from .estimators import Estimator
 from .job import Calibration
@@ -78,7 +88,8 @@ class ShardResult:
     """Everything scored from one shard, rows in tar order.
 
     ``similarity`` is NaN for rows whose status is not ``ok``; their embedding rows are
-    zero and ``ok_mask`` is False.
+    zero and ``ok_mask`` is False. ``members``: the ``schema.MEMBER_COLUMNS`` by name (rows
+    read from a tar; None for pairs scored from memory).
     """
 
     uri: str
@@ -92,6 +103,7 @@ class ShardResult:
     uid: list[str | None] | None
     url: list[str | None] | None
     timings: dict[str, float] = field(default_factory=dict)
+    members: dict[str, list[int | None]] | None = None
 
     @property
     def ok_mask(self) -> NDArray[np.bool_]:
@@ -110,9 +122,14 @@ class _Batch:
     rows: list[PairSample]
     statuses: list[str]
     errors: list[str | None]
-    pixels: Any  # torch.Tensor of the ok rows
+    pixels: Any  # torch.Tensor of the ok rows, or their uint8 pixels when ``finish`` is set
     texts: list[str]
     ok_positions: list[int]
+    finish: SplitPreprocess | None = None  # turns ``pixels`` into the model input, in the model's thread
+
+    def model_input(self) -> Any:
+        """The (N, 3, S, S) float tensor of the ok rows."""
+        return self.finish.finish(self.pixels) if self.finish is not None else self.pixels
 
 
 _DONE = object()
@@ -133,6 +150,9 @@ class _Decoder:
         self.max_pixels = options.max_pixels
         self.device = options.decode_device
         self.gpu = _gpu_preprocess(estimator, options.decode_device)
+        # CPU decode threads stop at uint8 pixels when the preprocess allows (no torch op
+        # off the model's thread: see decode.SplitPreprocess).
+        self.split = split_preprocess_of(estimator.preprocess) if self.gpu is None else None
         self.pool = (
             ThreadPoolExecutor(options.decode_workers, thread_name_prefix="pairclean-decode")
             if options.decode_workers > 1
@@ -171,6 +191,8 @@ class _Decoder:
 
     def _decode_cpu(self, data: bytes) -> _Outcome:
         est = self.estimator
+        if self.split is not None:
+            return decode_pixels(data, self.max_pixels, self.split, draft_size=est.image_size)
         return decode_and_preprocess(data, self.max_pixels, est.preprocess, draft_size=est.image_size)
 
 
@@ -197,8 +219,10 @@ def _ok_images(rows: list[PairSample]) -> list[bytes]:
     return images
 
 
-def _prepare_batch(rows: list[PairSample], outcomes: list[_Outcome], image_size: int, started: float) -> _Batch:
-    """Assemble a batch from ``rows`` and the decode outcomes of their ok rows (in order)."""
+def _prepare_batch(rows: list[PairSample], outcomes: list[_Outcome], image_size: int, started: float,
+                   split: SplitPreprocess | None = None) -> _Batch:
+    """Assemble a batch from ``rows`` and the decode outcomes of their ok rows (in order);
+    with ``split``, outcomes are uint8 pixel arrays that the batch ``finish``es later."""
     import torch
 
     statuses, errors, tensors, texts, ok_positions = [], [], [], [], []
@@ -215,6 +239,8 @@ def _prepare_batch(rows: list[PairSample], outcomes: list[_Outcome], image_size:
                 ok_positions.append(pos)
         statuses.append(status)
         errors.append(error)
+    if split is not None and tensors:
+        return _Batch(time.perf_counter() - started, rows, statuses, errors, np.stack(tensors), texts, ok_positions, split)
     pixels = torch.stack(tensors) if tensors else torch.zeros((0, 3, image_size, image_size))
     return _Batch(time.perf_counter() - started, rows, statuses, errors, pixels, texts, ok_positions)
 
@@ -256,12 +282,12 @@ def _producer(uri: str, decoder: _Decoder, options: ScoreOptions, out: queue.Que
             if len(pending) <= decoder.lookahead:
                 continue
             rows, futures = pending.popleft()
-            if not _put(out, _prepare_batch(rows, decoder.outcomes(rows, futures), size, started), stop):
+            if not _put(out, _prepare_batch(rows, decoder.outcomes(rows, futures), size, started, decoder.split), stop):
                 return
             started = time.perf_counter()
         while pending:
             rows, futures = pending.popleft()
-            if not _put(out, _prepare_batch(rows, decoder.outcomes(rows, futures), size, started), stop):
+            if not _put(out, _prepare_batch(rows, decoder.outcomes(rows, futures), size, started, decoder.split), stop):
                 return
             started = time.perf_counter()
         _put(out, _DONE, stop)
@@ -315,6 +341,7 @@ def score_shard(uri: str, estimator: Estimator, options: ScoreOptions | None = N
     error: list[str | None] = []
     uid: list[str | None] = []
     url: list[str | None] = []
+    spans: list[tuple[int, int] | None] = []  # image, caption, image, caption...
     sims: list[NDArray[np.float32]] = []
     img_parts: list[NDArray[np.float32]] = []
     txt_parts: list[NDArray[np.float32]] = []
@@ -326,7 +353,7 @@ def score_shard(uri: str, estimator: Estimator, options: ScoreOptions | None = N
         img = np.zeros((n, dim), dtype=np.float32)
         txt = np.zeros((n, dim), dtype=np.float32)
         if batch.ok_positions:
-            img[batch.ok_positions] = estimator.encode_images(batch.pixels)
+            img[batch.ok_positions] = estimator.encode_images(batch.model_input())
             txt[batch.ok_positions] = estimator.encode_texts(batch.texts)
         sim = np.full(n, np.nan, dtype=np.float32)
         sim[batch.ok_positions] = osa.cosine_rows(img[batch.ok_positions], txt[batch.ok_positions])
@@ -339,6 +366,7 @@ def score_shard(uri: str, estimator: Estimator, options: ScoreOptions | None = N
             idx.append(row.idx)
             uid.append(row.uid)
             url.append(row.url)
+            spans += (row.image_span, row.caption_span)
         status.extend(batch.statuses)
         error.extend(batch.errors)
     return ShardResult(
@@ -354,7 +382,19 @@ def score_shard(uri: str, estimator: Estimator, options: ScoreOptions | None = N
         url=url if any(u is not None for u in url) else None,
         # read_decode runs in the reader thread, overlapping embed: they do not add up.
         timings={"read_decode": round(read_decode, 4), "embed": round(embed, 4)},
+        members=_member_columns(spans) if samples is None else None,
     )
+
+
+def _member_columns(spans: list[tuple[int, int] | None]) -> dict[str, list[int | None]]:
+    """The ``schema.MEMBER_COLUMNS`` from alternating (image, caption) spans."""
+    images, captions = spans[0::2], spans[1::2]
+    return {
+        schema.COL_IMAGE_OFFSET: [s[0] if s else None for s in images],
+        schema.COL_IMAGE_SIZE: [s[1] if s else None for s in images],
+        schema.COL_CAPTION_OFFSET: [s[0] if s else None for s in captions],
+        schema.COL_CAPTION_SIZE: [s[1] if s else None for s in captions],
+    }
 
 
 def output_metadata(model_info: dict[str, Any], calibration: Calibration, extra: dict[str, Any]) -> dict[bytes, bytes]:
@@ -402,8 +442,12 @@ def scores_table(
     metadata: dict[bytes, bytes],
     uid: list[str | None] | None = None,
     url: list[str | None] | None = None,
+    members: Mapping[str, Sequence[int | None]] | None = None,
 ) -> pa.Table:
     """The scores Parquet table: weights and flags from similarities and the calibration.
+
+    ``members``: the ``schema.MEMBER_COLUMNS`` by name (where each pair's members lie in
+    its tar), written last when given.
 
     Rows that are not ``ok`` get weight 0, ``p_clean`` 0 and ``noisy = True`` (a trainer
     must not use them as clean pairs). ``p_clean`` is the posterior of the calibration's
@@ -438,7 +482,9 @@ def scores_table(
         columns[schema.COL_UID] = uid
     if url is not None:
         columns[schema.COL_URL] = url
-    table_schema = schema.scores_schema(uid is not None, url is not None).with_metadata(metadata)
+    if members is not None:
+        columns.update((name, members[name]) for name in schema.MEMBER_COLUMNS)
+    table_schema = schema.scores_schema(uid is not None, url is not None, with_members=members is not None).with_metadata(metadata)
     return pa.table(columns, schema=table_schema)
 
 

@@ -11,6 +11,13 @@ ends before the object's known size raises ``ShardReadError``. Members over
 ``ReadOptions.max_member_bytes`` are skipped without being read (a ``too_large`` row);
 link members, keys seen earlier in the shard and fields written twice become rows with
 a status instead of being dropped or overwritten.
+
+Each member read from an uncompressed tar also gets its *span*, ``(offset, size)``: the
+byte offset of its data in the tar file and its length (wids-style random access). The
+score tables record the image's and caption's spans, so a viewer reads just those bytes
+(``pairclean.members.read_member``) instead of rescanning the shard. A compressed tar
+(``.tar.gz``) has no spans: offsets into the decompressed stream are of no use for a
+ranged read.
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ class RawSample:
     idx: int
     files: dict[str, bytes]
     issue: tuple[str, str] | None = None  # (status, message) of a sample-level problem
+    #: field -> (offset, size) of the member's data in the tar (uncompressed tars only)
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,11 @@ class PairSample:
     error: str | None = None
     uid: str | None = None
     url: str | None = None
+    #: (offset, size) in the tar of the image member's data, and of the member the caption
+    #: was read from (the ``txt`` member, or the ``json`` member when the job reads a
+    #: ``caption_field``); None when unknown (compressed tar, or a json-fallback caption).
+    image_span: tuple[int, int] | None = None
+    caption_span: tuple[int, int] | None = None
 
 
 def split_member_name(name: str) -> tuple[str, str] | None:
@@ -109,6 +123,7 @@ class _Member:
     name: str
     data: bytes | None  # None when the member was not read (see ``issue``)
     issue: tuple[str, str] | None = None
+    span: tuple[int, int] | None = None  # (offset, size) of the data in an uncompressed tar
 
 
 class _Counting:
@@ -159,6 +174,8 @@ def _iter_members(fh: BinaryIO, uri: str, max_member_bytes: int | None) -> Itera
     try:
         # "r|*": forward-only stream (works on HTTP streams), transparent gzip.
         with tarfile.open(fileobj=counted, mode="r|*", tarinfo=info_cls) as tar:  # type: ignore[call-overload]
+            # Offsets are file offsets only when the stream is not compressed.
+            plain = getattr(tar.fileobj, "comptype", None) == "tar"
             for member in tar:
                 if member.issym() or member.islnk():
                     yield _Member(member.name, None, (schema.STATUS_LINK_MEMBER, f"member {member.name!r} is a link; links are not followed"))
@@ -174,7 +191,7 @@ def _iter_members(fh: BinaryIO, uri: str, max_member_bytes: int | None) -> Itera
                 extracted = tar.extractfile(member)
                 if extracted is None:
                     continue
-                yield _Member(member.name, extracted.read())
+                yield _Member(member.name, extracted.read(), span=(member.offset_data, member.size) if plain else None)
             if last_header[0] != bytes(_BLOCK):
                 what = "ends without an end-of-archive marker (truncated)" if len(last_header[0]) < _BLOCK else "has a corrupt header"
                 raise ShardReadError(f"unreadable tar {uri!r}: it {what} after {tar.offset} bytes", uri=uri)
@@ -205,6 +222,7 @@ def iter_raw_samples_from(fh: BinaryIO, uri: str, options: ReadOptions | None = 
     opts = options or ReadOptions()
     current_key: str | None = None
     files: dict[str, bytes] = {}
+    spans: dict[str, tuple[int, int]] = {}
     issue: tuple[str, str] | None = None
     seen: set[str] = set()
     idx = 0
@@ -215,9 +233,9 @@ def iter_raw_samples_from(fh: BinaryIO, uri: str, options: ReadOptions | None = 
         key, ext = parts
         if key != current_key:
             if current_key is not None:
-                yield RawSample(current_key, idx, files, issue)
+                yield RawSample(current_key, idx, files, issue, spans)
                 idx += 1
-            current_key, files, issue = key, {}, None
+            current_key, files, spans, issue = key, {}, {}, None
             if key in seen:
                 issue = (schema.STATUS_DUPLICATE_KEY, f"key {key!r} appeared earlier in the shard")
             seen.add(key)
@@ -227,8 +245,10 @@ def iter_raw_samples_from(fh: BinaryIO, uri: str, options: ReadOptions | None = 
             issue = issue or (schema.STATUS_DUPLICATE_KEY, f"member {member.name!r} appears twice")
         else:
             files[ext] = member.data
+            if member.span is not None:
+                spans[ext] = member.span
     if current_key is not None:
-        yield RawSample(current_key, idx, files, issue)
+        yield RawSample(current_key, idx, files, issue, spans)
 
 
 def _parse_json(sample: RawSample) -> tuple[dict[str, Any], str | None]:
@@ -263,11 +283,16 @@ def to_pair(sample: RawSample, caption_field: str | None = None) -> PairSample:
     """Pick the image and caption of a sample; problems become a status, never an exception."""
     meta, json_error = _parse_json(sample)
     uid, url = _opt_str(meta.get("uid")), _opt_str(meta.get("url"))
-    image = next((sample.files[e] for e in IMAGE_EXTS if e in sample.files), None)
+    image_ext = next((e for e in IMAGE_EXTS if e in sample.files), None)
+    image = sample.files[image_ext] if image_ext else None
     text = _caption(sample, meta, caption_field)
+    # The caption's member as _caption picks it; a json-fallback caption (no caption_field,
+    # no txt) gets no span, so a viewer never has to guess which member it reads.
+    caption_ext = "json" if caption_field is not None else "txt"
+    spans = (sample.spans.get(image_ext) if image_ext else None, sample.spans.get(caption_ext))
 
     def row(status: str, error: str | None) -> PairSample:
-        return PairSample(sample.key, sample.idx, image, text, status, error, uid, url)
+        return PairSample(sample.key, sample.idx, image, text, status, error, uid, url, *spans)
 
     if sample.issue is not None:
         return row(*sample.issue)

@@ -66,6 +66,7 @@ def random_beta_fn(estimator: Estimator, k: int, seed: int) -> Any:
         "model_id": info.model_id,
         "checkpoint_sha256": info.checkpoint_sha256,
         "precision": info.precision,
+        "engine": info.engine,
         "device_type": info.device.split(":")[0],
         "k": k,
         "seed": seed,
@@ -167,7 +168,7 @@ class ShardWork:
         meta = output_metadata(self.model_info, calibration, {"shard": result.uri, "recipe": _recipe(self.spec), "job": self.digest})
         scores = scores_table(
             result.uri, result.keys, result.idx, result.status, result.error,
-            result.similarity, calibration, meta, result.uid, result.url,
+            result.similarity, calibration, meta, result.uid, result.url, result.members,
         )
         emb_name = emb_bytes = None
         if self.spec.embeddings:

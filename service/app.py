@@ -6,6 +6,7 @@ Laid out the way FastAPI projects are: ``schemas`` (request and response bodies)
 (``POST /v1/jobs``, ``POST /v1/jobs:validate``, ``GET /v1/jobs``, ``GET /v1/jobs/{id}``,
 ``/shards``, ``/logs``, ``:cancel``, ``:retry``, all with ``Authorization: Bearer <key>``)
 and ``routers/health.py`` (the unauthenticated ``/healthz``, ``/readyz``, ``/metrics``);
+``routers/pages.py`` adds the web pages under ``/ui`` (session login, HTML errors there);
 this module wires them together with the middleware and error handlers.
 """
 
@@ -25,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from .dependencies import ValidationPool, output_key
 from .guards import BodyLimit, public_errors
 from .metrics import Metrics
-from .routers import health, jobs
+from .routers import health, jobs, pages
 from .routers.jobs import read_log
 from .runner import JobRunner
 from .schemas import ERRORS, JobPublic, JobRequest
@@ -59,6 +60,7 @@ def create_app(settings: ServiceSettings | None = None, state_dir: str | Path = 
     app.include_router(jobs.router)
     _add_middleware(app, settings, metrics)
     _add_error_handlers(app)
+    pages.install(app, settings)  # after the JSON error handlers, which it keeps outside /ui
     return app
 
 

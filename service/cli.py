@@ -5,7 +5,8 @@ The batch verbs (``score``, ``rescore``, ``inspect``, ``export``, ``demo``, ``tr
 module adds the service's verbs to the same parser, so ``pairclean --help`` lists them all
 and the global options (``-v``, ``--version``) work before any verb:
 
-    serve                       run the REST service (settings from PAIRCLEAN_* variables)
+    serve [--demo]              run the REST service and its web pages (settings from PAIRCLEAN_* variables;
+                                --demo also scores the bundled sample as a job and prints a login key)
     apikey NAME [--admin]       create an API key (printed once, stored hashed)
     submit SHARD... --out OUT   submit a scoring job; prints its id
     status JOB / wait JOB       the job as JSON (``wait``: once it has ended; exit 1 unless SUCCEEDED)
@@ -44,6 +45,8 @@ def add_service_parsers(sub: Any) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--state-dir", default="pairclean-service", help="job logs and shard lists")
+    serve.add_argument("--demo", action="store_true",
+                       help="also score the bundled demo sample as a job of owner 'demo' and print its page and a login key")
     key = sub.add_parser("apikey", help="create an API key (printed once, stored hashed in the job database)")
     key.add_argument("name")
     key.add_argument("--admin", action="store_true", help="the key sees and manages every owner's jobs")
@@ -74,9 +77,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
+    from .settings import ServiceSettings
 
-    uvicorn.run(create_app(state_dir=args.state_dir), host=args.host, port=args.port)
+    settings = ServiceSettings()
+    demo_out = os.path.abspath(os.path.join(args.state_dir, "demo-out"))
+    if args.demo:
+        from pairclean_workers.cli import sample_shard
+
+        # The bundled sample and the demo's output folder join this process's allow-lists.
+        settings = settings.model_copy(update={
+            "allowed_inputs": [*settings.allowed_inputs, os.path.dirname(sample_shard()) + "/"],
+            "allowed_outputs": [*settings.allowed_outputs, demo_out + "/"]})
+    app = create_app(settings, state_dir=args.state_dir)
+    if args.demo:
+        _queue_demo(app, demo_out, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port)
     return 0
+
+
+def _queue_demo(app: Any, out: str, host: str, port: int) -> None:
+    """Queue the demo job (once: a restart finds it by its idempotency key) and print its
+    page with a fresh login key for owner ``demo``."""
+    from pairclean_workers.cli import sample_shard
+
+    from .dependencies import output_key
+    from .routers.pages import DEMO_IDEMPOTENCY_KEY
+    from .schemas import JobRequest
+    from .security import hash_key, new_api_key
+
+    store = app.state.store
+    request = JobRequest(shards=[sample_shard()], output=out).model_dump()
+    job, created = store.create(request, "demo", DEMO_IDEMPOTENCY_KEY, 1, output_key(out))
+    key = new_api_key()
+    store.add_key(hash_key(key), "demo")
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    print(f"demo job {job.id} ({'queued' if created else job.state}): the bundled sample, scored by this service\n"
+          f"open http://{shown}:{port}/ui/jobs/{job.id} and log in with this API key (shown once):\n  {key}", flush=True)
 
 
 def cmd_apikey(args: argparse.Namespace) -> int:

@@ -19,6 +19,9 @@ class ServiceSettings(BaseSettings):
     ``max_shards``: shards one job may expand to, enforced while expanding.
     ``validate_*``: ``:validate`` reads at most this many bytes of one shard for at most
     this many seconds, in its own pool of ``validate_concurrency`` threads (429 when full).
+    ``ui_*``: the web pages (``routers/pages.py``): how long a login lasts, the largest
+    image member a thumbnail may read, the score rows one job page scans for its charts
+    and galleries, and how often the pages poll for progress.
     """
 
     model_config = SettingsConfigDict(env_prefix="PAIRCLEAN_", extra="ignore")
@@ -39,3 +42,7 @@ class ServiceSettings(BaseSettings):
     max_running_jobs: int = 1
     poll_interval_s: float = 0.5
     require_auth: bool = True
+    ui_session_ttl_s: float = 8 * 3600
+    ui_thumbnail_max_bytes: int = 16 * 2**20
+    ui_scan_max_rows: int = 2_000_000
+    ui_poll_ms: int = 2000

@@ -94,3 +94,6 @@ def test_wheel_installs_only_prefixed_top_level_names(tmp_path: Path) -> None:
     # the job store's migrations run from the installed package (no alembic.ini, no checkout)
     migrations = "pairclean_service/migrations/"
     assert {migrations + "env.py", migrations + "script.py.mako", migrations + "versions/0001_jobs_and_keys.py"} <= set(names)
+    # the web pages read their templates and static files from the package
+    assert {"pairclean_service/templates/base.html", "pairclean_service/templates/job.html", "pairclean_service/static/pages.js",
+            "pairclean_service/static/pages.css", "pairclean_service/static/favicon.svg"} <= set(names)

@@ -21,6 +21,7 @@ from importlib import resources
 from typing import Any
 
 from pairclean import __version__
+from pairclean.cpu_settings import apply_process_env
 from pairclean.errors import PaircleanError
 from pairclean.lifecycle import EXIT_CODES, EXIT_ERROR, FAILED, PARTIAL, SUCCEEDED
 
@@ -41,6 +42,8 @@ def _add_estimator_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pretrained", help="open_clip pretrained tag (needs the model hub)")
     g.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"))
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--engine", default="auto", choices=("auto", "torch"),
+                   help="auto: pairclean-lite's image tower on ONNX Runtime on CPU when installed and agreeing (1.8x); torch: PyTorch only")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
 
@@ -188,7 +191,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     from pairclean.uris import expand_shards
 
     storage = _storage_options(args.storage_option)
-    est_spec = EstimatorSpec(args.model, args.checkpoint, args.pretrained, args.precision, args.device)
+    est_spec = EstimatorSpec(args.model, args.checkpoint, args.pretrained, args.precision, args.device, args.engine)
     est_spec.validate()
     shards = expand_shards(args.shards, storage)
     spec = JobSpec(
@@ -315,7 +318,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"\nswapped on purpose: {', '.join(sorted(swapped))}\n"
         f"flagged noisy: {hits}/{len(swapped)} swapped pairs, {len(flagged - swapped)} of the clean ones"
     )
+    print(_pages_hint())
     return EXIT_OK
+
+
+def _pages_hint(timeout_s: float = 0.5) -> str:
+    """Where to see the demo's pairs with their images: the service's web pages.
+
+    The service (a layer above this one) is only probed over HTTP (``/healthz``); the demo
+    job it shows is the one ``pairclean serve --demo`` queues, at ``/ui/demo``.
+    """
+    import urllib.request
+
+    address = os.environ.get("PAIRCLEAN_ADDRESS", "http://127.0.0.1:8000").rstrip("/")
+    try:
+        with urllib.request.urlopen(f"{address}/healthz", timeout=timeout_s) as response:
+            running = response.status == 200
+    except (OSError, ValueError):
+        running = False
+    if running:
+        return (f"\nweb pages: the service at {address} is running; if it was started with `pairclean serve --demo`, "
+                f"this sample's job page is {address}/ui/demo (log in with the key it printed)")
+    return ("\nweb pages (the pairs with their images): run `pairclean serve --demo`, "
+            "then open http://127.0.0.1:8000/ui/demo and log in with the key it prints")
 
 
 def _demo_truth(out: str) -> tuple[set[str], set[str]]:
@@ -337,6 +362,8 @@ def main(argv: Sequence[str] | None = None, extend: Callable[[Any], None] | None
     """Parse ``argv`` and run its verb; the ``pairclean`` console script
     (``pairclean_service.cli.main``) calls this with the service's verbs in ``extend`` and
     ``handlers``, so ``python -m pairclean_workers.cli`` alone has only the batch verbs."""
+    # Before anything imports torch: libgomp reads its wait policy once, at load.
+    apply_process_env()
     parser = build_parser(extend)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

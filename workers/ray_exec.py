@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pairclean.cpu_settings import process_env
 from pairclean.errors import InputError, ModelLoadError
 from pairclean.estimators import EstimatorSpec, load_estimator
 from pairclean.job import Calibration, JobSpec, OutputDir
@@ -111,9 +112,18 @@ def init_ray(options: RayOptions) -> None:
         return
     address = options.address or os.environ.get("RAY_ADDRESS") or None
     kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": False}
-    if options.runtime_env:
-        kwargs["runtime_env"] = options.runtime_env
+    runtime_env = _with_cpu_env(options.runtime_env)
+    if runtime_env:
+        kwargs["runtime_env"] = runtime_env
     ray.init(address=address, **kwargs)
+
+
+def _with_cpu_env(runtime_env: dict[str, Any]) -> dict[str, Any]:
+    """``runtime_env`` plus pairclean's CPU environment (``pairclean.cpu_settings``) in its
+    ``env_vars``; variables the caller sets there win. The actors' libgomp reads them when
+    they import torch, which an environment variable set in ``__init__`` would be too late for."""
+    env_vars = {**process_env(), **dict(runtime_env.get("env_vars") or {})}
+    return {**runtime_env, "env_vars": env_vars} if env_vars else dict(runtime_env)
 
 
 @dataclass
@@ -166,6 +176,10 @@ class RaySource:
 
     def _new_actor(self) -> Any:
         opts: dict[str, Any] = {"num_cpus": self.options.cpus_per_actor, "max_restarts": 0, "max_concurrency": 1}
+        # Also per actor: Ray may have been started by someone else (merged with the job's env).
+        env = _with_cpu_env({"env_vars": self.options.runtime_env.get("env_vars") or {}})
+        if env.get("env_vars"):
+            opts["runtime_env"] = env
         if self.use_gpu:
             opts["num_gpus"] = 1
         if self.options.actor_resources:

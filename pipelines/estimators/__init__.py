@@ -16,6 +16,8 @@ from typing import Any
 
 from ..errors import InputError, ModelLoadError
 from .base import BF16_MIN_COSINE, PRECISIONS, Estimator, ModelInfo, file_sha256, quiet_open_clip
+from ..cpu_settings import keep_heap_memory
+from .engines import ENGINES, onnx_image_runner
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -38,7 +40,21 @@ TINY_TEST_MODEL = "pairclean-tiny-test"
 #: bf16 for them on CPU (still checking agreement at load time). ViT-B/32: images 2.5x,
 #: texts 2.2x, cosine 0.9999. pairclean-lite is 2.5x faster in bf16 too, but its image
 #: embeddings agree only to cosine 0.995 (< 0.999), so it stays fp32.
+#: Those speed-ups need AMX tiles: on a CPU with AVX512-BF16 but no AMX, bf16 ViT-B/32 ran
+#: at 0.57x (images) and 0.65x (texts) of fp32 (benchmarks/precision.py, torch 2.14.1,
+#: 2 threads), so ``auto`` takes bf16 on CPU only where ``cpu_has_amx()``.
 BF16_FASTER_ON_CPU = frozenset({"ViT-B-32", "ViT-B-16", "ViT-L-14"})
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (what makes bf16 matmuls faster than fp32 on CPU)."""
+    import torch
+
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private, hence guarded
+    try:
+        return bool(probe()) if probe is not None else False
+    except RuntimeError:
+        return False
 
 
 #: Default beta recipe per estimator, chosen by measurement: the recipe whose noisy flag
@@ -62,6 +78,7 @@ class EstimatorSpec:
     ``checkpoint``: a local open_clip state dict (.bin/.pt/.safetensors); for
     pairclean-lite, an alternative heads file. ``pretrained``: an open_clip tag, only
     where the hub is reachable. ``precision``: auto | fp32 | bf16. ``device``: auto | cpu | cuda[:i].
+    ``engine``: auto (a measured-faster CPU engine where one agrees, ``estimators.engines``) | torch.
     """
 
     model: str = DEFAULT_MODEL
@@ -69,11 +86,14 @@ class EstimatorSpec:
     pretrained: str | None = None
     precision: str = "auto"
     device: str = "auto"
+    engine: str = "auto"
 
     def validate(self) -> None:
         """Raise ``InputError`` for option combinations that cannot work."""
         if self.precision not in PRECISIONS:
             raise InputError(f"unknown precision {self.precision!r}; choose one of {PRECISIONS}")
+        if self.engine not in ENGINES:
+            raise InputError(f"unknown engine {self.engine!r}; choose one of {ENGINES}")
         if self.checkpoint and self.pretrained:
             raise InputError("give either --checkpoint or --pretrained, not both")
         if self.checkpoint and not os.path.isfile(self.checkpoint):
@@ -92,8 +112,13 @@ def resolve_device(device: str) -> str:
 
 
 def load_estimator(spec: EstimatorSpec) -> Estimator:
-    """Build the estimator of ``spec`` in eval mode on its device, precision resolved."""
+    """Build the estimator of ``spec`` in eval mode on its device, precision resolved.
+
+    Also sets this process's malloc to keep large freed blocks (``pairclean.cpu_settings.keep_heap_memory``):
+    without it, pairclean-lite spent a third of its CPU time in the kernel.
+    """
     spec.validate()
+    keep_heap_memory()
     spec = replace(spec, device=resolve_device(spec.device))
     if spec.model == DEFAULT_MODEL:
         from .lite import build_lite
@@ -101,7 +126,7 @@ def load_estimator(spec: EstimatorSpec) -> Estimator:
         fp32 = build_lite(spec.checkpoint, spec.device)
     else:
         fp32 = _build_open_clip(spec)
-    return _choose_precision(fp32, spec.precision)
+    return _choose_engine(_choose_precision(fp32, spec.precision), spec.engine)
 
 
 def _register_config(name: str) -> None:
@@ -188,7 +213,7 @@ def _choose_precision(fp32: Estimator, requested: str) -> Estimator:
     if requested == "fp32":
         return fp32
     cpu = fp32.info.device == "cpu"
-    if requested == "auto" and cpu and fp32.info.arch not in BF16_FASTER_ON_CPU:
+    if requested == "auto" and cpu and (fp32.info.arch not in BF16_FASTER_ON_CPU or not cpu_has_amx()):
         return fp32
     bf16 = _to_bf16(fp32)
     agreement = _agreement(fp32, bf16)
@@ -205,6 +230,28 @@ def _choose_precision(fp32: Estimator, requested: str) -> Estimator:
     return fp32
 
 
+def _choose_engine(est: Estimator, requested: str) -> Estimator:
+    """``est`` with its image tower on ONNX Runtime where that was measured faster
+    (pairclean-lite, fp32, CPU: ``estimators.engines``) and agrees with PyTorch on the
+    probe (cosine >= 0.999, as for bf16); else ``est`` unchanged."""
+    import torch
+
+    info = est.info
+    if requested == "torch" or info.arch != DEFAULT_MODEL or info.device != "cpu" or info.precision != "fp32":
+        return est
+    built = onnx_image_runner(est.model.visual, est.image_size, torch.get_num_threads())
+    if built is None:
+        return est
+    runner, engine = built
+    candidate = Estimator(est.model, est.tokenizer, est.preprocess, replace(info, engine=engine), est.context_length, runner)
+    agreement = _agreement(est, candidate)
+    if agreement >= BF16_MIN_COSINE:
+        return candidate
+    log.warning("ONNX Runtime embeddings agree with PyTorch only to cosine %.5f < %.3f: staying with PyTorch",
+                agreement, BF16_MIN_COSINE)
+    return est
+
+
 def _to_bf16(fp32: Estimator) -> Estimator:
     import torch
 
@@ -214,7 +261,8 @@ def _to_bf16(fp32: Estimator) -> Estimator:
 
 
 def _agreement(a: Estimator, b: Estimator) -> float:
-    """Smallest cosine between the fp32 and bf16 embeddings of a fixed probe."""
+    """Smallest cosine between the embeddings of two estimators of one model (fp32 against
+    bf16, or PyTorch against another engine) on a fixed probe."""
     import numpy as np
     import torch
 

@@ -263,14 +263,16 @@ def apply_shard(out: OutputDir, record: ShardRecord, heads: Heads, doc: dict[str
 
 
 def refined_table(table: pa.Table, raw: np.ndarray, p: np.ndarray, doc: dict[str, Any]) -> pa.Table:
-    """The refined score table: base columns, then weight, noisy, p_clean, raw score, uid, url."""
+    """The refined score table: base columns, then weight, noisy, p_clean, raw score, uid, url,
+    and the member columns when the table has them."""
     meta = json.loads(table.schema.metadata[schema.META_KEY])
     meta["refine"] = doc
     meta["noisy_rule"] = doc["noisy_rule"]
     cols = set(table.column_names)
     with_uid, with_url = schema.COL_UID in cols, schema.COL_URL in cols
+    with_members = cols >= set(schema.MEMBER_COLUMNS)
     score_col = doc["score_column"]
-    out_schema = schema.scores_schema(with_uid, with_url, extra_scores=(score_col,)).with_metadata(
+    out_schema = schema.scores_schema(with_uid, with_url, extra_scores=(score_col,), with_members=with_members).with_metadata(
         {schema.META_KEY: json.dumps(meta, sort_keys=True).encode()})
     columns: dict[str, Any] = {name: table.column(name) for name in BASE_COLUMNS}
     columns[schema.COL_WEIGHT] = p.astype(np.float32)
@@ -281,6 +283,8 @@ def refined_table(table: pa.Table, raw: np.ndarray, p: np.ndarray, doc: dict[str
         columns[schema.COL_UID] = table.column(schema.COL_UID)
     if with_url:
         columns[schema.COL_URL] = table.column(schema.COL_URL)
+    if with_members:
+        columns.update((name, table.column(name)) for name in schema.MEMBER_COLUMNS)
     return pa.table([columns[f.name] for f in out_schema], schema=out_schema)
 
 

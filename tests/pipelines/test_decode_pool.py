@@ -24,6 +24,8 @@ from pairclean.decode import (
     decode_and_preprocess,
     decode_image,
     decode_jpeg_batch,
+    decode_pixels,
+    split_preprocess_of,
     tensor_preprocess_of,
 )
 from pairclean.errors import InputError, ShardReadError
@@ -147,6 +149,49 @@ def test_tensor_preprocess_is_derived_from_open_clip_transforms_or_refused(tiny:
     for mode in ("squash", "longest"):
         assert tensor_preprocess_of(image_transform_v2(PreprocessCfg(size=32, resize_mode=mode), is_train=False)) is None
     assert tensor_preprocess_of(lambda img: img) is None
+
+
+@pytest.mark.parametrize("norm", [((0.5,) * 3, (0.5,) * 3), ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))])
+def test_split_preprocess_gives_the_whole_preprocess_bit_for_bit(photos: list[bytes], norm: Any) -> None:
+    """Decode threads stop at uint8 pixels; the batched finish equals the estimator's own
+    transform on every image (pairclean-lite's and CLIP's normalisation, grey and RGB)."""
+    from open_clip.transform import PreprocessCfg, image_transform_v2
+
+    preprocess = image_transform_v2(PreprocessCfg(size=224, mean=norm[0], std=norm[1]), is_train=False)
+    split = split_preprocess_of(preprocess)
+    assert split is not None
+    datas = photos + [_reencode(photos[0], "JPEG", "L"), _reencode(photos[1], "PNG")]
+    pixels = [decode_pixels(d, DEFAULT_MAX_PIXELS, split, draft_size=224) for d in datas]
+    assert all(p.dtype == np.uint8 and p.shape == (224, 224, 3) for p in pixels)
+    batch = split.finish(np.stack(pixels))
+    whole = torch.stack([decode_and_preprocess(d, DEFAULT_MAX_PIXELS, preprocess, draft_size=224) for d in datas])
+    assert batch.dtype == torch.float32 and batch.shape == whole.shape
+    assert torch.equal(batch, whole)
+    assert batch.is_contiguous(memory_format=torch.channels_last)  # what the model takes, no copy
+    for mode in ("squash", "longest"):
+        assert split_preprocess_of(image_transform_v2(PreprocessCfg(size=32, resize_mode=mode), is_train=False)) is None
+
+
+def test_cpu_decode_threads_run_no_torch_op(tiny: Any, mixed_shard: Path, photos: list[bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch op in a decode thread would start a second OpenMP team beside the model's."""
+    model_thread = threading.current_thread()
+    foreign: list[str] = []
+    real_div = torch.Tensor.div
+
+    def spy(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if threading.current_thread() is not model_thread:
+            foreign.append(threading.current_thread().name)
+        return real_div(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "div", spy)
+    result = score_shard(str(mixed_shard), tiny, ScoreOptions(batch_size=4, decode_workers=2))
+    assert result.status.count(schema.STATUS_OK) == 24
+    assert foreign == []
+    # The spy sees the whole preprocess's ToTensor (x.div(255)) when a thread runs it.
+    worker = threading.Thread(target=decode_and_preprocess, args=(photos[0], DEFAULT_MAX_PIXELS, tiny.preprocess), name="probe")
+    worker.start()
+    worker.join()
+    assert foreign == ["probe"]
 
 
 def test_batched_jpeg_decode_keeps_the_cpu_statuses_and_pixels(photos: list[bytes]) -> None:

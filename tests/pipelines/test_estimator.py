@@ -70,3 +70,14 @@ def test_bf16_path_agrees_with_fp32(tiny) -> None:
     texts = ["a dog on the beach", "a red car"]
     cos = (bf16.encode_texts(texts) * tiny.encode_texts(texts)).sum(1)
     assert cos.min() > 0.99
+
+
+def test_auto_takes_bf16_on_cpu_only_where_amx_makes_it_faster(monkeypatch) -> None:
+    """bf16 ViT-B/32 ran at 0.57x of fp32 on a CPU without AMX (benchmarks/precision.py)."""
+    import pairclean.estimators as estimators
+
+    monkeypatch.setattr(estimators, "BF16_FASTER_ON_CPU", frozenset({TINY}))
+    monkeypatch.setattr(estimators, "cpu_has_amx", lambda: False)
+    assert load_estimator(EstimatorSpec(TINY, precision="auto", device="cpu")).info.precision == "fp32"
+    monkeypatch.setattr(estimators, "cpu_has_amx", lambda: True)
+    assert load_estimator(EstimatorSpec(TINY, precision="auto", device="cpu")).info.precision == "bf16"

@@ -120,6 +120,13 @@ def test_weighted_clip_loss_and_rcm_loss() -> None:
     assert torch.isclose(weighted_clip_loss(img, txt, torch.zeros(8), 10.0), torch.tensor(0.0))
     perfect = rcm_loss(img, img)
     assert 0 <= perfect < rcm_loss(img, txt) <= 1
+    assert torch.isclose(rcm_loss(img, txt, weights=torch.ones(8)), rcm_loss(img, txt))
+    assert torch.isclose(rcm_loss(img, txt, weights=torch.zeros(8)), torch.tensor(0.0))
+    # pair i's term times w_i, the mean still over B: half the pairs at weight 0 give
+    # the unweighted terms of the other half summed over B
+    sims = img @ txt.T / 0.03
+    terms = (1 - torch.softmax(sims, 1).diagonal()) + (1 - torch.softmax(sims, 0).diagonal())
+    assert torch.isclose(rcm_loss(img, txt, weights=half), 0.5 * terms[:4].sum() / 8)
 
 
 def test_exports(scored) -> None:

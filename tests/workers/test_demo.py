@@ -25,6 +25,8 @@ def test_demo_flags_exactly_the_swapped_captions(tmp_path: Path, capsys: pytest.
     bins = re.findall(r"^  \[\d\.\d, \d\.\d\)\s+(\d+)", first.split("weight histogram:")[1], flags=re.M)
     assert len(bins) == 10 and sum(map(int, bins)) == 10
     assert all(key in first.split("first pairs:")[1] for key in swapped)
+    # it ends by saying how to see the pairs with their images: the service's page of the demo job
+    assert "pairclean serve --demo" in first.splitlines()[-1] and "/ui/demo" in first.splitlines()[-1]
     # a second run resumes: nothing is rescored
     assert main(["demo", "--out", str(out), "--no-progress", "--executor", "local"]) == 0
     assert "1 already done" in capsys.readouterr().out

@@ -19,7 +19,8 @@ from pairclean.job import OutputDir
 from pairclean_workers.cli import main
 
 TINY = ["--model", "pairclean-tiny-test", "--no-progress", "--batch-size", "4", "--executor", "local"]
-SCORE_COLUMNS = ["key", "shard", "idx", "status", "error", "similarity", "weight", "noisy", "p_clean", "uid", "url"]
+SCORE_COLUMNS = ["key", "shard", "idx", "status", "error", "similarity", "weight", "noisy", "p_clean", "uid", "url",
+                 "image_offset", "image_size", "caption_offset", "caption_size"]
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:

@@ -100,6 +100,47 @@ def test_a_killed_worker_is_replaced_and_every_shard_committed_once(ray_local, m
         assert pq.read_table(tmp_path / "out" / f"{stem}.parquet").num_rows == 24
 
 
+def _actor_cpu_settings(actor: object) -> dict[str, object]:
+    """In the actor: its OpenMP wait policy and whether glibc malloc keeps large blocks."""
+    import ray
+
+    def probe(self: object) -> dict[str, object]:
+        import ctypes
+
+        from pairclean.cpu_settings import keep_heap_memory
+
+        class MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2: 10 size_t fields
+            _fields_ = [(name, ctypes.c_size_t) for name in
+                        ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+        before = libc.mallinfo2().hblks
+        block = libc.malloc(64 << 20)  # far above glibc's default mmap threshold (<= 32 MiB)
+        mmapped = libc.mallinfo2().hblks - before
+        libc.free(block)
+        return {"omp": os.environ.get("OMP_WAIT_POLICY"), "heap": keep_heap_memory(), "mmapped_blocks": mmapped}
+
+    return ray.get(actor.__ray_call__.remote(probe))
+
+
+def test_actors_run_with_pairclean_cpu_settings(ray_local, make_shards, tmp_path: Path) -> None:
+    """Ray was started by someone else here: the actor still gets the OpenMP wait policy
+    (runtime_env) and its malloc keeps a 64 MiB block in the heap instead of mmap-ing it."""
+    from pairclean_workers.ray_exec import RayOptions, RaySource
+
+    shards = [str(s) for s in make_shards(n_shards=1, per_shard=2)]
+    spec = _spec(shards)
+    source = RaySource(EstimatorSpec("pairclean-tiny-test", precision="fp32", device="cpu"), spec, OutputDir(str(tmp_path / "out")),
+                       score_options(spec), RayOptions(num_actors=1, threads_per_actor=1))
+    assert _actor_cpu_settings(source.actors[0]) == {"omp": "PASSIVE", "heap": True, "mmapped_blocks": 0}
+    mine = RaySource(EstimatorSpec("pairclean-tiny-test", precision="fp32", device="cpu"), spec, OutputDir(str(tmp_path / "out2")),
+                     score_options(spec), RayOptions(num_actors=1, threads_per_actor=1, runtime_env={"env_vars": {"OMP_WAIT_POLICY": "ACTIVE"}}))
+    assert _actor_cpu_settings(mine.actors[0])["omp"] == "ACTIVE"  # the caller's value wins
+
+
 def test_stragglers_time_out_and_end_quarantined(ray_local, make_shards, tmp_path: Path) -> None:
     from pairclean_workers.ray_exec import RayOptions, RaySource
 

@@ -1,0 +1,476 @@
+"""What the web pages show of a job, read from the job's own output folder.
+
+Everything here starts from a job the caller may see (``dependencies.job_or_404``): its
+output folder comes from the stored request, its shards from the folder's completion
+records. A URL names a shard only by its *stem*, looked up among those records, so a page
+can never be pointed at a file outside the job.
+
+Bounded work: the charts and galleries scan at most ``ui_scan_max_rows`` score rows (in
+shard order; the page says when it stopped early), per-shard summaries are cached by the
+score table's sha256 (a running job rescans only what it committed since), and
+thumbnails read only the image member's bytes (``pairclean.members.read_member``), at
+most ``ui_thumbnail_max_bytes``, and are cached, downscaled, in memory.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import pyarrow as pa
+
+from pairclean import schema
+from pairclean.job import Calibration, OutputDir, ShardRecord
+from pairclean.uris import shard_stem
+
+from .security import UriRefused, check_uri
+from .settings import ServiceSettings
+from .store import JobRow
+
+__all__ = ["Browser", "JobOverview", "ShardScan", "PairRow", "RowFilter", "GALLERY_MAX", "PAGE_SIZE", "placeholder_png"]
+
+log = logging.getLogger(__name__)
+
+#: Pairs one gallery can page through (each of "lowest" and "borderline").
+GALLERY_MAX = 240
+#: Cards / rows on one page.
+PAGE_SIZE = 24
+#: Captions are read from their tar member; longer members are not shown.
+CAPTION_MAX_BYTES = 64 * 1024
+#: The longest edge of a thumbnail, in pixels.
+THUMB_EDGE = 192
+#: Images whose header declares more pixels than this are never decoded.
+THUMB_MAX_PIXELS = 64_000_000
+
+_SIM_BINS = np.linspace(-1.0, 1.0, 201)  # cosine similarities, 0.01 wide
+_WEIGHT_BINS = np.linspace(0.0, 1.0, 21)
+_VIEW = [schema.COL_KEY, schema.COL_IDX, schema.COL_STATUS, schema.COL_SIMILARITY, schema.COL_WEIGHT, schema.COL_NOISY,
+         schema.COL_P_CLEAN]
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class _Lru(Generic[K, V]):
+    """A small thread-safe LRU bounded by entries and by a size measure.
+
+    Hand-written (twenty lines) rather than a dependency: ``functools.lru_cache`` cannot
+    bound by bytes or drop entries by key, and the service has no cache library otherwise.
+    """
+
+    def __init__(self, max_entries: int, max_size: int = 0, size_of: Callable[[V], int] = lambda _: 0) -> None:
+        self.max_entries, self.max_size, self.size_of = max_entries, max_size, size_of
+        self._items: OrderedDict[K, V] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key: K, value: V) -> None:
+        with self._lock:
+            if key in self._items:
+                self._size -= self.size_of(self._items.pop(key))
+            self._items[key] = value
+            self._size += self.size_of(value)
+            while len(self._items) > self.max_entries or (self.max_size and self._size > self.max_size and len(self._items) > 1):
+                _, old = self._items.popitem(last=False)
+                self._size -= self.size_of(old)
+
+
+@dataclass(frozen=True)
+class ShardScan:
+    """One committed shard, summarised: counts, histograms and gallery candidates.
+
+    ``lowest``/``border``: row positions of the shard's ok pairs with the lowest
+    (weight, similarity) and the similarity nearest beta, at most ``GALLERY_MAX`` each,
+    with their sort keys.
+    """
+
+    stem: str
+    shard: str
+    rows: int
+    statuses: dict[str, int]
+    ok: int
+    noisy: int
+    sim_clean: np.ndarray
+    sim_noisy: np.ndarray
+    weight_clean: np.ndarray
+    weight_noisy: np.ndarray
+    lowest: list[tuple[float, float, int]]  # (weight, similarity, row)
+    border: list[tuple[float, int]]  # (|similarity - beta|, row)
+
+    @property
+    def noise_rate(self) -> float | None:
+        return self.noisy / self.ok if self.ok else None
+
+
+@dataclass
+class JobOverview:
+    """A job's charts, counts and galleries, over the shards scanned."""
+
+    calibration: Calibration | None
+    meta: dict[str, Any]
+    spec: dict[str, Any] | None
+    shards_total: int
+    committed: int
+    scanned: list[ShardScan]
+    unscanned: list[ShardRecord]
+    quarantined: dict[str, dict[str, Any]]
+    statuses: dict[str, int] = field(default_factory=dict)
+    pairs: int = 0
+    ok: int = 0
+    noisy: int = 0
+    sim_edges: list[float] = field(default_factory=list)
+    sim_clean: list[int] = field(default_factory=list)
+    sim_noisy: list[int] = field(default_factory=list)
+    weight_clean: list[int] = field(default_factory=list)
+    weight_noisy: list[int] = field(default_factory=list)
+    lowest: list[tuple[str, int]] = field(default_factory=list)  # (stem, row)
+    border: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def beta(self) -> float | None:
+        return self.calibration.beta if self.calibration else None
+
+    @property
+    def truncated(self) -> bool:
+        return bool(self.unscanned)
+
+
+@dataclass(frozen=True)
+class PairRow:
+    """One pair as a page shows it."""
+
+    stem: str
+    row: int
+    key: str
+    idx: int
+    status: str
+    similarity: float | None
+    weight: float
+    noisy: bool
+    p_clean: float
+    caption: str | None
+    has_image: bool
+
+
+@dataclass(frozen=True)
+class RowFilter:
+    """The shard page's filters (validated by the route)."""
+
+    status: str | None = None
+    noisy: bool | None = None
+    weight_min: float = 0.0
+    weight_max: float = 1.0
+
+
+@dataclass(frozen=True)
+class _Table:
+    view: pa.Table
+    caption_field: str | None
+    has_members: bool
+
+
+class _Output:
+    """An ``OutputDir`` shared by the requests of one job (its manifest cache is reused),
+    with a lock: ``OutputDir`` keeps per-instance state."""
+
+    def __init__(self, uri: str) -> None:
+        self.out = OutputDir(uri)
+        self.lock = threading.Lock()
+
+    def committed(self) -> dict[str, ShardRecord]:
+        with self.lock:
+            return self.out.committed()
+
+
+def placeholder_png() -> bytes:
+    """A grey square shown for a missing, refused or unreadable image."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (THUMB_EDGE, THUMB_EDGE), (225, 225, 225))
+    draw = ImageDraw.Draw(img)
+    draw.line((0, 0, THUMB_EDGE, THUMB_EDGE), fill=(190, 190, 190), width=3)
+    draw.line((0, THUMB_EDGE, THUMB_EDGE, 0), fill=(190, 190, 190), width=3)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+class Browser:
+    """Reads what the pages show; one per app (its caches are shared by all requests)."""
+
+    def __init__(self, settings: ServiceSettings) -> None:
+        self.settings = settings
+        self._outputs: _Lru[str, _Output] = _Lru(64)
+        self._scans: _Lru[tuple[str, str, str], ShardScan] = _Lru(2048)
+        self._tables: _Lru[tuple[str, str, str], _Table] = _Lru(32, 256 * 2**20, lambda t: t.view.nbytes)
+        self._captions: _Lru[tuple[str, int, int], str] = _Lru(4096)
+        self._thumbs: _Lru[tuple[str, int, int, str], bytes] = _Lru(2048, 32 * 2**20, len)
+        self.placeholder = placeholder_png()
+
+    # -- the job's folder -------------------------------------------------------------------
+    def output(self, job: JobRow) -> _Output:
+        uri = str(job.request["output"])
+        got = self._outputs.get(uri)
+        if got is None:
+            got = _Output(uri)
+            self._outputs.put(uri, got)
+        return got
+
+    def record(self, job: JobRow, stem: str) -> ShardRecord | None:
+        """The committed record of one of the job's shards, by stem; None when the job has
+        no such committed shard (the only way a URL reaches a shard)."""
+        return self.output(job).committed().get(stem)
+
+    def _table(self, out: OutputDir, record: ShardRecord) -> _Table:
+        key = (out.uri, record.stem, record.sha256)
+        got = self._tables.get(key)
+        if got is not None:
+            return got
+        table = out.read_scores(record)
+        meta = json.loads((table.schema.metadata or {}).get(schema.META_KEY, b"{}"))
+        has_members = set(schema.MEMBER_COLUMNS) <= set(table.column_names)
+        view = table.select(_VIEW + (list(schema.MEMBER_COLUMNS) if has_members else []))
+        got = _Table(view, (meta.get("recipe") or {}).get("caption_field"), has_members)
+        self._tables.put(key, got)
+        return got
+
+    # -- the overview -----------------------------------------------------------------------
+    def overview(self, job: JobRow) -> JobOverview:
+        """Counts, histograms and gallery candidates over the job's committed shards (at most
+        ``ui_scan_max_rows`` rows, in shard order)."""
+        holder = self.output(job)
+        out = holder.out
+        committed = holder.committed()
+        with holder.lock:
+            spec = out.read_spec()
+            calibration = out.read_calibration()
+            quarantined = out.quarantined()
+        order = [shard_stem(u) for u in spec.shards] if spec else sorted(committed)
+        records = [committed[s] for s in order if s in committed]
+        view = JobOverview(calibration=calibration, meta={}, spec=spec.to_json() if spec else None,
+                           shards_total=len(spec.shards) if spec else len(records), committed=len(records), scanned=[],
+                           unscanned=[], quarantined=quarantined)
+        beta = calibration.beta if calibration else 0.0
+        rows = 0
+        for record in records:
+            if rows >= self.settings.ui_scan_max_rows:
+                view.unscanned.append(record)
+                continue
+            scan = self._scan(out, record, beta)
+            view.scanned.append(scan)
+            rows += scan.rows
+        if records:
+            first = records[0]
+            meta = out.store.parquet_metadata(first.output) or {}
+            view.meta = json.loads(meta.get(schema.META_KEY, b"{}"))
+        _merge(view)
+        return view
+
+    def _scan(self, out: OutputDir, record: ShardRecord, beta: float) -> ShardScan:
+        key = (out.uri, record.stem, record.sha256)
+        got = self._scans.get(key)
+        if got is not None:
+            return got
+        table = self._table(out, record).view
+        status = np.asarray(table.column(schema.COL_STATUS).to_pylist(), dtype=object)
+        ok = status == schema.STATUS_OK
+        sims = table.column(schema.COL_SIMILARITY).to_numpy(zero_copy_only=False).astype(np.float64)
+        weights = table.column(schema.COL_WEIGHT).to_numpy(zero_copy_only=False).astype(np.float64)
+        noisy = table.column(schema.COL_NOISY).to_numpy(zero_copy_only=False).astype(bool)
+        clean_ok, noisy_ok = ok & ~noisy, ok & noisy
+        rows_ok = np.flatnonzero(ok)
+        order = rows_ok[np.lexsort((sims[rows_ok], weights[rows_ok]))][:GALLERY_MAX]
+        border = rows_ok[np.argsort(np.abs(sims[rows_ok] - beta), kind="stable")][:GALLERY_MAX]
+        values, counts = np.unique(status.astype(str), return_counts=True)
+        scan = ShardScan(
+            stem=record.stem, shard=record.shard, rows=table.num_rows, statuses={str(v): int(c) for v, c in zip(values, counts)},
+            ok=int(ok.sum()), noisy=int(noisy_ok.sum()),
+            sim_clean=np.histogram(np.clip(sims[clean_ok], -1, 1), _SIM_BINS)[0].astype(np.int64),
+            sim_noisy=np.histogram(np.clip(sims[noisy_ok], -1, 1), _SIM_BINS)[0].astype(np.int64),
+            weight_clean=np.histogram(weights[clean_ok], _WEIGHT_BINS)[0].astype(np.int64),
+            weight_noisy=np.histogram(weights[noisy_ok], _WEIGHT_BINS)[0].astype(np.int64),
+            lowest=[(float(weights[r]), float(sims[r]), int(r)) for r in order],
+            border=[(float(abs(sims[r] - beta)), int(r)) for r in border],
+        )
+        self._scans.put(key, scan)
+        return scan
+
+    # -- pairs ------------------------------------------------------------------------------
+    def pairs(self, job: JobRow, refs: list[tuple[str, int]]) -> list[PairRow]:
+        """The pairs at (stem, row) positions, with their captions (read from the tar)."""
+        holder = self.output(job)
+        committed = holder.committed()
+        result = []
+        for stem, row in refs:
+            record = committed.get(stem)
+            if record is None:
+                continue
+            table = self._table(holder.out, record)
+            result.append(self._pair(record, table, row))
+        return result
+
+    def shard_rows(self, job: JobRow, record: ShardRecord, filters: RowFilter, offset: int, limit: int) -> tuple[list[PairRow], int]:
+        """One page of a shard's rows that pass ``filters``, and how many pass."""
+        table = self._table(self.output(job).out, record)
+        view = table.view
+        keep = np.ones(view.num_rows, dtype=bool)
+        if filters.status:
+            keep &= np.asarray(view.column(schema.COL_STATUS).to_pylist(), dtype=object) == filters.status
+        if filters.noisy is not None:
+            keep &= view.column(schema.COL_NOISY).to_numpy(zero_copy_only=False).astype(bool) == filters.noisy
+        weights = view.column(schema.COL_WEIGHT).to_numpy(zero_copy_only=False)
+        keep &= (weights >= filters.weight_min) & (weights <= filters.weight_max)
+        rows = np.flatnonzero(keep)
+        return [self._pair(record, table, int(r)) for r in rows[offset : offset + limit]], int(rows.size)
+
+    def _pair(self, record: ShardRecord, table: _Table, row: int) -> PairRow:
+        r = table.view.slice(row, 1).to_pylist()[0]
+        sim = r[schema.COL_SIMILARITY]
+        has_image = table.has_members and r[schema.COL_IMAGE_OFFSET] is not None and r[schema.COL_IMAGE_SIZE] is not None
+        caption = None
+        if table.has_members and r[schema.COL_CAPTION_OFFSET] is not None and r[schema.COL_CAPTION_SIZE] is not None:
+            caption = self._caption(record, int(r[schema.COL_CAPTION_OFFSET]), int(r[schema.COL_CAPTION_SIZE]), table.caption_field)
+        return PairRow(stem=record.stem, row=row, key=r[schema.COL_KEY], idx=int(r[schema.COL_IDX]), status=r[schema.COL_STATUS],
+                       similarity=None if sim is None or np.isnan(sim) else float(sim), weight=float(r[schema.COL_WEIGHT]),
+                       noisy=bool(r[schema.COL_NOISY]), p_clean=float(r[schema.COL_P_CLEAN]), caption=caption,
+                       has_image=bool(has_image))
+
+    def _caption(self, record: ShardRecord, offset: int, size: int, caption_field: str | None) -> str | None:
+        """The caption from its tar member (None when it cannot be read; shown as such)."""
+        key = (record.shard, offset, size)
+        got = self._captions.get(key)
+        if got is not None:
+            return got
+        data = self._member(record.shard, offset, size, CAPTION_MAX_BYTES)
+        if data is None:
+            return None
+        text = data.decode("utf-8", "replace")
+        if caption_field is not None:
+            try:
+                value = json.loads(text).get(caption_field)
+            except (json.JSONDecodeError, AttributeError):
+                return None
+            text = "" if value is None else str(value)
+        self._captions.put(key, text)
+        return text
+
+    # -- thumbnails -------------------------------------------------------------------------
+    def thumbnail(self, job: JobRow, record: ShardRecord, row: int) -> tuple[bytes, str, str]:
+        """(bytes, content type, what it is: ``thumbnail`` or ``placeholder: <why>``) for one
+        row of one of the job's committed shards. Never raises for a bad image."""
+        table = self._table(self.output(job).out, record)
+        if row < 0 or row >= table.view.num_rows:
+            return self.placeholder, "image/png", "placeholder: no such row"
+        if not table.has_members:
+            return self.placeholder, "image/png", "placeholder: the score table records no image offsets"
+        r = table.view.slice(row, 1).select([schema.COL_IMAGE_OFFSET, schema.COL_IMAGE_SIZE]).to_pylist()[0]
+        offset, size = r[schema.COL_IMAGE_OFFSET], r[schema.COL_IMAGE_SIZE]
+        if offset is None or size is None:
+            return self.placeholder, "image/png", "placeholder: no image member recorded"
+        if size > self.settings.ui_thumbnail_max_bytes:
+            return self.placeholder, "image/png", "placeholder: image member over the size limit"
+        key = (record.shard, int(offset), int(size), record.sha256)
+        got = self._thumbs.get(key)
+        if got is not None:
+            return got, "image/jpeg", "thumbnail"
+        data = self._member(record.shard, int(offset), int(size), self.settings.ui_thumbnail_max_bytes)
+        if data is None:
+            return self.placeholder, "image/png", "placeholder: image unreadable or not allowed"
+        thumb = _downscale(data)
+        if thumb is None:
+            return self.placeholder, "image/png", "placeholder: image cannot be decoded"
+        self._thumbs.put(key, thumb)
+        return thumb, "image/jpeg", "thumbnail"
+
+    def _member(self, shard: str, offset: int, size: int, max_bytes: int) -> bytes | None:
+        """Bytes of a member of one of a job's shards, re-checked against today's input
+        allow-list (the shard came from the job's records, never from the request); None
+        when refused or unreadable."""
+        from pairclean.errors import PaircleanError
+        from pairclean.members import read_member
+
+        try:
+            check_uri(shard, self.settings.allowed_inputs, allow_pipe=False)
+            return read_member(shard, offset, size, max_bytes, http_allowed=self.settings.allowed_inputs)
+        except UriRefused:
+            log.warning("a page asked for a member of a shard outside the allowed inputs; refused")
+            return None
+        except PaircleanError as exc:
+            log.info("member unreadable: %s", exc)
+            return None
+
+
+def _downscale(data: bytes) -> bytes | None:
+    """A JPEG at most ``THUMB_EDGE`` pixels on its longer edge, or None for an image that
+    cannot be decoded (or declares more than ``THUMB_MAX_PIXELS`` pixels)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+            if width * height > THUMB_MAX_PIXELS:
+                return None
+            img.draft("RGB", (THUMB_EDGE, THUMB_EDGE))  # JPEG: decode at a reduced scale
+            small = img.convert("RGB")
+            small.thumbnail((THUMB_EDGE, THUMB_EDGE))
+            buf = io.BytesIO()
+            small.save(buf, format="JPEG", quality=82)
+            return buf.getvalue()
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError, SyntaxError):
+        return None
+
+
+def _merge(view: JobOverview) -> None:
+    """Fill the job-level fields of ``view`` from its shard scans."""
+    if not view.scanned:
+        return
+    statuses: dict[str, int] = {}
+    for scan in view.scanned:
+        for status, count in scan.statuses.items():
+            statuses[status] = statuses.get(status, 0) + count
+    view.statuses = dict(sorted(statuses.items()))
+    view.pairs = sum(s.rows for s in view.scanned)
+    view.ok = sum(s.ok for s in view.scanned)
+    view.noisy = sum(s.noisy for s in view.scanned)
+    sim_clean = np.sum([s.sim_clean for s in view.scanned], axis=0)
+    sim_noisy = np.sum([s.sim_noisy for s in view.scanned], axis=0)
+    view.sim_edges, view.sim_clean, view.sim_noisy = _trim(sim_clean, sim_noisy, view.beta)
+    view.weight_clean = [int(c) for c in np.sum([s.weight_clean for s in view.scanned], axis=0)]
+    view.weight_noisy = [int(c) for c in np.sum([s.weight_noisy for s in view.scanned], axis=0)]
+    lowest = sorted((w, s, scan.stem, r) for scan in view.scanned for w, s, r in scan.lowest)[:GALLERY_MAX]
+    view.lowest = [(stem, r) for _, _, stem, r in lowest]
+    border = sorted((d, scan.stem, r) for scan in view.scanned for d, r in scan.border)[:GALLERY_MAX]
+    view.border = [(stem, r) for _, stem, r in border]
+
+
+def _trim(clean: np.ndarray, noisy: np.ndarray, beta: float | None, bars: int = 50) -> tuple[list[float], list[int], list[int]]:
+    """The occupied part of the fixed similarity bins (beta included), regrouped into at most
+    ``bars`` bars."""
+    total = clean + noisy
+    used = np.flatnonzero(total)
+    if used.size == 0:
+        return [], [], []
+    lo, hi = int(used[0]), int(used[-1]) + 1
+    if beta is not None and -1 <= beta <= 1:
+        at = int(np.clip(np.searchsorted(_SIM_BINS, beta) - 1, 0, len(total) - 1))
+        lo, hi = min(lo, at), max(hi, at + 1)
+    lo, hi = max(lo - 1, 0), min(hi + 1, len(total))
+    group = max(1, -(-(hi - lo) // bars))
+    hi = min(lo + group * -(-(hi - lo) // group), len(total))
+    edges = [float(_SIM_BINS[i]) for i in range(lo, hi, group)] + [float(_SIM_BINS[hi])]
+    starts = list(range(lo, hi, group))
+    return edges, [int(clean[i : i + group].sum()) for i in starts], [int(noisy[i : i + group].sum()) for i in starts]

@@ -1,0 +1,128 @@
+"""Member spans (where each pair's image and caption lie in the tar) and ranged reads of them."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import threading
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from pairclean import schema
+from pairclean.errors import InputError, ShardNotFoundError, ShardReadError
+from pairclean.evaldata import write_shard
+from pairclean.members import MemberTooLarge, read_member
+from pairclean.shards import ReadOptions, iter_pairs
+
+
+def _image(colour: tuple[int, int, int], fmt: str = "JPEG") -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (48, 40), colour).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+IMAGE_0 = _image((200, 30, 30))
+
+
+def _samples() -> list[dict]:
+    return [
+        {"__key__": "a/0", "jpg": IMAGE_0, "txt": "first caption", "json": {"uid": "0", "alt": "json caption 0"}},
+        # a long member name goes through a PAX/GNU header: the span still points at the data
+        {"__key__": "b/" + "x" * 150, "png": _image((30, 200, 30), "PNG"), "txt": "second", "json": {"alt": "json caption 1"}},
+        {"__key__": "c/2", "jpg": _image((30, 30, 200)), "json": {"caption": "only in json"}},  # json-fallback caption
+        {"__key__": "d/3", "txt": "no image"},
+    ]
+
+
+def test_spans_point_at_the_member_bytes(tmp_path: Path) -> None:
+    shard = write_shard(tmp_path / "s.tar", _samples())
+    raw = shard.read_bytes()
+    pairs = list(iter_pairs(str(shard)))
+    for pair in pairs:
+        if pair.image is not None:
+            offset, size = pair.image_span
+            assert raw[offset : offset + size] == pair.image
+        else:
+            assert pair.image_span is None
+    assert [p.caption_span is not None for p in pairs] == [True, True, False, True]
+    offset, size = pairs[1].caption_span
+    assert raw[offset : offset + size] == b"second"
+    # With a caption_field the caption's member is the json
+    with_field = list(iter_pairs(str(shard), ReadOptions(caption_field="alt")))
+    offset, size = with_field[0].caption_span
+    assert json.loads(raw[offset : offset + size])["alt"] == "json caption 0"
+
+
+def test_compressed_tars_have_no_spans(tmp_path: Path) -> None:
+    plain = write_shard(tmp_path / "s.tar", _samples())
+    packed = tmp_path / "s.tar.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    pairs = list(iter_pairs(str(packed)))
+    assert pairs[0].image == IMAGE_0
+    assert all(p.image_span is None and p.caption_span is None for p in pairs)
+
+
+def test_read_member_local_bounds(tmp_path: Path) -> None:
+    shard = write_shard(tmp_path / "s.tar", _samples())
+    first = next(iter(iter_pairs(str(shard))))
+    assert read_member(str(shard), *first.image_span, max_bytes=1024) == first.image
+    assert read_member(f"file://{shard}", *first.image_span, max_bytes=1024) == first.image
+    with pytest.raises(MemberTooLarge):
+        read_member(str(shard), first.image_span[0], first.image_span[1], max_bytes=first.image_span[1] - 1)
+    with pytest.raises(ShardReadError, match="ends before"):
+        read_member(str(shard), shard.stat().st_size - 4, 100, max_bytes=1024)
+    with pytest.raises(InputError):
+        read_member(str(shard), -1, 4, max_bytes=1024)
+    with pytest.raises(ShardNotFoundError):
+        read_member(str(tmp_path / "gone.tar"), 0, 4, max_bytes=1024)
+
+
+def _http_server(root: Path) -> tuple[ThreadingHTTPServer, str]:
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(Quiet, directory=str(root)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_read_member_over_http_needs_range_support_and_the_allow_list(tmp_path: Path) -> None:
+    shard = write_shard(tmp_path / "s.tar", _samples())
+    first = next(iter(iter_pairs(str(shard))))
+    server, base = _http_server(tmp_path)
+    try:
+        # Python's SimpleHTTPRequestHandler ignores Range (answers 200): refused, not downloaded whole
+        with pytest.raises(ShardReadError, match="range requests"):
+            read_member(f"{base}/s.tar", *first.image_span, max_bytes=1024)
+        with pytest.raises(ShardReadError, match="outside the allowed"):
+            read_member(f"{base}/s.tar", *first.image_span, max_bytes=1024, http_allowed=["http://other.example/"])
+    finally:
+        server.shutdown()
+
+
+def test_score_tables_carry_the_member_columns(tmp_path: Path) -> None:
+    from pairclean_workers.cli import main
+
+    import pyarrow.parquet as pq
+
+    shard = write_shard(tmp_path / "s.tar", _samples())
+    out = tmp_path / "out"
+    assert main(["score", str(shard), "--out", str(out), "--model", "pairclean-tiny-test", "--executor", "local", "--no-progress"]) == 0
+    table = pq.read_table(out / "s.parquet")
+    assert table.column_names[-4:] == list(schema.MEMBER_COLUMNS)
+    raw = shard.read_bytes()
+    rows = table.to_pylist()
+    offset, size = rows[0]["image_offset"], rows[0]["image_size"]
+    assert raw[offset : offset + size] == IMAGE_0
+    assert rows[2]["caption_offset"] is None and rows[3]["image_offset"] is None
+    # rescoring keeps them
+    assert main(["rescore", str(out), "--beta-recipe", "shuffled", "--weighting", "reference"]) == 0
+    assert pq.read_table(out / "s.parquet").select(list(schema.MEMBER_COLUMNS)).equals(table.select(list(schema.MEMBER_COLUMNS)))
