@@ -166,6 +166,8 @@ class RaySearcher:
              nprobe: int | None) -> Iterator[tuple[int, NDArray[np.float32], NDArray[np.int64]]]:
         import ray
 
+        from .ray_exec import get_result
+
         queue: deque[tuple[int, Segments, int]] = deque((start, seg, 1) for start, seg in tasks)
         running: dict[Any, tuple[int, Segments, int, int, Any]] = {}
         load = [0] * len(self.actors)
@@ -182,12 +184,7 @@ class RaySearcher:
                 start, seg, attempt, slot, actor = running.pop(ref)
                 load[slot] -= 1
                 try:
-                    d, i = ray.get(ref)
-                except ray.exceptions.RayTaskError as exc:
-                    cause = getattr(exc, "cause", None)
-                    if isinstance(cause, PaircleanError):
-                        raise cause from None
-                    raise
+                    d, i = get_result(ref)
                 except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as exc:
                     if attempt > self.options.max_retries:
                         raise PaircleanError(f"searching pool rows from {start} lost its worker {attempt} times: {exc}") from exc

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pairclean.cpu_settings import process_env
-from pairclean.errors import InputError, ModelLoadError
+from pairclean.errors import InputError, ModelLoadError, PaircleanError
 from pairclean.estimators import EstimatorSpec, load_estimator
 from pairclean.job import Calibration, JobSpec, OutputDir
 from pairclean.scoring import ScoreOptions
@@ -102,6 +102,21 @@ class ShardScorer:
         import ray
 
         return ray.get_runtime_context().get_node_id()
+
+
+def get_result(ref: Any) -> Any:
+    """``ray.get(ref)``, except that a task that failed with a ``PaircleanError`` (a clear,
+    one-line error about the input) raises that error itself, not Ray's wrapper with the
+    remote traceback: the CLI prints it as one line."""
+    import ray
+
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, PaircleanError):
+            raise cause from None
+        raise
 
 
 def init_ray(options: RayOptions) -> None:

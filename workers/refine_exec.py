@@ -20,7 +20,7 @@ from pairclean.errors import PaircleanError
 from pairclean.job import OutputDir, ShardRecord
 from pairclean.refine.run import Executor, ShardApplied
 
-from .ray_exec import RayOptions, init_ray
+from .ray_exec import RayOptions, get_result, init_ray
 
 __all__ = ["ShardRefiner", "ray_executor"]
 
@@ -77,12 +77,7 @@ def ray_executor(out: OutputDir, options: RayOptions) -> Executor:
                     record, attempt, slot = running.pop(ref)
                     load[slot] -= 1
                     try:
-                        yield ray.get(ref)
-                    except ray.exceptions.RayTaskError as exc:
-                        cause = getattr(exc, "cause", None)
-                        if isinstance(cause, PaircleanError):
-                            raise cause from None
-                        raise
+                        yield get_result(ref)
                     except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as exc:
                         if attempt > options.max_retries:
                             raise PaircleanError(f"refining {record.stem} lost its worker {attempt} times: {exc}") from exc
