@@ -259,8 +259,8 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     # "database is locked" errors under concurrent pollers.
     cursor = dbapi_conn.cursor()
     cursor.execute("PRAGMA busy_timeout=5000")
-    cursor.execute("PRAGMA journal_mode=WAL")
     cursor.close()
+    migrations.use_wal(dbapi_conn, 5.0)
 
 
 Clock = Callable[[], str]

@@ -20,6 +20,8 @@ the package (``pairclean_service/migrations``).
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -31,7 +33,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Column, Connection, Engine, Integer, MetaData, Table, create_engine, event, func, inspect, select
 from sqlalchemy.pool import NullPool
 
-__all__ = ["LEGACY_VERSIONS", "MigrationError", "config", "current_revision", "head", "upgrade"]
+__all__ = ["LEGACY_VERSIONS", "MigrationError", "config", "current_revision", "head", "upgrade", "use_wal"]
 
 # Random, fixed: the PostgreSQL advisory lock id that serialises migrations.
 _LOCK_ID = 0x70C1EA17
@@ -116,9 +118,30 @@ def _migrating_engine(engine: Engine) -> Iterator[Engine]:
 
 def _sqlite_manual_transactions(dbapi_conn: Any, _record: Any) -> None:
     dbapi_conn.isolation_level = None  # pysqlite emits no BEGIN/COMMIT of its own
-    cursor = dbapi_conn.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")  # what the store's connections use (store._sqlite_pragmas)
-    cursor.close()
+    use_wal(dbapi_conn, _SQLITE_LOCK_WAIT_S)  # what the store's connections use (store._sqlite_pragmas)
+
+
+def use_wal(dbapi_conn: Any, wait_s: float) -> None:
+    """Put an SQLite file in WAL mode, retrying while another process holds it for up to ``wait_s``.
+
+    Switching the journal mode needs the file to itself, and SQLite can answer "database is
+    locked" at once instead of calling the busy handler (seen in CI: one of six replicas
+    starting together on a fresh file failed here), so the retry is ours.
+    """
+    deadline = time.monotonic() + wait_s
+    delay = 0.01
+    while True:
+        cursor = dbapi_conn.cursor()
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() + delay > deadline:
+                raise
+        finally:
+            cursor.close()
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
 
 
 def _sqlite_begin_immediate(conn: Connection) -> None:
