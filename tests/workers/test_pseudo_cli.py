@@ -276,25 +276,26 @@ def test_a_pool_in_the_loopback_s3_store(job, ray_session, s3_endpoint: str, tmp
 
     out, shards, captions = job
     fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint, key="testing", secret="testing")
-    fs.mkdir("shards")
-    fs.mkdir("weights")
+    # buckets of its own: the loopback server is shared by the whole session
+    fs.mkdir("pseudo-shards")
+    fs.mkdir("pseudo-weights")
     for i, path in enumerate(shards):
-        fs.put(str(path), f"shards/part-{i:05d}.tar")
+        fs.put(str(path), f"pseudo-shards/part-{i:05d}.tar")
     # Credentials as storage options, not only the environment: Ray workers get them with the OutputDir.
     storage = ["--storage-option", f"endpoint_url={s3_endpoint}", "--storage-option", "key=testing", "--storage-option", "secret=testing"]
-    s3_shards = [f"s3://shards/part-{i:05d}.tar" for i in range(len(shards))]
-    assert main(["score", *s3_shards, "--out", "s3://weights/job", *TINY, *storage]) == 0
-    common = ["pseudo-pair", "s3://weights/job", "--pool", "all", "--neighbours", "2", "--chunk", "7", *storage]
+    s3_shards = [f"s3://pseudo-shards/part-{i:05d}.tar" for i in range(len(shards))]
+    assert main(["score", *s3_shards, "--out", "s3://pseudo-weights/job", *TINY, *storage]) == 0
+    common = ["pseudo-pair", "s3://pseudo-weights/job", "--pool", "all", "--neighbours", "2", "--chunk", "7", *storage]
 
     def objects() -> dict[str, bytes]:
-        return {p.rsplit("/", 1)[1]: fs.cat_file(p) for p in sorted(fs.find("weights/job/_pseudo"))}
+        return {p.rsplit("/", 1)[1]: fs.cat_file(p) for p in sorted(fs.find("pseudo-weights/job/_pseudo"))}
 
     assert main([*common, "--executor", "local"]) == 0
     on_s3 = objects()
     assert sorted(on_s3) == ["_run.json", "part-00000.parquet", "part-00001.parquet"]
     record = json.loads(on_s3["_run.json"])
     assert record["files"] == {f"_pseudo/{n}": hashlib.sha256(b).hexdigest() for n, b in on_s3.items() if n != "_run.json"}
-    assert not fs.exists(f"weights/job/{schema.LOCK_FILE}")
+    assert not fs.exists(f"pseudo-weights/job/{schema.LOCK_FILE}")
     assert main([*common, "--executor", "ray", "--ray-min-pool", "0", "--num-actors", "2"]) == 0
     assert objects() == on_s3
     # The same pairs as the local folder's job (the same shards, scored the same way).
