@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 from _common import flickr_root
-from estimators import metrics, noisy_pairs, osa_row
+from estimators import evaluate_methods, metrics, noisy_pairs, osa_row
 
 SCENES = {
     "water": re.compile(r"\b(water|beach|ocean|lake|pool|river|sea|swim\w*|surf\w*|wave\w*|splash\w*)\b", re.I),
@@ -75,7 +75,6 @@ def main() -> None:
     logging.disable(logging.WARNING)
     import torch
 
-    from pairclean import refine
     from pairclean.calibration import cache_dir
     from pairclean.lite_train import Features, HeadRecipe, _project, extract_features, train_heads
 
@@ -114,11 +113,8 @@ def main() -> None:
                 t0 = time.perf_counter()
                 raw, p = osa_row(img, txt, args.seed)
                 print(json.dumps({**base, "method": "osa", **metrics(raw, p, noisy), "seconds": round(time.perf_counter() - t0, 2)}), flush=True)
-                for method in args.methods:
-                    t0 = time.perf_counter()
-                    fitted = refine.fit(method, img, txt, args.seed)
-                    raw, p = refine.apply(fitted, img, txt)
-                    print(json.dumps({**base, "method": method, **metrics(raw, p, noisy), "seconds": round(time.perf_counter() - t0, 2)}), flush=True)
+                for row in evaluate_methods(img, txt, noisy, args.methods, args.seed):
+                    print(json.dumps({**base, **row}), flush=True)
 
 
 if __name__ == "__main__":

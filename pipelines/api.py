@@ -79,7 +79,7 @@ def score_pairs(
     *,
     estimator: Any = None,
     beta_recipe: str | None = None,
-    weighting: str = "paper",
+    weighting: str = "p-clean",
     beta_k: int = 256,
     seed: int = 0,
     batch_size: int = 64,

@@ -1,7 +1,7 @@
 """Resolving beta and the weighting parameters of a job (its ``Calibration``).
 
 ``random-inputs`` needs only the model (and is cached per model, precision, K and seed);
-``shuffled`` and ``gmm`` and the ``reference`` weighting need corpus data: the first
+``shuffled`` and ``gmm`` and the ``reference`` and ``p-clean`` weightings need corpus data: the first
 ``calibration_pairs`` ok pairs of the job in shard order, so that a resumed or repeated
 job freezes the same values.
 """
@@ -35,7 +35,7 @@ MIN_MIXTURE_PAIRS = 16
 
 def needs_corpus(beta_recipe: str, weighting: str) -> bool:
     """Whether calibration must see corpus pairs before any shard can be written."""
-    return beta_recipe != "random-inputs" or weighting == "reference"
+    return beta_recipe != "random-inputs" or weighting in ("reference", "p-clean")
 
 
 def cache_dir() -> Path:
@@ -110,7 +110,7 @@ def calibrate(
             beta = gmm.boundary
     else:
         raise ValueError(f"unknown beta recipe {beta_recipe!r}; choose one of {', '.join(osa.BETA_RECIPES)}")
-    params = osa.weighting_params(weighting, sims, beta, batch_size)
+    params = osa.weighting_params(weighting, sims, beta, batch_size, gmm)
     return Calibration(
         beta=float(beta),
         recipe=beta_recipe,

@@ -34,7 +34,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from . import __version__, schema
+from . import __version__, osa, schema
 from .errors import ForeignOutputError, InputError, SpecMismatchError
 from .storage import Store, WriteInfo
 from .uris import shard_stem
@@ -127,6 +127,15 @@ class Calibration:
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
         return asdict(self)
+
+    def weighting_params(self) -> osa.WeightingParams:
+        """The weighting as frozen here (``p-clean`` takes the mixture recorded in ``extra``;
+        without one, as in a job of fewer than 16 ok pairs, it is the hard ``s > beta``)."""
+        mixture = None
+        if self.weighting == "p-clean" and "gmm_stds" in self.extra and "gmm_noise_weight" in self.extra:
+            means, stds = self.extra["gmm_means"], self.extra["gmm_stds"]
+            mixture = ((float(means[0]), float(means[1])), (float(stds[0]), float(stds[1])), float(self.extra["gmm_noise_weight"]))
+        return osa.WeightingParams(self.weighting, self.d_ref, self.weighting_batch_size, mixture)
 
 
 @dataclass(frozen=True)

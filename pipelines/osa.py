@@ -14,7 +14,13 @@ Beta recipes (how ``beta`` is measured):
 
 Weighting functions (``s``, ``beta`` -> weight in [0, 1]):
 
-- ``paper`` (default): eq. 5, ``d^2 (1 - d)`` for ``d > 0``, rescaled by 27/4.
+- ``p-clean`` (default): the pair's clean probability under the calibration's mixture
+  (``mixture_posterior_clean``), so confidently clean pairs weigh about 1. Chosen because
+  it trains best in ``benchmarks/downstream.py`` (docs/methods.md, "Default weighting");
+  without a mixture (fewer than 16 calibration pairs) it is the hard ``s > beta``.
+- ``paper``: eq. 5, ``d^2 (1 - d)`` for ``d > 0``, rescaled by 27/4. Its maximum on a real
+  estimator is far below 1 (about 0.3 on pairclean-lite), which shrinks a weighted loss's
+  effective learning rate.
 - ``reference``: ``x^2 (1 - x^2)`` with ``x = clamp(d / d_ref, 0, 1)`` and a dataset-level
   ``d_ref`` (99.9th percentile of d), rescaled by 4. Batch-independent.
 - ``reference-batch``: the released code's semantics, batch maximum as normaliser
@@ -55,9 +61,9 @@ __all__ = [
 ]
 
 BETA_RECIPES: Final = ("random-inputs", "shuffled", "gmm")
-WEIGHTINGS: Final = ("paper", "reference", "reference-batch")
+WEIGHTINGS: Final = ("p-clean", "paper", "reference", "reference-batch")
 DEFAULT_BETA_RECIPE: Final = "random-inputs"
-DEFAULT_WEIGHTING: Final = "paper"
+DEFAULT_WEIGHTING: Final = "p-clean"
 #: K of the reference recipe: 256 random images x 256 random texts = 65,536 pairs.
 DEFAULT_K: Final = 256
 #: Percentile of d used as the dataset-level normaliser of the ``reference`` weighting.
@@ -157,6 +163,7 @@ def _pinned_mixture(sims: NDArray[np.float64], noise: NDArray[np.float64], iters
     noise = noise[np.isfinite(noise)]
     mu_n, sd_n = float(noise.mean()), max(float(noise.std()), 1e-4)
     upper = sims[sims > np.median(sims)]
+    upper = upper if upper.size else sims  # all equal: start the clean side there too
     pi, mu_c, sd_c = 0.5, float(upper.mean()), max(float(upper.std()), 1e-3)
     for _ in range(iters):
         pn = pi * _normal_pdf(sims, mu_n, sd_n)
@@ -274,14 +281,20 @@ class WeightingParams:
     name: str
     d_ref: float | None = None
     batch_size: int | None = None
+    #: ``p-clean``'s mixture: ((noise mean, clean mean), (noise std, clean std), noise weight).
+    mixture: tuple[tuple[float, float], tuple[float, float], float] | None = None
 
 
 def weighting_params(
-    name: str, similarities: FloatArray, beta: float, batch_size: int
+    name: str, similarities: FloatArray, beta: float, batch_size: int, mixture: GmmFit | None = None
 ) -> WeightingParams:
-    """Resolve the dataset-level parameters of weighting ``name`` from (N,) similarities."""
+    """Resolve the dataset-level parameters of weighting ``name`` from (N,) similarities
+    (and, for ``p-clean``, the calibration's mixture; None gives the hard ``s > beta``)."""
     if name == "paper":
         return WeightingParams(name)
+    if name == "p-clean":
+        pinned = None if mixture is None else (tuple(mixture.means), tuple(mixture.stds), float(mixture.noise_rate))
+        return WeightingParams(name, mixture=pinned)  # type: ignore[arg-type]
     if name == "reference":
         d = np.asarray(similarities, dtype=np.float64) - beta
         d = d[np.isfinite(d)]
@@ -294,6 +307,11 @@ def weighting_params(
 
 def apply_weighting(s: FloatArray, beta: float, params: WeightingParams) -> FloatArray:
     """Weights for (N,) similarities under ``params``: (N,) -> (N,) float32."""
+    if params.name == "p-clean":
+        if params.mixture is None:
+            return (~noisy_flags(s, beta)).astype(np.float32)
+        means, stds, noise_weight = params.mixture
+        return mixture_posterior_clean(s, means, stds, noise_weight)
     if params.name == "paper":
         return weight_paper(s, beta)
     if params.name == "reference":

@@ -348,10 +348,10 @@ def exact_cosine(image: NDArray[Any], text: NDArray[Any], img: NDArray[np.int64]
 
 def weigh(similarity: NDArray[np.float32], calibration: Calibration) -> NDArray[np.float32]:
     """The job's own OSA weights of ``similarity`` (its beta, weighting and d_ref)."""
+
     from . import osa
 
-    params = osa.WeightingParams(calibration.weighting, calibration.d_ref, calibration.weighting_batch_size)
-    return osa.apply_weighting(similarity, calibration.beta, params)
+    return osa.apply_weighting(similarity, calibration.beta, calibration.weighting_params())
 
 
 # -- the command ------------------------------------------------------------------------------

@@ -427,10 +427,6 @@ def output_metadata(model_info: dict[str, Any], calibration: Calibration, extra:
     return {schema.META_KEY: json.dumps(doc, sort_keys=True).encode()}
 
 
-def _weighting_params(calibration: Calibration) -> osa.WeightingParams:
-    return osa.WeightingParams(calibration.weighting, calibration.d_ref, calibration.weighting_batch_size)
-
-
 def scores_table(
     shard: str,
     keys: list[str],
@@ -459,7 +455,7 @@ def scores_table(
     sims = np.asarray(similarity, dtype=np.float32)
     weight = np.zeros(len(keys), dtype=np.float32)
     # reference-batch batches consecutive ok pairs, as the released code batches its loader.
-    weight[ok] = osa.apply_weighting(sims[ok], calibration.beta, _weighting_params(calibration))
+    weight[ok] = osa.apply_weighting(sims[ok], calibration.beta, calibration.weighting_params())
     noisy = osa.noisy_flags(sims, calibration.beta)
     p_clean = np.zeros(len(keys), dtype=np.float32)
     extra = calibration.extra

@@ -42,7 +42,7 @@ class JobRequest(BaseModel):
     output: SafeStr = Field(min_length=1, max_length=2048)
     estimator: str = Field("pairclean-lite", pattern=_NAME)
     beta_recipe: Literal["auto", "random-inputs", "shuffled", "gmm"] = "auto"
-    weighting: Literal["paper", "reference", "reference-batch"] = "paper"
+    weighting: Literal["p-clean", "paper", "reference", "reference-batch"] = "p-clean"
     options: JobOptions = Field(default_factory=JobOptions)
 
 

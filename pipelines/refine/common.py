@@ -37,7 +37,7 @@ __all__ = [
 FloatArray = NDArray[np.float32]
 _META = "pairclean_refine"
 #: Format version of the heads file; bump when a method's arrays change meaning.
-HEADS_FORMAT = 1
+HEADS_FORMAT = 2  # 2: p_clean from a pinned mixture (doc['p_clean'])
 
 
 @dataclass

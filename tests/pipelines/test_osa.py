@@ -110,3 +110,20 @@ def test_noise_rate_estimate_from_mismatched_pairs() -> None:
         n_noisy = int(rate * 10_000)
         sims = np.concatenate([rng.normal(0.35, 0.08, 10_000 - n_noisy), rng.normal(0.0, 0.08, n_noisy)]).astype(np.float32)
         assert osa.estimate_noise_rate(sims, 0, mismatched) == pytest.approx(rate, abs=0.02)
+
+
+def test_p_clean_weighting_is_the_mixture_posterior_and_gives_clean_pairs_about_one() -> None:
+    rng = np.random.default_rng(7)
+    noise = rng.normal(0.0, 0.05, size=4000).astype(np.float32)
+    clean = rng.normal(0.4, 0.06, size=4000).astype(np.float32)
+    s = np.concatenate([noise[:1000], clean])
+    gmm = osa.fit_gmm(s, 0, noise_sims=noise[1000:])
+    params = osa.weighting_params("p-clean", s, gmm.boundary, 64, gmm)
+    w = osa.apply_weighting(s, gmm.boundary, params)
+    np.testing.assert_array_equal(w, osa.mixture_posterior_clean(s, gmm.means, gmm.stds, gmm.noise_rate))
+    assert np.median(w[1000:]) > 0.99 and np.median(w[:1000]) < 0.01  # unlike eq. 5, whose maximum here is ~0.3
+    order = np.argsort(s)
+    assert np.all(np.diff(w[order]) >= -1e-6)  # monotone in similarity
+    # without a mixture (a tiny job) it is the hard rule s > beta
+    hard = osa.apply_weighting(s, 0.2, osa.weighting_params("p-clean", s, 0.2, 64, None))
+    np.testing.assert_array_equal(hard, (s > 0.2).astype(np.float32))

@@ -54,7 +54,8 @@ def test_s3_in_s3_out_reads_as_one_dataset_and_resumes_after_kill_9(make_shards,
     for i, path in enumerate(make_shards(n_shards=10, per_shard=4)):
         fs.put(str(path), f"shards/{i:05d}.tar")
     opts = ["--storage-option", f"endpoint_url={s3_endpoint}"]
-    cmd = [sys.executable, "-m", "pairclean_workers.cli", "score", "s3://shards/{00000..00009}.tar", "--out", "s3://weights/job", *TINY, *opts]
+    cmd = [sys.executable, "-m", "pairclean_workers.cli", "score", "s3://shards/{00000..00009}.tar", "--out", "s3://weights/job", *TINY, *opts,
+           "--calibration-pairs", "4"]  # a short calibration phase: the kill lands in the scoring phase
     storage = {"endpoint_url": s3_endpoint}
     crash_mid_job(cmd, OutputDir("s3://weights/job", storage), commits=3)
     done_before = len(OutputDir("s3://weights/job", storage).committed())

@@ -163,7 +163,7 @@ def test_killed_driver_resumes_without_redoing_shards(make_shards, tmp_path: Pat
     shards = make_shards(n_shards=6, per_shard=16)
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "pairclean_workers.cli", "score", str(shards[0].parent / "part-{00000..00005}.tar"),
-           "--out", str(out), *TINY, "--executor", "ray"]
+           "--out", str(out), *TINY, "--executor", "ray", "--calibration-pairs", "16"]  # the kill lands in the scoring phase
     crash_mid_job(cmd, out, commits=1)
     before = {m: (out / f"{m}.parquet").stat().st_mtime_ns for m in _committed(out)}
     assert 1 <= len(before) < 6

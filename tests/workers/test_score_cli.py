@@ -55,7 +55,9 @@ def test_score_writes_one_keyed_parquet_per_shard_with_metadata(make_shards, tmp
     meta = json.loads(pq.read_schema(out / "part-00000.parquet").metadata[schema.META_KEY])
     assert meta["model"]["model_id"] == "pairclean-tiny-test"
     assert meta["beta"]["recipe"] == "random-inputs" and meta["beta"]["k"] == 256
-    assert meta["weighting"]["name"] == "paper" and meta["pairclean_version"]
+    assert meta["weighting"]["name"] == "p-clean" and meta["pairclean_version"]
+    # the default weight is p_clean (here the hard s > beta: 9 ok pairs are too few for a mixture)
+    assert all(r["weight"] == r["p_clean"] == (0.0 if r["noisy"] else 1.0) for r in first)
     emb = pq.read_table(out / "_emb" / "part-00000.parquet")
     assert emb.column("key").to_pylist() == [r["key"] for r in first]
     assert emb.column("image_emb").null_count == 3
@@ -146,7 +148,8 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
 def test_kill_9_mid_job_then_rerun_commits_every_shard_exactly_once(make_shards, tmp_path: Path, crash_mid_job) -> None:
     shards = make_shards(n_shards=8, per_shard=8)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "pairclean_workers.cli", "score", str(shards[0].parent / "part-{00000..00007}.tar"), "--out", str(out), *TINY]
+    cmd = [sys.executable, "-m", "pairclean_workers.cli", "score", str(shards[0].parent / "part-{00000..00007}.tar"), "--out", str(out), *TINY,
+           "--calibration-pairs", "8"]  # a short calibration phase, so the kill lands in the scoring phase
     crash_mid_job(cmd, out, commits=2)
     before = {m["stem"]: (out / m["output"]).stat().st_mtime_ns for m in _manifest(out)}
     assert 2 <= len(before) < 8, "the kill should land in the middle of the job"
