@@ -25,6 +25,8 @@ __all__ = [
     "Heads",
     "Mixture1D",
     "fit_mixture",
+    "Platt",
+    "fit_platt",
     "heads_bytes",
     "heads_from_bytes",
     "torch_generator",
@@ -159,6 +161,58 @@ def fit_mixture(
         tuple(float(w) for w in gmm.weights_.ravel()),  # type: ignore[arg-type]
         clean,
     )
+
+
+@dataclass(frozen=True)
+class Platt:
+    """``p = sigmoid(a (x - mean) / std + b)``: a monotone map from a raw score to a probability."""
+
+    mean: float
+    std: float
+    a: float
+    b: float
+
+    def to_json(self) -> dict[str, float]:
+        return {"mean": self.mean, "std": self.std, "a": self.a, "b": self.b}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Platt:
+        return cls(float(doc["mean"]), float(doc["std"]), float(doc["a"]), float(doc["b"]))
+
+    def __call__(self, x: FloatArray) -> FloatArray:
+        """(N,) raw scores -> (N,) float32 in [0, 1]; NaN -> 0."""
+        z = self.a * (np.asarray(x, dtype=np.float64) - self.mean) / self.std + self.b
+        p = 1.0 / (1.0 + np.exp(-np.clip(z, -700, 700)))
+        return np.where(np.isfinite(z), p, 0.0).astype(np.float32)
+
+
+def fit_platt(x: FloatArray, target: FloatArray, ridge: float = 1e-4, iters: int = 100) -> Platt:
+    """Fit ``Platt`` to soft targets in [0, 1] by Newton's method on the mean cross-entropy
+    (plus ``ridge * a^2``, which keeps ``a`` finite when the targets are 0/1 and ``x``
+    separates them). (N,) scores and targets, finite pairs only; fewer than 2 or no spread
+    gives ``a = 0`` and ``b`` the targets' mean log-odds."""
+    v = np.asarray(x, dtype=np.float64)
+    t = np.asarray(target, dtype=np.float64)
+    keep = np.isfinite(v) & np.isfinite(t)
+    v, t = v[keep], np.clip(t[keep], 0.0, 1.0)
+    mean_t = float(np.clip(t.mean() if t.size else 0.5, 1e-6, 1 - 1e-6))
+    prior = float(np.log(mean_t / (1 - mean_t)))
+    if v.size < 2 or float(v.std()) < 1e-12:
+        return Platt(float(v.mean()) if v.size else 0.0, 1.0, 0.0, prior)
+    mean, std = float(v.mean()), float(v.std())
+    z = (v - mean) / std
+    a, b = 1.0, prior
+    for _ in range(iters):
+        q = 1.0 / (1.0 + np.exp(-np.clip(a * z + b, -700, 700)))
+        r = q - t
+        w = np.maximum(q * (1 - q), 1e-12)
+        g = np.array([(r * z).mean() + 2 * ridge * a, r.mean()])
+        h = np.array([[(w * z * z).mean() + 2 * ridge, (w * z).mean()], [(w * z).mean(), w.mean() + 1e-12]])
+        step = np.linalg.solve(h, g)
+        a, b = a - float(step[0]), b - float(step[1])
+        if float(np.abs(step).max()) < 1e-10:
+            break
+    return Platt(mean, std, a, b)
 
 
 def torch_generator(seed: int, salt: int = 0) -> Any:

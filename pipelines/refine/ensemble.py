@@ -6,8 +6,7 @@ the fit sample, and the ensemble score is their weighted mean. A member's weight
 and take ``|mu_1 - mu_0| / sqrt((var_0 + var_1) / 2)`` (a d'). A member whose scores do not
 split into two groups gets little weight; no label is used anywhere. ``p_clean`` is the
 posterior of a seeded 2-component mixture fitted on the sample's ensemble scores (the
-package's ``fit`` replaces it by the pinned mixture; each member keeps its own pinned
-mixture, so ``_member_heads`` gives the member as a lone fit would).
+package's ``fit`` replaces it by its ``p_clean`` curve; each member keeps its own curve, so ``_member_heads`` gives the member as a lone fit would).
 
 Output: raw score ``ensemble_score`` (standardised units, higher = cleaner).
 """
@@ -45,7 +44,7 @@ def _separation(z: FloatArray, seed: int) -> float:
 def fit(img: FloatArray, txt: FloatArray, seed: int, settings: dict[str, Any] | None = None) -> Heads:
     """Fit every learned member (``settings``: per-member settings objects by name), then
     the standardisation, weights and mixture; deterministic given ``seed``."""
-    from . import METHOD_MODULES, pinned_mixture
+    from . import METHOD_MODULES, p_clean_curve
 
     settings = settings or {}
     arrays: dict[str, np.ndarray] = {}
@@ -56,7 +55,7 @@ def fit(img: FloatArray, txt: FloatArray, seed: int, settings: dict[str, Any] | 
         heads = None
         if name != "osa":
             heads = METHOD_MODULES[name].fit(img, txt, seed, settings.get(name))
-            heads.doc["p_clean"] = pinned_mixture(heads, img, txt, seed)  # as a lone fit has it
+            heads.doc["p_clean"] = p_clean_curve(heads, img, txt, seed)  # as a lone fit has it
             arrays.update({f"{name}/{k}": v for k, v in heads.arrays.items()})
             epoch_seconds += heads.epoch_seconds
         raw = _member_raw(name, heads, img, txt)
