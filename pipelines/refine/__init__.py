@@ -5,23 +5,31 @@ Each method module exposes ``fit(img, txt, seed, settings) -> Heads`` and
 ``SCORE_COLUMN``, the name of its raw-score column. ``pairclean.refine.run`` applies them
 to a scored job's output folder. See ``docs/methods.md``.
 
-``p_clean`` of every method (what ``fit`` and ``apply`` here return) maps the method's raw
-score through a logistic curve (``Platt``) fitted, label-free, to OSA's own ``p_clean`` of
-the fit sample as soft targets: the posterior of OSA's mixture on the estimator's cosines,
-its noise side pinned to random mismatched pairs (what ``pairclean score`` writes; expected
-calibration error 0.03 on Flickr8k dev at 20-80% noise). The method decides the order of
-the pairs; OSA sets the scale, so the mean ``p_clean`` follows OSA's noise estimate.
-Measured on Flickr8k dev (benchmarks/estimators.py), expected calibration error of the
-ensemble's ``p_clean`` at 20 / 50 / 80% noise:
+``p_clean`` of every method (what ``fit`` and ``apply`` here return) is calibrated without
+labels against OSA, whose own ``p_clean`` (the posterior of its mixture on the estimator's
+cosines, noise side pinned to random mismatched pairs) is what ``pairclean score`` writes:
 
-- a free mixture on the raw scores (each module's own ``p_clean``): 0.012 / 0.028 / 0.094,
-  and NCR's never exceeded 0.45 at 20% noise, so it flagged every pair;
-- a mixture pinned to the method's scores of random mismatched pairs (as OSA's is):
-  0.013 / 0.048 / 0.183: a fitted method has seen the sample's noisy pairs and scores them
-  well above fresh mismatched ones, so NCR's ``p_clean`` called every pair clean;
-- a mixture with its weight fixed to OSA's noise-rate estimate: 0.023 / 0.030 / 0.018, but
-  NCR's and SDCMR's scores are one-humped, so their mixtures collapsed to one constant;
-- this logistic curve: 0.032 / 0.025 / 0.018, and at most 0.051 for every method.
+- ``noise_rate`` = OSA's noise-rate estimate on the fit sample (``osa.estimate_noise_rate``);
+- a 2-component mixture on the method's raw scores of the sample, the noise component's
+  weight *fixed* to ``noise_rate``; EM fits the means and variances. When its components
+  are apart (d' >= ``MIN_SEPARATION``: the scores split in two), ``p_clean`` is its
+  posterior ("mixture");
+- otherwise (one-humped scores, where that mixture collapses to a constant: NCR's always,
+  SDCMR's and DisNCL's at some noise levels) ``p_clean`` is a logistic curve of the raw
+  score fitted to OSA's ``p_clean`` of the sample as soft targets ("logistic"): the
+  method orders the pairs, OSA sets the scale.
+
+Measured (benchmarks/estimators.py in domain, benchmarks/offdomain.py off it; expected
+calibration error of the ensemble's ``p_clean`` at 20 / 50 / 80% noise):
+
+- a free mixture (each module's own ``p_clean``): 0.012 / 0.028 / 0.094 in domain, and
+  NCR's never exceeded 0.45 at 20% noise, so it flagged every pair;
+- a mixture pinned to the method's scores of random mismatched pairs (as OSA's is): 0.183
+  at 80%: a fitted method has seen the sample's noisy pairs and scores them well above
+  fresh mismatched ones (NCR's called every pair clean);
+- the logistic curve alone: in domain 0.035 / 0.025 / 0.017, but off domain 0.111 / 0.112
+  / 0.041: where the method ranks far better than OSA it inherits OSA's doubt;
+- this rule: in domain 0.012 / 0.025 / 0.019, off domain 0.044 / 0.020 / 0.034.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from types import ModuleType
 from typing import Any
 
 from . import disncl, ensemble, ncr, sdcmr
-from .common import Heads, Platt, heads_bytes, heads_from_bytes
+from .common import Heads, Mixture1D, Platt, heads_bytes, heads_from_bytes
 
 __all__ = ["METHODS", "DEFAULT_METHOD", "METHOD_MODULES", "Heads", "fit", "apply", "apply_raw", "p_clean_curve", "score_column", "settings_for", "heads_bytes", "heads_from_bytes"]
 
@@ -80,22 +88,32 @@ def fit(method: str, img: Any, txt: Any, seed: int, overrides: dict[str, Any] | 
     return heads
 
 
+#: d' above which a method's own fixed-weight mixture gives ``p_clean`` (module docstring).
+MIN_SEPARATION = 1.5
+
+
 def p_clean_curve(heads: Heads, img: Any, txt: Any, seed: int) -> dict[str, Any]:
-    """``p_clean``'s curve for fitted ``heads`` on their (N, D) fit sample (N >= 2): the raw
-    scores of the sample against OSA's ``p_clean`` of it (see the module docstring)."""
+    """How ``apply`` turns fitted ``heads``' raw scores into ``p_clean`` (module docstring),
+    from their (N, D) fit sample (N >= 2). JSON: ``kind`` "mixture" or "logistic" and its
+    parameters, plus ``noise_rate``, ``separation`` and ``teacher_mean``."""
     import numpy as np
 
     from .. import osa
-    from .common import fit_platt
+    from .common import fit_mixture_fixed_weight, fit_platt, separation
 
     img, txt = np.asarray(img, dtype=np.float32), np.asarray(txt, dtype=np.float32)
     sims = osa.cosine_rows(img, txt)
     mismatched = osa.shuffled_similarities(img, txt, min(NOISE_PAIRS, max(4, len(img))), seed)
+    noise_rate = osa.estimate_noise_rate(sims, seed, mismatched)
     gmm = osa.fit_gmm(sims, seed, noise_sims=mismatched)
     teacher = osa.mixture_posterior_clean(sims, gmm.means, gmm.stds, gmm.noise_rate)
-    curve = fit_platt(apply_raw(heads, img, txt), teacher)
-    return {**curve.to_json(), "teacher_mean": float(teacher.mean()), "noise_pairs": int(mismatched.size),
-            "rule": "logistic curve of the raw score fitted to OSA's p_clean of the fit sample (soft targets)"}
+    raw = apply_raw(heads, img, txt)
+    mix = fit_mixture_fixed_weight(raw, noise_rate, seed=seed)
+    apart = separation(mix)
+    common = {"noise_rate": noise_rate, "separation": apart, "teacher_mean": float(teacher.mean()), "noise_pairs": int(mismatched.size)}
+    if apart >= MIN_SEPARATION:
+        return {"kind": "mixture", **mix.to_json(), **common}
+    return {"kind": "logistic", **fit_platt(raw, teacher).to_json(), **common}
 
 
 def apply_raw(heads: Heads, img: Any, txt: Any) -> Any:
@@ -118,7 +136,7 @@ def apply(heads: Heads, img: Any, txt: Any) -> Any:
     raw, p = METHOD_MODULES[heads.method].apply(heads, img, txt)
     curve = heads.doc.get("p_clean")
     if curve is not None:
-        p = Platt.from_json(curve)(raw)
+        p = Mixture1D.from_json(curve).posterior_clean(raw) if curve["kind"] == "mixture" else Platt.from_json(curve)(raw)
     if bad.any():
         raw[bad] = float(raw[~bad].min()) if (~bad).any() else -1.0
         p[bad] = 0.0

@@ -25,6 +25,8 @@ __all__ = [
     "Heads",
     "Mixture1D",
     "fit_mixture",
+    "fit_mixture_fixed_weight",
+    "separation",
     "Platt",
     "fit_platt",
     "heads_bytes",
@@ -161,6 +163,47 @@ def fit_mixture(
         tuple(float(w) for w in gmm.weights_.ravel()),  # type: ignore[arg-type]
         clean,
     )
+
+
+def fit_mixture_fixed_weight(x: FloatArray, noise_weight: float, iters: int = 300, max_points: int = 200_000, seed: int = 0) -> Mixture1D:
+    """A 2-component mixture on (N,) scores (higher = cleaner) whose low component's weight
+    is fixed to ``noise_weight`` (clipped to [0.01, 0.99]); EM fits the means and variances.
+
+    Started from a split at the ``noise_weight`` quantile (the low part as the noise side).
+    At most ``max_points`` values (a seeded subsample); fewer than 4 finite values or no
+    spread give a degenerate mixture (both components at the mean).
+    """
+    v = np.asarray(x, dtype=np.float64)
+    v = v[np.isfinite(v)]
+    if v.size > max_points:
+        v = np.random.default_rng(seed).choice(v, size=max_points, replace=False)
+    pi = float(np.clip(noise_weight, 0.01, 0.99))
+    if v.size < 4 or float(v.max() - v.min()) < 1e-9:
+        m = float(v.mean()) if v.size else 0.0
+        return Mixture1D((m, m), (1.0, 1.0), (pi, 1 - pi), "high")
+    cut = float(np.quantile(v, pi))
+    low, high = v[v <= cut], v[v > cut]
+    high = high if high.size else v
+    floor = max(1e-12, 1e-6 * float(v.var()))
+    mu = [float(low.mean()), float(high.mean())]
+    var = [max(float(low.var()), floor), max(float(high.var()), floor)]
+    weights = (pi, 1 - pi)
+    for _ in range(iters):
+        logp = [np.log(weights[k]) - 0.5 * np.log(2 * np.pi * var[k]) - 0.5 * (v - mu[k]) ** 2 / var[k] for k in range(2)]
+        r_low = 1.0 / (1.0 + np.exp(np.clip(logp[1] - logp[0], -700, 700)))
+        resp = (r_low, 1.0 - r_low)
+        new_mu = [float((resp[k] * v).sum() / max(resp[k].sum(), 1e-12)) for k in range(2)]
+        var = [max(float((resp[k] * (v - new_mu[k]) ** 2).sum() / max(resp[k].sum(), 1e-12)), floor) for k in range(2)]
+        moved = max(abs(new_mu[k] - mu[k]) for k in range(2))
+        mu = new_mu
+        if moved < 1e-9 * (1.0 + abs(mu[1])):
+            break
+    return Mixture1D((mu[0], mu[1]), (var[0], var[1]), weights, "high")
+
+
+def separation(mix: Mixture1D) -> float:
+    """d' of a 2-component mixture: the distance of its means over their mean spread."""
+    return float(abs(mix.means[1] - mix.means[0]) / np.sqrt(max((mix.variances[0] + mix.variances[1]) / 2, 1e-24)))
 
 
 @dataclass(frozen=True)
