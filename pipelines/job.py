@@ -128,14 +128,24 @@ class Calibration:
         """A JSON-serialisable dict."""
         return asdict(self)
 
+    def mixture(self) -> tuple[tuple[float, float], tuple[float, float], float] | None:
+        """The pinned mixture recorded in ``extra`` as ((noise, clean) means, (noise, clean)
+        stds, noise weight); None for a job of fewer than 16 ok pairs (or an older calibration)."""
+        if "gmm_stds" not in self.extra or "gmm_noise_weight" not in self.extra:
+            return None
+        means, stds = self.extra["gmm_means"], self.extra["gmm_stds"]
+        return (float(means[0]), float(means[1])), (float(stds[0]), float(stds[1])), float(self.extra["gmm_noise_weight"])
+
+    def p_clean_params(self) -> osa.WeightingParams:
+        """The ``p-clean`` weighting of this calibration: what every table's ``p_clean`` is."""
+        return osa.WeightingParams("p-clean", mixture=self.mixture())
+
     def weighting_params(self) -> osa.WeightingParams:
-        """The weighting as frozen here (``p-clean`` takes the mixture recorded in ``extra``;
-        without one, as in a job of fewer than 16 ok pairs, it is the hard ``s > beta``)."""
-        mixture = None
-        if self.weighting == "p-clean" and "gmm_stds" in self.extra and "gmm_noise_weight" in self.extra:
-            means, stds = self.extra["gmm_means"], self.extra["gmm_stds"]
-            mixture = ((float(means[0]), float(means[1])), (float(stds[0]), float(stds[1])), float(self.extra["gmm_noise_weight"]))
-        return osa.WeightingParams(self.weighting, self.d_ref, self.weighting_batch_size, mixture)
+        """The weighting as frozen here (``p-clean`` takes ``mixture()``; without one it is
+        the hard ``s > beta``)."""
+        if self.weighting == "p-clean":
+            return self.p_clean_params()
+        return osa.WeightingParams(self.weighting, self.d_ref, self.weighting_batch_size)
 
 
 @dataclass(frozen=True)

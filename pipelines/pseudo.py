@@ -348,7 +348,6 @@ def exact_cosine(image: NDArray[Any], text: NDArray[Any], img: NDArray[np.int64]
 
 def weigh(similarity: NDArray[np.float32], calibration: Calibration) -> NDArray[np.float32]:
     """The job's own OSA weights of ``similarity`` (its beta, weighting and d_ref)."""
-
     from . import osa
 
     return osa.apply_weighting(similarity, calibration.beta, calibration.weighting_params())

@@ -458,11 +458,7 @@ def scores_table(
     weight[ok] = osa.apply_weighting(sims[ok], calibration.beta, calibration.weighting_params())
     noisy = osa.noisy_flags(sims, calibration.beta)
     p_clean = np.zeros(len(keys), dtype=np.float32)
-    extra = calibration.extra
-    if "gmm_stds" in extra and "gmm_noise_weight" in extra:
-        p_clean[ok] = osa.mixture_posterior_clean(sims[ok], tuple(extra["gmm_means"]), tuple(extra["gmm_stds"]), extra["gmm_noise_weight"])
-    else:
-        p_clean[ok] = (~noisy[ok]).astype(np.float32)
+    p_clean[ok] = osa.apply_weighting(sims[ok], calibration.beta, calibration.p_clean_params())
     columns: dict[str, Any] = {
         schema.COL_KEY: keys,
         schema.COL_SHARD: [shard] * len(keys),

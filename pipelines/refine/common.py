@@ -41,7 +41,7 @@ __all__ = [
 FloatArray = NDArray[np.float32]
 _META = "pairclean_refine"
 #: Format version of the heads file; bump when a method's arrays change meaning.
-HEADS_FORMAT = 2  # 2: p_clean from a pinned mixture (doc['p_clean'])
+HEADS_FORMAT = 2  # 2: doc['p_clean'] holds the p_clean curve (pairclean.refine.p_clean_curve)
 
 
 @dataclass
@@ -173,6 +173,7 @@ def fit_mixture_fixed_weight(x: FloatArray, noise_weight: float, iters: int = 30
     At most ``max_points`` values (a seeded subsample); fewer than 4 finite values or no
     spread give a degenerate mixture (both components at the mean).
     """
+    # Hand-written EM: sklearn's GaussianMixture always re-estimates the weights.
     v = np.asarray(x, dtype=np.float64)
     v = v[np.isfinite(v)]
     if v.size > max_points:
@@ -234,6 +235,8 @@ def fit_platt(x: FloatArray, target: FloatArray, ridge: float = 1e-4, iters: int
     (plus ``ridge * a^2``, which keeps ``a`` finite when the targets are 0/1 and ``x``
     separates them). (N,) scores and targets, finite pairs only; fewer than 2 or no spread
     gives ``a = 0`` and ``b`` the targets' mean log-odds."""
+    # Two parameters by Newton's method: sklearn's LogisticRegression takes hard labels
+    # only (soft ones would need every row twice, weighted t and 1 - t).
     v = np.asarray(x, dtype=np.float64)
     t = np.asarray(target, dtype=np.float64)
     keep = np.isfinite(v) & np.isfinite(t)

@@ -5,8 +5,9 @@ the fit sample, and the ensemble score is their weighted mean. A member's weight
 *separation* on the sample: fit a seeded 2-component mixture on its standardised scores
 and take ``|mu_1 - mu_0| / sqrt((var_0 + var_1) / 2)`` (a d'). A member whose scores do not
 split into two groups gets little weight; no label is used anywhere. ``p_clean`` is the
-posterior of a seeded 2-component mixture fitted on the sample's ensemble scores (the
-package's ``fit`` replaces it by its ``p_clean`` curve; each member keeps its own curve, so ``_member_heads`` gives the member as a lone fit would).
+posterior of a seeded 2-component mixture fitted on the sample's ensemble scores; the
+package's ``fit`` replaces it by its ``p_clean`` curve, and each member keeps its own
+curve, so ``_member_heads`` gives the member as a lone fit would.
 
 Output: raw score ``ensemble_score`` (standardised units, higher = cleaner).
 """

@@ -63,11 +63,9 @@ def _ece(p: np.ndarray, y: np.ndarray, bins: int = 15) -> float:
 
 @pytest.mark.parametrize(("method", "noise"), [("ncr", 0.2), ("ncr", 0.8), ("disncl", 0.2), ("disncl", 0.8), ("sdcmr", 0.2)])
 def test_p_clean_is_calibrated_far_from_half_noise(method: str, noise: float) -> None:
-    """p_clean's mixture has its noise side pinned to mismatched pairs, so it is sized right
-    at 20% and 80% noise (a free mixture left NCR's p_clean below 0.45 for every pair).
-
-    Not SDCMR at 80%: fitted on mostly noisy pairs, it scores the noisy pairs it saw above
-    fresh mismatched ones (AUC 0.93 here, ECE 0.27), one reason it is not the default."""
+    """p_clean's curve is calibrated against OSA's noise-rate estimate and p_clean, so it is
+    sized right at 20% and 80% noise (a free mixture left NCR's p_clean below 0.45 for every
+    pair). Not SDCMR at 80%: its AUC here is only 0.93, one reason it is not the default."""
     img, txt, noisy = planted(n=1000, noise=noise, seed=5)
     heads = refine.fit(method, img, txt, seed=0, overrides=FAST[method])
     assert heads.doc["p_clean"]["kind"] in ("mixture", "logistic") and 0 <= heads.doc["p_clean"]["noise_rate"] <= 1
