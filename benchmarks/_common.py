@@ -13,7 +13,7 @@ __all__ = ["flickr_root", "bench_spec", "timed_run"]
 
 def flickr_root() -> Path:
     """The Flickr8k folder, or exit with how to provide it."""
-    from pairclean.evaldata import find_flickr8k
+    from pairclean.lite.evaldata import find_flickr8k
 
     root = find_flickr8k(Path(__file__))
     if root is None:
@@ -23,7 +23,7 @@ def flickr_root() -> Path:
 
 def bench_spec(shards: list[str], model: str, batch_size: int, precision: str = "auto") -> Any:
     """A job spec with the reference recipe (random-inputs beta, paper weighting)."""
-    from pairclean.job import JobSpec
+    from pairclean.spec import JobSpec
 
     return JobSpec(tuple(shards), model, None, None, precision, "random-inputs", 256, "paper", 0, batch_size, 64_000_000, None, True, 4096)
 
@@ -46,9 +46,9 @@ class _Timer:
 def timed_run(spec: Any, out: Path, make_source: Callable[[Any], Any]) -> tuple[float, int, Any]:
     """Run a job into ``out``; ``make_source(output_dir)`` builds the source. Returns
     (pairs/s of the scoring loop, pairs, the job report)."""
-    from pairclean.job import OutputDir
+    from pairclean.output.folder import OutputDir
 
-    from pairclean.runner import run_job
+    from pairclean.job.runner import run_job
 
     timer = _Timer()
     folder = OutputDir(str(out))

@@ -22,9 +22,9 @@ def embed_dev(cache: Path, model: str = "pairclean-lite", batch: int = 32) -> di
             return {k: data[k] for k in data.files}
     import torch
 
-    from pairclean.decode import DEFAULT_MAX_PIXELS, decode_and_preprocess
-    from pairclean.estimators import EstimatorSpec, load_estimator
-    from pairclean.evaldata import load_flickr8k
+    from pairclean.read.decode import DEFAULT_MAX_PIXELS, decode_and_preprocess
+    from pairclean.embed.estimators import EstimatorSpec, load_estimator
+    from pairclean.lite.evaldata import load_flickr8k
 
     torch.set_num_threads(os.cpu_count() or 1)
     est = load_estimator(EstimatorSpec(model, None, None, "auto", "cpu"))

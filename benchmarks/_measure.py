@@ -107,7 +107,7 @@ def flickr_shards(folder: Path, pairs: int, per_shard: int, noise: float = 0.2) 
     Past the 7,090 photos, photos repeat with their next caption (new keys, new pairs).
     Reuses ``folder`` when it already holds the same shards (a ``shards.json`` says so).
     """
-    from pairclean.evaldata import load_flickr8k, noisy_pairing, write_pair_shards
+    from pairclean.lite.evaldata import load_flickr8k, noisy_pairing, write_pair_shards
 
     marker = folder / "shards.json"
     want = {"pairs": pairs, "per_shard": per_shard, "noise": noise}
@@ -150,10 +150,10 @@ def random_checkpoint(folder: Path, arch: str = "ViT-B-32", seed: int = 0) -> st
 def warm_beta_cache(model: str, checkpoint: str | None) -> None:
     """Compute (and cache on disk) the random-inputs beta that ``pairclean score`` with its
     default options needs for ``model``, so that no timed run pays for it: a model's first
-    job computes it once, every later job reads it (``pairclean.calibration.cached_random_beta``)."""
+    job computes it once, every later job reads it (``pairclean.calibrate.calibration.cached_random_beta``)."""
     from pairclean import osa
-    from pairclean.estimators import EstimatorSpec, default_beta_recipe, load_estimator
-    from pairclean.work import random_beta_fn
+    from pairclean.embed.estimators import EstimatorSpec, default_beta_recipe, load_estimator
+    from pairclean.job.work import random_beta_fn
 
     if default_beta_recipe(model) == "random-inputs":
         random_beta_fn(load_estimator(EstimatorSpec(model, checkpoint)), osa.DEFAULT_K, 0)()

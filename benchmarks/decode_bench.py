@@ -39,7 +39,7 @@ def _emit(section: str, **fields: Any) -> None:
 
 def _photos(n: int) -> list[tuple[str, bytes, str]] | None:
     """(key, JPEG bytes, caption) of the first ``n`` dev photos, or None without Flickr8k."""
-    from pairclean.evaldata import find_flickr8k, load_flickr8k
+    from pairclean.lite.evaldata import find_flickr8k, load_flickr8k
 
     root = find_flickr8k(Path(__file__))
     if root is None:
@@ -59,7 +59,7 @@ def _rate(run: Callable[[], int], repeat: int) -> float:
 
 
 def _cpu_images_per_s(datas: Sequence[bytes], estimator: Any, threads: int, repeat: int) -> float:
-    from pairclean.decode import DEFAULT_MAX_PIXELS, DecodeFailure, decode_and_preprocess
+    from pairclean.read.decode import DEFAULT_MAX_PIXELS, DecodeFailure, decode_and_preprocess
 
     def one(data: bytes) -> Any:
         out = decode_and_preprocess(data, DEFAULT_MAX_PIXELS, estimator.preprocess, draft_size=estimator.image_size)
@@ -75,7 +75,7 @@ def _cpu_images_per_s(datas: Sequence[bytes], estimator: Any, threads: int, repe
 
 def _reader_pairs_per_s(shard: str, estimator: Any, workers: int, batch_size: int, repeat: int) -> float:
     # The reader thread of score_shard on its own: what it can hand a model per second.
-    from pairclean.scoring import ScoreOptions, _prepared_batches
+    from pairclean.embed.shard import ScoreOptions, _prepared_batches
 
     opts = ScoreOptions(batch_size=batch_size, decode_workers=workers)
     return _rate(lambda: sum(len(b.rows) for b in _prepared_batches(shard, estimator, opts)), repeat)
@@ -84,7 +84,7 @@ def _reader_pairs_per_s(shard: str, estimator: Any, workers: int, batch_size: in
 def _gpu_images_per_s(datas: Sequence[bytes], estimator: Any, batch_size: int, repeat: int) -> dict[str, Any]:
     import torch
 
-    from pairclean.decode import DEFAULT_MAX_PIXELS, decode_jpeg_batch, tensor_preprocess_of
+    from pairclean.read.decode import DEFAULT_MAX_PIXELS, decode_jpeg_batch, tensor_preprocess_of
 
     params = tensor_preprocess_of(estimator.preprocess)
     if params is None:
@@ -122,8 +122,8 @@ def main() -> None:
 
     import torch
 
-    from pairclean.estimators import EstimatorSpec, load_estimator
-    from pairclean.evaldata import write_pair_shards
+    from pairclean.embed.estimators import EstimatorSpec, load_estimator
+    from pairclean.lite.evaldata import write_pair_shards
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)

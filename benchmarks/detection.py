@@ -33,7 +33,7 @@ import numpy as np
 
 def build_shards(folder: Path, noise: float, limit: int, per_shard: int, seed: int) -> tuple[list[str], dict[str, bool]]:
     """Dev-split shards with ``noise`` of captions shuffled; returns shard paths and key -> noisy."""
-    from pairclean.evaldata import load_flickr8k, noisy_pairing, write_pair_shards
+    from pairclean.lite.evaldata import load_flickr8k, noisy_pairing, write_pair_shards
 
     root = flickr_root()
     paired = noisy_pairing(load_flickr8k(root, "dev")[:limit], noise, seed=seed)
@@ -60,9 +60,9 @@ def metrics(out: Path, truth: dict[str, bool]) -> dict[str, float]:
     """Detection metrics of a scored output folder against the ground truth."""
     import pyarrow.parquet as pq
 
-    from pairclean.job import OutputDir
-    from pairclean.lite_train import roc_auc
-    from pairclean.report import summarize
+    from pairclean.output.folder import OutputDir
+    from pairclean.lite.train import roc_auc
+    from pairclean.output.report import summarize
 
     rows = []
     for path in sorted(out.glob("dev-*.parquet")):

@@ -25,14 +25,14 @@ by the first run of this script, ~10 minutes on 2 cores):
   and only the truly clean pairs (oracle). Retrieval on the dev split (1,000 photos, first
   caption), averaged over ``--student-seeds`` seeds of the student (init and batch order).
 - Pseudo-pairs (issue 13), at ``--pseudo-noise`` (50% and 80%): RCSL nearest-neighbour
-  pairing as ``pairclean pseudo-pair`` does it, with ``pairclean.ann`` (FAISS, exact index
+  pairing as ``pairclean pseudo-pair`` does it, with ``pairclean.pseudo.ann`` (FAISS, exact index
   at this size) in the estimator's space. Pool = the pairs the job flags noisy: their photos
   (each photo once: Flickr has five captions per photo, a web corpus one) and their
   captions. Each pool photo gets its nearest pool caption and each pool caption its nearest
   pool photo (a pseudo-pair found both ways is *mutual*, kept once); a photo's own flagged
   captions are never its pseudo-caption (they were judged mismatched, the multi-caption
   form of "own caption excluded"). Similarity is the exact cosine of the float16 vectors
-  (``pairclean.pseudo.exact_cosine``) and the weight the job's own OSA calibration of it, in
+  (``pairclean.pseudo.pairing.exact_cosine``) and the weight the job's own OSA calibration of it, in
   the same weighting as the base weights. Pseudo-pairs are *added* to half B as extra
   training rows with their weights (a flagged pair's own weight is 0 under ``paper`` and
   small under ``p_clean``, so this is close to the sampler's substitution, plus the t2i
@@ -79,7 +79,7 @@ PSEUDO_LOSSES = ("infonce", "rcm")
 
 
 def _subset(feats, image_idx: np.ndarray):
-    from pairclean.lite_train import Features
+    from pairclean.lite.train import Features
 
     remap = -np.ones(len(feats.image), dtype=np.int64)
     remap[image_idx] = np.arange(len(image_idx))
@@ -89,7 +89,7 @@ def _subset(feats, image_idx: np.ndarray):
 
 def _add_noise(feats, rate: float, seed: int):
     """Move ``rate`` of the captions to other photos (never their own); returns feats, noisy mask."""
-    from pairclean.lite_train import Features
+    from pairclean.lite.train import Features
 
     rng = np.random.default_rng(seed)
     owner = feats.caption_image.copy()
@@ -140,8 +140,8 @@ class Scored:
 def _score(estimator_state, recipe, feats) -> Scored:
     """Score (image, caption) pairs through the library, as ``pairclean score`` does."""
     from pairclean import osa
-    from pairclean.calibration import calibrate
-    from pairclean.lite_train import _project
+    from pairclean.calibrate.calibration import calibrate
+    from pairclean.lite.train import _project
 
     zi, zt = _project(estimator_state, recipe, feats)
     img, txt = zi[feats.caption_image], zt
@@ -195,7 +195,7 @@ class Pseudo:
 
 
 def _nearest(data: np.ndarray, queries: np.ndarray, k: int, seed: int) -> np.ndarray:
-    from pairclean import ann
+    from pairclean.pseudo import ann
 
     plan = ann.choose_index(len(data), data.shape[1], "auto", seed=seed)
     index, plan, _ = ann.build_index(plan, data)
@@ -211,7 +211,7 @@ def _first_not_own(ids: np.ndarray, own: np.ndarray) -> np.ndarray:
 
 def _pseudo_pairs(scored: Scored, flagged: np.ndarray, seed: int) -> Pseudo:
     """RCSL pseudo-pairs among the flagged pairs (see the module docstring)."""
-    from pairclean.pseudo import exact_cosine
+    from pairclean.pseudo.pairing import exact_cosine
 
     caps = np.flatnonzero(flagged)
     photos = np.unique(scored.owner[caps])
@@ -238,7 +238,7 @@ def _pseudo_pairs(scored: Scored, flagged: np.ndarray, seed: int) -> Pseudo:
 
 def _train(train, recipe, weights, pseudo: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None, loss: str = "infonce") -> dict[str, Any]:
     """The student's heads: ``train_heads`` on half B, plus pseudo rows (photo, caption, weight)."""
-    from pairclean.lite_train import Features, train_heads
+    from pairclean.lite.train import Features, train_heads
 
     if pseudo is None:
         return train_heads(train, recipe, weights=weights)
@@ -260,7 +260,7 @@ def _train_rcm(train, recipe, weights: np.ndarray, is_pseudo: np.ndarray) -> dic
     import torch
     import torch.nn.functional as F
 
-    from pairclean.lite_train import _heads
+    from pairclean.lite.train import _heads
     from pairclean.losses import rcm_loss
 
     vhead, tproj = _heads(recipe)
@@ -307,7 +307,7 @@ def _train_rcm(train, recipe, weights: np.ndarray, is_pseudo: np.ndarray) -> dic
 
 def _student(noisy_b, recipe, dev, seeds: list[int], weights, **pseudo_kw: Any) -> dict[str, float]:
     """Dev retrieval of the student, mean over ``seeds``; ``r1`` = mean of both R@1, ``r1_sd``."""
-    from pairclean.lite_train import evaluate
+    from pairclean.lite.train import evaluate
 
     runs = []
     for s in seeds:
@@ -347,8 +347,8 @@ def main() -> None:
 
     import torch
 
-    from pairclean.calibration import cache_dir
-    from pairclean.lite_train import HeadRecipe, extract_features, train_heads
+    from pairclean.calibrate.calibration import cache_dir
+    from pairclean.lite.train import HeadRecipe, extract_features, train_heads
 
     torch.set_num_threads(max(1, args.threads))
     feats = extract_features(flickr_root(), cache_dir() / "features")

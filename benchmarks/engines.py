@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -44,8 +43,8 @@ def _inputs(est: Any, shards: list[str], batches: int, batch_size: int) -> tuple
     """``batches`` image batches (float NCHW) and token batches from real shards."""
     import torch
 
-    from pairclean.decode import decode_and_preprocess
-    from pairclean.shards import iter_pairs
+    from pairclean.read.decode import decode_and_preprocess
+    from pairclean.read.shards import iter_pairs
 
     pixels, texts = [], []
     for uri in shards:
@@ -186,12 +185,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
 
-    from pairclean.cpu_settings import apply_process_env
+    from pairclean.embed.cpu_settings import apply_process_env
 
     apply_process_env()  # as `pairclean score` runs (before torch loads)
     import torch
 
-    from pairclean.estimators import EstimatorSpec, load_estimator
+    from pairclean.embed.estimators import EstimatorSpec, load_estimator
 
     torch.set_num_threads(args.threads)
     est = load_estimator(EstimatorSpec("pairclean-lite", precision="fp32", device="cpu"))

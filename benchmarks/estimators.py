@@ -79,7 +79,7 @@ def noisy_pairs(data: dict[str, np.ndarray], noise: float, seed: int) -> tuple[n
 def osa_row(img: np.ndarray, txt: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """OSA as ``pairclean score`` runs it for pairclean-lite: gmm beta, pinned-mixture p_clean."""
     from pairclean import osa
-    from pairclean.calibration import calibrate
+    from pairclean.calibrate.calibration import calibrate
 
     sims = osa.cosine_rows(img, txt)
     cal = calibrate(beta_recipe="gmm", k=256, seed=seed, weighting="paper", batch_size=64, similarities=sims[:4096],

@@ -29,7 +29,7 @@ from typing import Any
 
 
 def _record(i: int) -> Any:
-    from pairclean.job import ShardRecord
+    from pairclean.output.folder import ShardRecord
 
     return ShardRecord(
         shard=f"s3://laion/{i:06d}.tar", stem=f"{i:06d}", size=400_000_000, rows=10_000, output=f"{i:06d}.parquet",
@@ -40,7 +40,7 @@ def _record(i: int) -> Any:
 
 def _fill_segments(out: Any, n: int) -> None:
     """The compacted past: ``n`` records in ``MAX_SEGMENTS`` segments."""
-    from pairclean import job
+    from pairclean.output import folder as job
 
     per = -(-n // job.MAX_SEGMENTS)
     for start in range(0, n, per):
@@ -50,14 +50,14 @@ def _fill_segments(out: Any, n: int) -> None:
 
 
 def _spec(shards: list[str]) -> Any:
-    from pairclean.job import JobSpec
+    from pairclean.spec import JobSpec
 
     return JobSpec(tuple(shards), "pairclean-lite", None, None, "auto", "gmm", 256, "paper", 0, 64, 64_000_000, None, True, 4096)
 
 
 def run(uri: str, storage: dict[str, Any], n: int, pending: int) -> dict[str, Any]:
-    from pairclean.job import OutputDir
-    from pairclean.lock import RunLock
+    from pairclean.output.folder import OutputDir
+    from pairclean.output.lock import RunLock
     from pairclean.uris import expand_shards
 
     t0 = time.perf_counter()
@@ -103,9 +103,9 @@ def run(uri: str, storage: dict[str, Any], n: int, pending: int) -> dict[str, An
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shards", type=int, default=100_000)
-    parser.add_argument("--pending", type=int, default=None, help="default: pairclean.job.COMPACT_EVERY - 1")
+    parser.add_argument("--pending", type=int, default=None, help="default: pairclean.output.folder.COMPACT_EVERY - 1")
     args = parser.parse_args()
-    from pairclean import job
+    from pairclean.output import folder as job
 
     args.pending = job.COMPACT_EVERY - 1 if args.pending is None else args.pending
     with tempfile.TemporaryDirectory() as tmp:

@@ -50,7 +50,7 @@ def scene_mask(captions: list[tuple[str, ...]], min_hits: int = 2) -> np.ndarray
 
 
 def _captions(root, split: str, names: list[str]) -> list[tuple[str, ...]]:
-    from pairclean.evaldata import load_flickr8k
+    from pairclean.lite.evaldata import load_flickr8k
 
     by_name = {img.image: img.captions for img in load_flickr8k(root, split)}
     return [by_name[n] for n in names]
@@ -75,8 +75,8 @@ def main() -> None:
     logging.disable(logging.WARNING)
     import torch
 
-    from pairclean.calibration import cache_dir
-    from pairclean.lite_train import Features, HeadRecipe, _project, extract_features, train_heads
+    from pairclean.calibrate.calibration import cache_dir
+    from pairclean.lite.train import Features, HeadRecipe, _project, extract_features, train_heads
 
     torch.set_num_threads(os.cpu_count() or 1)
     root = flickr_root()

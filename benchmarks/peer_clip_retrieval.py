@@ -34,7 +34,6 @@ import sys
 import tempfile
 import venv
 from pathlib import Path
-from typing import Any
 
 from _measure import cpu_split, flickr_shards, json_line, random_checkpoint, run_measured, warm_beta_cache
 from throughput import pairclean_command

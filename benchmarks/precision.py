@@ -20,7 +20,7 @@ from _common import flickr_root
 def _inputs(estimator, n: int):
     import torch
 
-    from pairclean.evaldata import load_flickr8k
+    from pairclean.lite.evaldata import load_flickr8k
 
     root = flickr_root()
     from PIL import Image
@@ -49,7 +49,7 @@ def main() -> None:
 
     import torch
 
-    from pairclean.estimators import EstimatorSpec, _to_bf16, load_estimator
+    from pairclean.embed.estimators import EstimatorSpec, _to_bf16, load_estimator
 
     torch.set_num_threads(args.threads)
     for model in args.models:
@@ -58,7 +58,7 @@ def main() -> None:
         else:
             # Random weights: the speed is the architecture's; agreement is indicative only.
             import open_clip
-            from pairclean.estimators import Estimator, ModelInfo
+            from pairclean.embed.estimators import Estimator, ModelInfo
 
             m, _, pre = open_clip.create_model_and_transforms(model, pretrained=None)
             info = ModelInfo(model, model, None, None, "fp32", "cpu", int(m.text_projection.shape[-1]), {"size": 224}, "argmax")

@@ -16,7 +16,7 @@ without the mutual filter, and the same at 50% noise against pool size (250/500/
 
 ``executor``: a synthetic scored job of ``--n`` pairs (score tables, float16 sidecars and
 caption-only shards written through pairclean's own output APIs, pool = every pair),
-pseudo-paired by ``pairclean.pseudo.pseudo_pair`` with the queries in this process and
+pseudo-paired by ``pairclean.pseudo.pairing.pseudo_pair`` with the queries in this process and
 then on a Ray actor pool (``pairclean_workers.pseudo_exec``: actors read their query rows
 from the sidecars). Prints load/build/search/total seconds of each, Ray's start-up, and
 whether the two outputs are byte-identical.
@@ -90,7 +90,7 @@ def _exact_top1(queries: np.ndarray, data: np.ndarray, own: np.ndarray, chunk: i
 
 
 def bench_scale(args: argparse.Namespace) -> None:
-    from pairclean.pseudo import PseudoOptions, nearest_pairs
+    from pairclean.pseudo.pairing import PseudoOptions, nearest_pairs
 
     with tempfile.TemporaryDirectory(prefix="pseudo-bench-", dir=args.tmp) as folder:
         t0 = time.perf_counter()
@@ -127,10 +127,11 @@ def bench_scale(args: argparse.Namespace) -> None:
 def _synthetic_job(uri: str, folder: str, n: int, dim: int, per_shard: int, clusters: int, seed: int) -> None:
     """A scored job at ``uri`` over ``n`` synthetic pairs (as ``_synthetic``), every pair ok,
     with sidecars, and caption-only tar shards under ``folder`` (captions are read back)."""
-    from pairclean.calibration import calibrate
-    from pairclean.evaldata import write_shard
-    from pairclean.job import JobSpec, OutputDir, ShardRecord, spec_digest
-    from pairclean.scoring import embeddings_table, output_metadata, scores_table
+    from pairclean.calibrate.calibration import calibrate
+    from pairclean.lite.evaldata import write_shard
+    from pairclean.spec import JobSpec, spec_digest
+    from pairclean.output.folder import OutputDir, ShardRecord
+    from pairclean.output.tables import embeddings_table, output_metadata, scores_table
 
     image, text, _ = _synthetic(n, dim, folder, clusters, seed)
     starts = range(0, n, per_shard)
@@ -160,8 +161,8 @@ def _synthetic_job(uri: str, folder: str, n: int, dim: int, per_shard: int, clus
 
 
 def bench_executor(args: argparse.Namespace) -> None:
-    from pairclean.job import OutputDir
-    from pairclean.pseudo import PSEUDO_DIR, PseudoOptions, pseudo_pair
+    from pairclean.output.folder import OutputDir
+    from pairclean.pseudo.pairing import PSEUDO_DIR, PseudoOptions, pseudo_pair
     from pairclean_workers.pseudo_exec import RaySearcher
     from pairclean_workers.ray_exec import RayOptions, init_ray
 
@@ -203,7 +204,7 @@ def bench_executor(args: argparse.Namespace) -> None:
 def _setting(img: np.ndarray, txt0: np.ndarray, noise: float, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(image emb, pair text emb, truly noisy flags, home): pair j carries the first caption
     of image ``owner[j]``; ``home[i]`` is the pair holding image i's own caption."""
-    from pairclean.evaldata import FlickrImage, noisy_pairing
+    from pairclean.lite.evaldata import FlickrImage, noisy_pairing
 
     n = len(img)
     fake = [FlickrImage(str(i), Path(str(i)), (str(i),), "dev") for i in range(n)]  # captions = owner ids
@@ -215,7 +216,7 @@ def _setting(img: np.ndarray, txt0: np.ndarray, noise: float, seed: int) -> tupl
 
 
 def _osa_flags(img: np.ndarray, txt: np.ndarray, seed: int) -> tuple[np.ndarray, object]:
-    from pairclean.calibration import calibrate
+    from pairclean.calibrate.calibration import calibrate
     from pairclean.osa import cosine_rows, noisy_flags
 
     sims = cosine_rows(img, txt)
@@ -225,7 +226,7 @@ def _osa_flags(img: np.ndarray, txt: np.ndarray, seed: int) -> tuple[np.ndarray,
 
 
 def _recovery(img: np.ndarray, txt: np.ndarray, noisy: np.ndarray, home: np.ndarray, pool: np.ndarray, mutual: bool) -> dict[str, float]:
-    from pairclean.pseudo import PseudoOptions, nearest_pairs
+    from pairclean.pseudo.pairing import PseudoOptions, nearest_pairs
 
     ids = np.flatnonzero(pool)
     res = nearest_pairs(img[ids].astype(np.float16), txt[ids].astype(np.float16), PseudoOptions(mutual_only=mutual))

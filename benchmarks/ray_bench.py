@@ -67,7 +67,7 @@ class PeakRss:
 
 def build_shards(folder: Path, pairs: int, per_shard: int) -> list[str]:
     """Shards of Flickr8k dev photos (repeated under new keys past 1,000 pairs)."""
-    from pairclean.evaldata import load_flickr8k, write_pair_shards
+    from pairclean.lite.evaldata import load_flickr8k, write_pair_shards
 
     root = flickr_root()
     images = load_flickr8k(root, "dev")
@@ -93,9 +93,9 @@ def main() -> None:
     import ray
     import torch
 
-    from pairclean.estimators import EstimatorSpec, load_estimator
-    from pairclean.runner import LocalSource, score_options
-    from pairclean.work import random_beta_fn
+    from pairclean.embed.estimators import EstimatorSpec, load_estimator
+    from pairclean.job.runner import LocalSource, score_options
+    from pairclean.job.work import random_beta_fn
     from pairclean_workers.ray_exec import RayOptions, RaySource
 
     threads = os.cpu_count() or 1
@@ -138,7 +138,7 @@ def main() -> None:
 
 def _memory(tmp: Path, tiny, sizes: list[int], batch_size: int) -> dict:
     """Peak RSS of the whole process tree for a small and a large job (tiny model)."""
-    from pairclean.runner import score_options
+    from pairclean.job.runner import score_options
     from pairclean_workers.ray_exec import RayOptions, RaySource
 
     peaks = []
@@ -154,7 +154,7 @@ def _memory(tmp: Path, tiny, sizes: list[int], batch_size: int) -> dict:
 def _driver_cost(tmp: Path, tiny, per_shard: int, n_shards: int, batch_size: int) -> dict:
     """Driver CPU ms and record bytes per committed shard (tiny model: the driver's cost
     does not depend on the model, and a fast model makes the driver's share the largest)."""
-    from pairclean.runner import score_options
+    from pairclean.job.runner import score_options
     from pairclean_workers.ray_exec import RayOptions, RaySource
 
     shards = build_shards(tmp / f"d{per_shard}", per_shard * n_shards, per_shard)
@@ -172,10 +172,10 @@ def _gpu(est_spec, shards: list[str], spec) -> dict:
     """pairs/s on one GPU: the model on pre-decoded tensors, and the whole scoring path."""
     import torch
 
-    from pairclean.decode import decode_image
-    from pairclean.estimators import EstimatorSpec, load_estimator
-    from pairclean.runner import LocalSource, score_options
-    from pairclean.shards import iter_pairs
+    from pairclean.read.decode import decode_image
+    from pairclean.embed.estimators import EstimatorSpec, load_estimator
+    from pairclean.job.runner import LocalSource, score_options
+    from pairclean.read.shards import iter_pairs
 
     est = load_estimator(EstimatorSpec(est_spec.model, precision="auto", device="cuda"))
     pixels, texts = [], []

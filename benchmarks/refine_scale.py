@@ -37,9 +37,10 @@ def planted(n: int, dim: int, rng: np.random.Generator, centres: np.ndarray) -> 
 
 def build_job(uri: str, pairs: int, shards: int, dim: int, seed: int = 0) -> None:
     """A scored job folder of planted pairs, written shard by shard through the output APIs."""
-    from pairclean.calibration import calibrate
-    from pairclean.job import JobSpec, OutputDir, ShardRecord, spec_digest
-    from pairclean.scoring import embeddings_table, output_metadata, scores_table
+    from pairclean.calibrate.calibration import calibrate
+    from pairclean.spec import JobSpec, spec_digest
+    from pairclean.output.folder import OutputDir, ShardRecord
+    from pairclean.output.tables import embeddings_table, output_metadata, scores_table
 
     rng = np.random.default_rng(seed)
     centres = rng.normal(size=(64, dim)).astype(np.float32)

@@ -31,7 +31,7 @@ def main() -> None:
     import httpx
     import uvicorn
 
-    from pairclean.evaldata import load_flickr8k, write_pair_shards
+    from pairclean.lite.evaldata import load_flickr8k, write_pair_shards
     from pairclean_service.app import create_app
     from pairclean_service.security import hash_key, new_api_key
     from pairclean_service.settings import ServiceSettings

@@ -61,14 +61,14 @@ def pairclean_command() -> list[str]:
 
 def bare_main(args: argparse.Namespace) -> None:
     """Child process: the model-bound limit of one estimator; prints one JSON line."""
-    from pairclean.cpu_settings import apply_process_env
+    from pairclean.embed.cpu_settings import apply_process_env
 
     apply_process_env()  # the CPU settings `pairclean score` runs with (before torch loads)
     import torch
 
-    from pairclean.decode import decode_and_preprocess
-    from pairclean.estimators import EstimatorSpec, load_estimator
-    from pairclean.shards import iter_pairs
+    from pairclean.read.decode import decode_and_preprocess
+    from pairclean.embed.estimators import EstimatorSpec, load_estimator
+    from pairclean.read.shards import iter_pairs
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)  # as `pairclean score` does
     est = load_estimator(EstimatorSpec(args.bare_only, args.checkpoint, precision=args.precision, engine=args.engine))

@@ -3,13 +3,14 @@
 The import is light on purpose (numpy and pyarrow only): trainers import the sampler
 from here without pulling in torch. Heavy modules load inside the functions that need them.
 
-Modules: ``uris`` and ``shards`` (reading), ``decode``, ``estimators`` (the frozen model),
-``osa`` (the method, pure functions), ``calibration`` (beta and weighting parameters of a
-job), ``scoring`` (a shard in, arrays out), ``job`` (output folder, manifest, atomic
-commits), ``runner`` (the job loop over any shard source), ``rescore`` and ``report``
-(working on finished outputs), ``lite_train`` and ``evaldata`` (pairclean-lite's heads,
-Flickr8k), for trainers ``sampler``, ``losses`` and ``exports``, and for notebooks
-``api`` (``score_pairs``, ``load_estimator``, ``read_scores``).
+The folders follow the data flow (``docs/architecture.md``): ``read`` (shards, members,
+decode) -> ``embed`` (estimators, one shard's embeddings) -> ``judge`` -> ``calibrate``
+(beta, the frozen ``Calibration``) -> ``output`` (tables, the output folder, lock, report,
+exports) -> ``job`` (runner, work, rescore, lifecycle); then ``refine``, ``pseudo``,
+``audit``. Shared vocabulary at the top: ``errors``, ``schema``, ``spec``, ``uris``,
+``storage``, ``osa``. For trainers ``sampler``, ``losses``, ``openclip``, and for notebooks
+``api`` (``score_pairs``, ``load_estimator``, ``read_scores``); ``lite`` holds
+pairclean-lite's training tools.
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ __all__ = ["__version__", "read_scores", "score_pairs", "load_estimator"]
 
 def score_pairs(images: Sequence[Any], captions: Sequence[str], **kwargs: Any) -> Any:
     """Score in-memory image-caption pairs; see ``pairclean.api.score_pairs`` (needs torch)."""
-    from .api import score_pairs as _score_pairs
+    from pairclean.api import score_pairs as _score_pairs
 
     return _score_pairs(images, captions, **kwargs)
 
 
 def load_estimator(model: str = "pairclean-lite", **kwargs: Any) -> Any:
     """Load an estimator once for ``score_pairs``; see ``pairclean.api.load_estimator``."""
-    from .api import load_estimator as _load
+    from pairclean.api import load_estimator as _load
 
     return _load(model, **kwargs)
 
@@ -53,14 +54,7 @@ def read_scores(
     (``key``, ``shard``, ``weight``, ``noisy``, ``similarity``, ...). ``.to_pandas()`` gives
     a DataFrame. Raises ``InputError`` when the folder holds no committed shard.
     """
-    import pyarrow as pa
-
-    from .errors import InputError
-    from .job import OutputDir
+    from pairclean.output.folder import OutputDir
 
     folder = OutputDir(os.fspath(out), storage_options)
-    cols = list(columns) if columns is not None else None
-    tables = [folder.read_scores(record, cols) for record in folder.iter_committed()]
-    if not tables:
-        raise InputError(f"{folder.uri} holds no committed shard")
-    return pa.concat_tables(tables, promote_options="default")
+    return folder.read_all_scores(list(columns) if columns is not None else None)

@@ -28,8 +28,8 @@ __all__ = ["PairScores", "load_estimator", "score_pairs"]
 def load_estimator(model: str = "pairclean-lite", *, checkpoint: str | None = None, precision: str = "auto", device: str = "auto") -> Any:
     """Build an estimator once (``pairclean-lite``, ``pairclean-tiny-test`` or an open_clip
     architecture with a local ``checkpoint``); pass it to ``score_pairs`` as often as needed."""
-    from .estimators import EstimatorSpec
-    from .estimators import load_estimator as _load
+    from pairclean.embed.estimators import EstimatorSpec
+    from pairclean.embed.estimators import load_estimator as _load
 
     return _load(EstimatorSpec(model, checkpoint=checkpoint, precision=precision, device=device))
 
@@ -93,15 +93,16 @@ def score_pairs(
     picks the estimator's measured default. Raises ``InputError`` when the lengths differ
     or no pair can be scored with a corpus recipe.
     """
-    from . import schema
-    from .calibration import needs_corpus
-    from .decode import DEFAULT_MAX_PIXELS
-    from .errors import InputError
-    from .estimators import default_beta_recipe
-    from .job import JobSpec
-    from .scoring import ScoreOptions, scores_table
-    from .shards import PairSample
-    from .work import calibrate_on, random_beta_fn
+    from pairclean import schema
+    from pairclean.calibrate.calibration import needs_corpus
+    from pairclean.read.decode import DEFAULT_MAX_PIXELS
+    from pairclean.errors import InputError
+    from pairclean.embed.estimators import default_beta_recipe
+    from pairclean.spec import JobSpec
+    from pairclean.embed.shard import ScoreOptions
+    from pairclean.output.tables import scores_table
+    from pairclean.read.shards import PairSample
+    from pairclean.job.work import calibrate_on, random_beta_fn
 
     if len(images) != len(captions):
         raise InputError(f"{len(images)} images but {len(captions)} captions: they must pair up one to one")
@@ -132,6 +133,6 @@ def _pair(i: int, image: Any, caption: str, pair_cls: Any, schema: Any) -> Any:
 
 def _score_samples(samples: list[Any], estimator: Any, options: Any) -> Any:
     """A ``ShardResult`` for in-memory samples: the scoring path of a shard, without the tar."""
-    from .scoring import score_shard
+    from pairclean.embed.shard import score_shard
 
     return score_shard("in-memory", estimator, options, samples=samples)

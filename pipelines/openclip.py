@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .sampler import WEIGHT_KEY, WeightStage
+from pairclean.sampler import WeightStage
 
 __all__ = ["TokenizeText", "weigh_pipeline", "get_wds_dataset"]
 

@@ -39,6 +39,7 @@ from numpy.typing import NDArray
 
 __all__ = [
     "BETA_RECIPES",
+    "check_method",
     "WEIGHTINGS",
     "DEFAULT_BETA_RECIPE",
     "DEFAULT_WEIGHTING",
@@ -62,6 +63,17 @@ __all__ = [
 
 BETA_RECIPES: Final = ("random-inputs", "shuffled", "gmm")
 WEIGHTINGS: Final = ("p-clean", "paper", "reference", "reference-batch")
+
+
+def check_method(beta_recipe: str, weighting: str) -> None:
+    """The one check of a beta recipe and weighting name: ``InputError`` (one line, naming
+    the choices) for an unknown one. Every entry point (score, rescore, the API) calls this."""
+    from pairclean.errors import InputError
+
+    if beta_recipe not in BETA_RECIPES:
+        raise InputError(f"unknown beta recipe {beta_recipe!r}; choose one of {', '.join(BETA_RECIPES)}")
+    if weighting not in WEIGHTINGS:
+        raise InputError(f"unknown weighting {weighting!r}; choose one of {', '.join(WEIGHTINGS)}")
 DEFAULT_BETA_RECIPE: Final = "random-inputs"
 DEFAULT_WEIGHTING: Final = "p-clean"
 #: K of the reference recipe: 256 random images x 256 random texts = 65,536 pairs.

@@ -13,7 +13,7 @@ imported here). ``import pairclean.sampler`` is safe in any training environment
   Mode ``loss`` only adds the weight, ``sample`` keeps a sample with probability
   ``min(1, w / w_cap)`` (seeded, deterministic per rank), ``keep`` drops pairs flagged
   noisy, ``pseudo`` replaces a noisy pair's caption and weight by its RCSL pseudo-caption
-  (``pairclean.pseudo.PseudoCaptions``, from ``pairclean pseudo-pair``). ``weight_stage``
+  (``pairclean.pseudo.pairing.PseudoCaptions``, from ``pairclean pseudo-pair``). ``weight_stage``
   is the older factory (weight in ``sample["weight"]`` unless told otherwise).
 - ``WeightedSampler`` draws indices of a map-style dataset in proportion to weights, for
   any number of weights (no 2^24 limit), each rank its own slice, reseeded by ``set_epoch``.
@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
-from .uris import shard_stem
+from pairclean.uris import shard_stem
 
 __all__ = [
     "MISSING_POLICIES",
@@ -148,7 +148,7 @@ class WeightStage:
             raise ValueError("w_cap must be positive")
         self.store = WeightStore(output_dir)
         if mode == "pseudo" and pseudo is None:
-            from .pseudo import PseudoCaptions
+            from pairclean.pseudo.pairing import PseudoCaptions
 
             pseudo = PseudoCaptions(output_dir)
         self.mode, self.w_cap, self.missing, self.default = mode, w_cap, missing, default

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Sequence
+from typing import Any, Final, Literal
 
+import numpy as np
 import pyarrow as pa
+from numpy.typing import NDArray
 
 __all__ = [
+    "ok_mask",
+    "SHARD_COMMITTED",
+    "SHARD_QUARANTINED",
+    "SHARD_PENDING",
+    "SHARD_STATES",
+    "ShardState",
     "STATUSES",
     "STATUS_OK",
     "STATUS_DECODE_ERROR",
@@ -48,6 +57,15 @@ __all__ = [
     "EXPORTS_FILE",
     "EXPORT_DIR",
 ]
+
+#: A shard of a job is committed (its completion record exists), quarantined (kept
+#: failing; its error is recorded) or pending (neither yet).
+SHARD_COMMITTED: Final = "committed"
+SHARD_QUARANTINED: Final = "quarantined"
+SHARD_PENDING: Final = "pending"
+SHARD_STATES: Final = (SHARD_COMMITTED, SHARD_QUARANTINED, SHARD_PENDING)
+#: The shard states as a type, for API schemas (``typing.get_args(ShardState) == SHARD_STATES``, tested).
+ShardState = Literal["committed", "quarantined", "pending"]
 
 STATUS_OK: Final = "ok"
 STATUS_DECODE_ERROR: Final = "decode_error"
@@ -97,10 +115,10 @@ COL_IMAGE_EMB: Final = "image_emb"
 COL_TEXT_EMB: Final = "text_emb"
 
 #: The single Parquet key-value metadata key; its value is a JSON object (see
-#: ``pairclean.job.score_metadata``) so that readers need one ``json.loads``.
+#: ``pairclean.output.folder.score_metadata``) so that readers need one ``json.loads``.
 META_KEY: Final = b"pairclean"
 
-# The output folder's layout (see ``pairclean.job``). Names starting with "_" are skipped by
+# The output folder's layout (see ``pairclean.output.folder``). Names starting with "_" are skipped by
 # pyarrow's dataset discovery, pandas, duckdb's OUT/*.parquet and Ray Data: OUT reads as
 # exactly the score tables.
 STATE_DIR: Final = "_pairclean"
@@ -156,3 +174,12 @@ def embeddings_schema(dim: int) -> pa.Schema:
             pa.field(COL_TEXT_EMB, pa.list_(pa.float16(), dim)),
         ]
     )
+
+
+def ok_mask(status: pa.Table | pa.ChunkedArray | pa.Array | Sequence[Any]) -> NDArray[np.bool_]:
+    """(N,) bool: which rows are ``ok`` (usable pairs). ``status``: a table (its ``status``
+    column is read), an Arrow array or a sequence of status strings."""
+    if isinstance(status, pa.Table):
+        status = status.column(COL_STATUS)
+    values = status.to_pylist() if isinstance(status, (pa.ChunkedArray, pa.Array)) else list(status)
+    return np.fromiter((v == STATUS_OK for v in values), dtype=bool, count=len(values))

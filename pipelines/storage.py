@@ -28,7 +28,7 @@ from urllib.parse import urlparse
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import InputError, UnsupportedSchemeError
+from pairclean.errors import InputError, UnsupportedSchemeError
 
 __all__ = ["OUTPUT_SCHEMES", "Store", "WriteInfo", "parquet_bytes", "write_file_atomic", "sha256_file"]
 

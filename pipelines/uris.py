@@ -20,7 +20,7 @@ from pathlib import PurePosixPath
 from typing import Any, BinaryIO
 from urllib.parse import unquote, urlparse
 
-from .errors import InputError, ShardNotFoundError, ShardReadError, UnsupportedSchemeError
+from pairclean.errors import InputError, ShardNotFoundError, ShardReadError, UnsupportedSchemeError
 
 __all__ = [
     "LOCAL_SCHEMES",
@@ -77,7 +77,7 @@ def shard_stem(uri: str) -> str:
     """The output stem of a shard: its file name without ``.tar`` (``a/b/x-001.tar`` -> ``x-001``).
 
     The one function that names a shard's outputs, used by the scorer (``JobSpec.stems``,
-    ``work.py``) and by the trainer side (``pairclean.sampler``, ``pairclean.pseudo``), so a
+    ``work.py``) and by the trainer side (``pairclean.sampler``, ``pairclean.pseudo.pairing``), so a
     sample's ``__url__`` joins to ``OUT/<stem>.parquet`` whichever form it was read by:
     plain paths, ``file://``, ``s3://``, ``gs://``, ``http(s)://`` (query string and
     fragment ignored: ``https://h/00000.tar?download=true`` -> ``00000``) and open_clip's

@@ -8,7 +8,7 @@ can never be pointed at a file outside the job.
 Bounded work: the charts and galleries scan at most ``ui_scan_max_rows`` score rows (in
 shard order; the page says when it stopped early), per-shard summaries are cached by the
 score table's sha256 (a running job rescans only what it committed since), and
-thumbnails read only the image member's bytes (``pairclean.members.read_member``), at
+thumbnails read only the image member's bytes (``pairclean.read.members.read_member``), at
 most ``ui_thumbnail_max_bytes``, and are cached, downscaled, in memory.
 """
 
@@ -27,7 +27,8 @@ import numpy as np
 import pyarrow as pa
 
 from pairclean import schema
-from pairclean.job import Calibration, OutputDir, ShardRecord
+from pairclean.calibrate.calibration import Calibration
+from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.uris import shard_stem
 
 from .security import UriRefused, check_uri
@@ -287,7 +288,7 @@ class Browser:
             return got
         table = self._table(out, record).view
         status = np.asarray(table.column(schema.COL_STATUS).to_pylist(), dtype=object)
-        ok = status == schema.STATUS_OK
+        ok = schema.ok_mask(status)
         sims = table.column(schema.COL_SIMILARITY).to_numpy(zero_copy_only=False).astype(np.float64)
         weights = table.column(schema.COL_WEIGHT).to_numpy(zero_copy_only=False).astype(np.float64)
         noisy = table.column(schema.COL_NOISY).to_numpy(zero_copy_only=False).astype(bool)
@@ -401,7 +402,7 @@ class Browser:
         allow-list (the shard came from the job's records, never from the request); None
         when refused or unreadable."""
         from pairclean.errors import PaircleanError
-        from pairclean.members import read_member
+        from pairclean.read.members import read_member
 
         try:
             check_uri(shard, self.settings.allowed_inputs, allow_pipe=False)

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from pairclean.errors import PaircleanError
-from pairclean.lifecycle import SUCCEEDED, TERMINAL
+from pairclean.job.lifecycle import SUCCEEDED, TERMINAL
 
 __all__ = ["PaircleanClient", "JobFailed", "ServiceError", "TERMINAL"]
 
@@ -81,7 +81,7 @@ class PaircleanClient:
         return dict(self._call("GET", f"/v1/jobs/{job_id}"))
 
     def get_job_status(self, job_id: str) -> str:
-        """The job's state, one of ``pairclean.lifecycle.STATES``."""
+        """The job's state, one of ``pairclean.job.lifecycle.STATES``."""
         return str(self.get_job_info(job_id)["state"])
 
     def list_jobs(self, state: str | None = None, page_size: int = 500) -> list[dict[str, Any]]:

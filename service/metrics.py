@@ -9,6 +9,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pairclean import schema
+
 __all__ = ["Metrics", "exported_names", "STAGES"]
 
 _UNIT_BUCKETS = tuple(round(0.1 * i, 1) for i in range(1, 11))
@@ -39,7 +41,7 @@ class Metrics:
 
     def shard_committed(self, record: dict[str, Any], read_scores: Callable[[list[str]], Any]) -> None:
         """Account for one committed shard: statuses, stage times, weight/similarity histograms."""
-        self.shards.labels(state="committed").inc()
+        self.shards.labels(state=schema.SHARD_COMMITTED).inc()
         for status, count in record.get("statuses", {}).items():
             self.pairs.labels(status=status).inc(count)
         for stage, seconds in record.get("timings", {}).items():
@@ -48,16 +50,16 @@ class Metrics:
         self._observe_values(read_scores)
 
     def shard_quarantined(self, attempts: int) -> None:
-        self.shards.labels(state="quarantined").inc()
+        self.shards.labels(state=schema.SHARD_QUARANTINED).inc()
         self.retries.inc(attempts)
 
     def _observe_values(self, read_scores: Callable[[list[str]], Any]) -> None:
         try:
-            table = read_scores(["status", "similarity", "weight"])
+            table = read_scores([schema.COL_STATUS, schema.COL_SIMILARITY, schema.COL_WEIGHT])
         except Exception:  # noqa: BLE001 - metrics must never fail a job
             return
-        ok = [s == "ok" for s in table.column("status").to_pylist()]
-        for keep, sim, weight in zip(ok, table.column("similarity").to_pylist(), table.column("weight").to_pylist()):
+        ok = schema.ok_mask(table)
+        for keep, sim, weight in zip(ok, table.column(schema.COL_SIMILARITY).to_pylist(), table.column(schema.COL_WEIGHT).to_pylist()):
             if keep and sim is not None and not math.isnan(sim):
                 self.similarities.observe(sim)
                 self.weights.observe(weight)

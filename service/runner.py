@@ -22,20 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pairclean.job import OutputDir
-from pairclean.lifecycle import CANCELLED, EXIT_CODES, FAILED, QUEUED, RUNNING, SUCCEEDED, state_for_exit
+from pairclean.output.folder import OutputDir
+from pairclean.job.lifecycle import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, state_for_exit
 
 from .metrics import Metrics
 from .settings import ServiceSettings
 from .store import JobRow, JobStore, now_iso
 
-__all__ = ["EXIT_STATES", "JobRunner", "score_command"]
+__all__ = ["JobRunner", "score_command"]
 
 log = logging.getLogger(__name__)
-
-#: The batch CLI's exit codes (pairclean_workers.cli) -> job state.
-EXIT_STATES = {code: state for state, code in EXIT_CODES.items()}
-
 
 def score_command(request: dict[str, Any], settings: ServiceSettings, shard_list: Path | None = None) -> list[str]:
     """The `pairclean score` command line of a job request (already validated).

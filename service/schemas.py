@@ -6,7 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, Field
 
-from pairclean.lifecycle import State
+from pairclean import osa, schema
+from pairclean.job.lifecycle import State
 
 from .guards import safe_text
 
@@ -41,8 +42,9 @@ class JobRequest(BaseModel):
     shards: list[Annotated[SafeStr, Field(min_length=1, max_length=2048)]] = Field(min_length=1, max_length=10_000)
     output: SafeStr = Field(min_length=1, max_length=2048)
     estimator: str = Field("pairclean-lite", pattern=_NAME)
-    beta_recipe: Literal["auto", "random-inputs", "shuffled", "gmm"] = "auto"
-    weighting: Literal["p-clean", "paper", "reference", "reference-batch"] = "p-clean"
+    # the library's names, not a copy: a new recipe or weighting reaches the API by itself
+    beta_recipe: Literal[("auto", *osa.BETA_RECIPES)] = "auto"  # type: ignore[valid-type]
+    weighting: Literal[osa.WEIGHTINGS] = osa.DEFAULT_WEIGHTING  # type: ignore[valid-type]
     options: JobOptions = Field(default_factory=JobOptions)
 
 
@@ -88,7 +90,7 @@ class JobPage(BaseModel):
 
 class ShardPublic(BaseModel):
     shard: str
-    state: Literal["committed", "quarantined", "pending"]
+    state: schema.ShardState
     rows: int | None = None
     error: str | None = None
 

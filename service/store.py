@@ -26,7 +26,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Engine, Row, Select, create_engine, event, func, insert, literal, select, update
 from sqlalchemy.exc import IntegrityError
 
-from pairclean.lifecycle import ACTIVE, QUEUED, STATES, TERMINAL, IllegalTransition, can_move
+from pairclean.job.lifecycle import ACTIVE, QUEUED, STATES, TERMINAL, IllegalTransition, can_move
 
 from . import migrations
 from .tables import api_keys, jobs
@@ -231,7 +231,7 @@ class JobStore:
         """Update only if the job is in one of ``from_states``; returns whether it was.
 
         Raises ``IllegalTransition`` when ``state`` is not a move the lifecycle
-        (``pairclean.lifecycle``) allows from every one of ``from_states``.
+        (``pairclean.job.lifecycle``) allows from every one of ``from_states``.
         """
         target = fields.get("state")
         if target is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from sqlalchemy import Column, Double, Index, Integer, MetaData, String, Table, Text, text
 
-from pairclean.lifecycle import ACTIVE
+from pairclean.job.lifecycle import ACTIVE
 
 __all__ = ["metadata", "jobs", "api_keys"]
 

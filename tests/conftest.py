@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pairclean.evaldata import find_flickr8k, load_flickr8k, noisy_pairing, write_shard
+from pairclean.lite.evaldata import find_flickr8k, load_flickr8k, noisy_pairing, write_shard
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = "pairclean-tiny-test"
@@ -75,7 +75,7 @@ def kill_after_commits(cmd: list[str], out: Any, commits: int, timeout: float = 
     import subprocess
     import time
 
-    from pairclean.job import OutputDir
+    from pairclean.output.folder import OutputDir
 
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + timeout

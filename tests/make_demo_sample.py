@@ -49,7 +49,7 @@ def _jpeg(name: str) -> bytes:
 
 def build(path: Path = SAMPLE) -> Path:
     """Write the demo shard to ``path``."""
-    from pairclean.evaldata import write_shard
+    from pairclean.lite.evaldata import write_shard
 
     captions = {name: caption for name, caption, _ in PHOTOS}
     swapped = {}

@@ -97,3 +97,75 @@ def test_wheel_installs_only_prefixed_top_level_names(tmp_path: Path) -> None:
     # the web pages read their templates and static files from the package
     assert {"pairclean_service/templates/base.html", "pairclean_service/templates/job.html", "pairclean_service/static/pages.js",
             "pairclean_service/static/pages.css", "pairclean_service/static/favicon.svg"} <= set(names)
+
+
+# The library's data flow as folders (docs/architecture.md): a stage imports only earlier
+# stages and the shared vocabulary; the trainer-facing modules and the lite/ tools sit on top.
+STAGES = ("read", "embed", "judge", "calibrate", "output", "job", "refine", "pseudo", "audit")
+VOCABULARY = {"errors", "schema", "spec", "uris", "storage", "osa"}
+TOP = {"sampler", "api", "losses", "openclip", "lite"}
+
+
+def _library_imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module under pairclean, imported names) for every absolute import of the library."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            parts = node.module.split(".")
+            if parts[0] != "pairclean":
+                continue
+            names = [a.name for a in node.names]
+            if len(parts) == 1:  # from pairclean import schema, __version__
+                found += [(n, []) for n in names if n != "__version__"]
+            else:
+                found.append((".".join(parts[1:]), names))
+        elif isinstance(node, ast.Import):
+            found += [(a.name.split(".", 1)[1], []) for a in node.names if a.name.startswith("pairclean.")]
+    return found
+
+
+def _home(module: str) -> str:
+    """The stage, vocabulary or top-level name a dotted module under pairclean belongs to."""
+    return module.split(".")[0]
+
+
+def test_stages_import_only_earlier_stages_and_the_vocabulary() -> None:
+    lib = REPO / "pipelines"
+    offenders = []
+    for path in sorted(lib.rglob("*.py")):
+        rel = path.relative_to(lib).with_suffix("").parts
+        own = rel[0]
+        if own in TOP or own == "__init__":
+            continue
+        for module, _ in _library_imports(path):
+            home = _home(module)
+            if home in VOCABULARY or home == own:
+                continue
+            if own in VOCABULARY:
+                offenders.append(f"{path.relative_to(REPO)} (vocabulary) imports {module}")
+            elif home not in STAGES or STAGES.index(home) > STAGES.index(own):
+                offenders.append(f"{path.relative_to(REPO)} (stage {own}) imports {module}")
+    assert not offenders, "stage order broken:\n" + "\n".join(offenders)
+
+
+def test_stage_folders_exist_in_flow_order() -> None:
+    present = [s for s in STAGES if (REPO / "pipelines" / s / "__init__.py").exists()]
+    # every stage that exists is a folder; the vocabulary stays at the top as single modules
+    assert {"read", "embed", "calibrate", "output", "job", "refine", "pseudo"} <= set(present)
+    assert all((REPO / "pipelines" / f"{v}.py").exists() for v in VOCABULARY)
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    offenders = []
+    for layer, package in PACKAGES.items():
+        for path in sorted((REPO / layer).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if not isinstance(node, ast.ImportFrom):
+                    continue
+                module = node.module or ""
+                if node.level == 0 and not module.startswith(tuple(PACKAGES.values())):
+                    continue
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                if private:
+                    offenders.append(f"{path.relative_to(REPO)} imports {private} from {module or '.'}")
+    assert not offenders, "private names imported across modules:\n" + "\n".join(offenders)

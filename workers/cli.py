@@ -1,7 +1,7 @@
 """The ``pairclean`` command's batch verbs: score, rescore, inspect, export, demo, train-lite,
 pseudo-pair, refine (the console script, ``pairclean_service.cli``, adds the service's verbs).
 
-Exit codes (the end states' codes live in ``pairclean.lifecycle.EXIT_CODES``): 0 SUCCEEDED
+Exit codes (the end states' codes live in ``pairclean.job.lifecycle.EXIT_CODES``): 0 SUCCEEDED
 (every shard committed); 1 a job-level error (bad input, spec mismatch, model that cannot
 load, an output that cannot be written), with a one-line message; 2 a usage error (argparse); 3 FAILED (more shards failed
 than --max-failed-fraction); 4 PARTIAL (some shards failed, within --max-failed-fraction).
@@ -21,9 +21,17 @@ from importlib import resources
 from typing import Any
 
 from pairclean import __version__
-from pairclean.cpu_settings import apply_process_env
+from pairclean.embed.cpu_settings import apply_process_env
 from pairclean.errors import PaircleanError
-from pairclean.lifecycle import EXIT_CODES, EXIT_ERROR, FAILED, PARTIAL, SUCCEEDED
+from pairclean.job.lifecycle import EXIT_CODES, EXIT_ERROR, FAILED, PARTIAL, SUCCEEDED
+from pairclean_workers.args import (
+    add_executor_args,
+    add_lock_ttl_arg,
+    add_seed_arg,
+    add_storage_arg,
+    add_threads_arg,
+    storage_options,
+)
 
 __all__ = ["main", "build_parser"]
 
@@ -34,7 +42,7 @@ EXIT_OK, EXIT_FAILED, EXIT_PARTIAL = EXIT_CODES[SUCCEEDED], EXIT_CODES[FAILED], 
 
 
 def _add_estimator_args(p: argparse.ArgumentParser) -> None:
-    from pairclean.estimators import DEFAULT_MODEL
+    from pairclean.embed.estimators import DEFAULT_MODEL
 
     g = p.add_argument_group("estimator")
     g.add_argument("--model", default=DEFAULT_MODEL, help="pairclean-lite (default, offline) or an open_clip architecture")
@@ -44,12 +52,7 @@ def _add_estimator_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--engine", default="auto", choices=("auto", "torch"),
                    help="auto: pairclean-lite's image tower on ONNX Runtime on CPU when installed and agreeing (1.8x); torch: PyTorch only")
-    g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-
-
-def _add_storage_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="fsspec option for remote shards and outputs, e.g. endpoint_url=http://... (repeatable)")
+    add_threads_arg(g, "torch threads (default: all cores)")
 
 
 def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.ArgumentParser:
@@ -57,7 +60,7 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     service's: ``pairclean_service.cli``), so one parser holds them all and the global
     options (``-v``, ``--version``) work before any verb."""
     from pairclean import osa
-    from pairclean.decode import DEFAULT_MAX_PIXELS
+    from pairclean.read.decode import DEFAULT_MAX_PIXELS
 
     parser = argparse.ArgumentParser(prog="pairclean", description="Score image-caption pairs in WebDataset shards for noisy correspondence.")
     parser.add_argument("--version", action="version", version=f"pairclean {__version__}")
@@ -71,7 +74,7 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     score.add_argument("--beta-recipe", default="auto", choices=("auto", *osa.BETA_RECIPES), help="auto: the estimator's measured default")
     score.add_argument("--beta-k", type=int, default=osa.DEFAULT_K)
     score.add_argument("--weighting", default=osa.DEFAULT_WEIGHTING, choices=osa.WEIGHTINGS)
-    score.add_argument("--seed", type=int, default=0)
+    add_seed_arg(score, 0, "seed of the calibration (random inputs, K x K samples)")
     score.add_argument("--batch-size", type=int, default=64)
     score.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS)
     score.add_argument("--caption-field", default=None, help="take the caption from this json field")
@@ -80,13 +83,11 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     score.add_argument("--embeddings", action=argparse.BooleanOptionalAction, default=True, help="write the embedding sidecars OUT/_emb/<shard>.parquet")
     score.add_argument("--overwrite", action="store_true", help="delete what this job wrote into --out earlier (only files its records list) and start over")
     score.add_argument("--max-failed-fraction", type=float, default=0.05, help="a job with at most this fraction of failed shards ends PARTIAL, not FAILED")
-    _add_storage_arg(score)
-    score.add_argument("--lock-ttl", type=float, default=None, help="seconds without a heartbeat after which a crashed run's lock on --out is taken over (default 60, or $PAIRCLEAN_LOCK_TTL_S)")
+    add_storage_arg(score)
+    add_lock_ttl_arg(score)
     score.add_argument("--no-progress", action="store_true")
     ray_group = score.add_argument_group("execution")
-    ray_group.add_argument("--executor", choices=("ray", "local"), default="ray", help="ray (default: a local Ray, or --ray-address) or local (this process only)")
-    ray_group.add_argument("--ray-address", default=None, help="existing Ray cluster (default: $RAY_ADDRESS, else start one here)")
-    ray_group.add_argument("--num-actors", type=int, default=None, help="scoring actors (default: one per GPU, else one per 2 CPUs)")
+    add_executor_args(ray_group, "scoring actors (default: one per GPU, else one per 2 CPUs)")
     ray_group.add_argument("--cpus-per-actor", type=float, default=1.0, help="CPUs Ray reserves for each actor; its decode pool has as many threads (on GPU nodes: the CPUs per GPU)")
     ray_group.add_argument("--max-retries", type=int, default=3, help="retries of a shard whose worker died or timed out")
     ray_group.add_argument("--shard-timeout", type=float, default=None, help="seconds before a shard's worker is killed and the shard retried")
@@ -97,13 +98,13 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     rescore.add_argument("--weighting", required=True, choices=osa.WEIGHTINGS)
     rescore.add_argument("--beta-k", type=int, default=None)
     rescore.add_argument("--device", default="auto")
-    _add_storage_arg(rescore)
+    add_storage_arg(rescore)
 
     inspect = sub.add_parser("inspect", help="print pairs, status counts, noise-rate estimate, weight histogram")
     inspect.add_argument("out")
     inspect.add_argument("--rows", type=int, default=10)
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
-    _add_storage_arg(inspect)
+    add_storage_arg(inspect)
 
     export = sub.add_parser("export", help="write sizes.json, shard_weights.json and datacomp_keep.npy into OUT/_export/")
     export.add_argument("out")
@@ -111,7 +112,7 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     export.add_argument("--sizes-dir", action="append", default=[], metavar="DIR", help="also write sizes.json into DIR (open_clip reads it from the folder of the first shard)")
     export.add_argument("--sizes-beside-shards", action="store_true", help="also write sizes.json into each local folder of scored shards (never over a file pairclean did not write)")
     export.add_argument("--skip-bad-uids", action="store_true", help="leave uids that are not 32 hex digits out of datacomp_keep.npy (counted) instead of failing")
-    _add_storage_arg(export)
+    add_storage_arg(export)
 
     demo = sub.add_parser("demo", help="score the bundled sample and show the swapped captions")
     demo.add_argument("--out", default="demo-out")
@@ -130,16 +131,6 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     if extend is not None:
         extend(sub)
     return parser
-
-
-def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
-    opts: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise PaircleanError(f"--storage-option expects KEY=VALUE, got {pair!r}")
-        opts[key] = json.loads(value) if value[:1] in "[{" or value in ("true", "false") else value
-    return opts
 
 
 def _set_threads(threads: int | None) -> None:
@@ -185,12 +176,13 @@ class _Bar:
 
 def cmd_score(args: argparse.Namespace) -> int:
     """Run (or resume) a scoring job (on Ray, or in this process with --executor local)."""
-    from pairclean.estimators import EstimatorSpec, default_beta_recipe
-    from pairclean.job import JobSpec, OutputDir
-    from pairclean.runner import run_job, score_options
+    from pairclean.embed.estimators import EstimatorSpec, default_beta_recipe
+    from pairclean.spec import JobSpec
+    from pairclean.output.folder import OutputDir
+    from pairclean.job.runner import run_job, score_options
     from pairclean.uris import expand_shards
 
-    storage = _storage_options(args.storage_option)
+    storage = storage_options(args.storage_option)
     est_spec = EstimatorSpec(args.model, args.checkpoint, args.pretrained, args.precision, args.device, args.engine)
     est_spec.validate()
     shards = expand_shards(args.shards, storage)
@@ -218,8 +210,8 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 def _make_source(args: argparse.Namespace, est_spec: Any, spec: Any, out: Any, options: Any) -> Any:
     """The shard source the options ask for: a Ray actor pool (default) or this process."""
-    from pairclean.estimators import load_estimator
-    from pairclean.runner import LocalSource
+    from pairclean.embed.estimators import load_estimator
+    from pairclean.job.runner import LocalSource
 
     if args.executor == "local":
         return LocalSource(load_estimator(est_spec), spec, out, options)
@@ -251,16 +243,17 @@ def _print_report(report: Any, out: str) -> int:
 
 def cmd_rescore(args: argparse.Namespace) -> int:
     """Recompute weights in place from stored similarities / embeddings."""
-    from pairclean.estimators import EstimatorSpec, load_estimator
-    from pairclean.job import JobSpec, OutputDir
-    from pairclean.rescore import rescore
-    from pairclean.work import random_beta_fn
+    from pairclean.embed.estimators import EstimatorSpec, load_estimator
+    from pairclean.spec import JobSpec
+    from pairclean.output.folder import OutputDir
+    from pairclean.job.rescore import rescore
+    from pairclean.job.work import random_beta_fn
 
     def random_beta(spec: JobSpec) -> float:
         est = load_estimator(EstimatorSpec(spec.model, spec.checkpoint, spec.pretrained, spec.precision, args.device))
         return random_beta_fn(est, spec.beta_k, spec.seed)()
 
-    cal = rescore(OutputDir(args.out, _storage_options(args.storage_option)), beta_recipe=args.beta_recipe, weighting=args.weighting, beta_k=args.beta_k, random_beta=random_beta)
+    cal = rescore(OutputDir(args.out, storage_options(args.storage_option)), beta_recipe=args.beta_recipe, weighting=args.weighting, beta_k=args.beta_k, random_beta=random_beta)
     print(f"rescored {args.out}: beta {cal.beta:+.4f} ({cal.recipe}), weighting {cal.weighting}")
     return EXIT_OK
 
@@ -269,21 +262,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a summary of an output folder."""
     from dataclasses import asdict
 
-    from pairclean.job import OutputDir
-    from pairclean.report import format_summary, summarize
+    from pairclean.output.folder import OutputDir
+    from pairclean.output.report import format_summary, summarize
 
-    summary = summarize(OutputDir(args.out, _storage_options(args.storage_option)), rows=args.rows)
+    summary = summarize(OutputDir(args.out, storage_options(args.storage_option)), rows=args.rows)
     print(json.dumps(asdict(summary), default=str) if args.json else format_summary(summary))
     return EXIT_OK
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Write the trainer-facing export files into the output folder."""
-    from pairclean.exports import export
-    from pairclean.job import OutputDir
+    from pairclean.output.exports import export
+    from pairclean.output.folder import OutputDir
 
     report = export(
-        OutputDir(args.out, _storage_options(args.storage_option)), sizes_of=args.sizes_of, sizes_dirs=args.sizes_dir,
+        OutputDir(args.out, storage_options(args.storage_option)), sizes_of=args.sizes_of, sizes_dirs=args.sizes_dir,
         sizes_beside_shards=args.sizes_beside_shards, skip_bad_uids=args.skip_bad_uids,
     )
     for name, path in report.written.items():
@@ -302,8 +295,8 @@ def sample_shard() -> str:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Score the bundled sample with the defaults, then show which captions were swapped."""
-    from pairclean.job import OutputDir
-    from pairclean.report import format_summary, summarize
+    from pairclean.output.folder import OutputDir
+    from pairclean.output.report import format_summary, summarize
 
     extra = (["--no-progress"] if args.no_progress else []) + ["--executor", args.executor]
     score_args = build_parser().parse_args(["score", sample_shard(), "--out", args.out, *extra])
@@ -347,7 +340,7 @@ def _demo_truth(out: str) -> tuple[set[str], set[str]]:
     """(keys swapped on purpose per the sample's json, keys the job flagged noisy)."""
     import pyarrow.parquet as pq
 
-    from pairclean.shards import iter_raw_samples
+    from pairclean.read.shards import iter_raw_samples
 
     swapped = {s.key for s in iter_raw_samples(sample_shard()) if json.loads(s.files["json"]).get("swapped")}
     rows = pq.read_table(os.path.join(out, "demo-000000.parquet"), columns=["key", "noisy"]).to_pylist()  # a local folder

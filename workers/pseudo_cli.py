@@ -3,7 +3,7 @@
 Reads the job's score tables and embedding sidecars, pairs each pool image with its
 nearest pool caption and each pool caption with its nearest pool image (FAISS), scores
 the pseudo-pairs with the job's own calibration and writes ``OUT/_pseudo/<shard>.parquet``
-(see ``pairclean.pseudo``). Holds the folder's run lock while it runs, so it never races a
+(see ``pairclean.pseudo.pairing``). Holds the folder's run lock while it runs, so it never races a
 ``score`` or ``rescore`` of the same folder. With ``--executor ray`` (the default, as for
 ``score`` and ``refine``) the queries of a pool of at least ``--ray-min-pool`` pairs are
 spread over a Ray actor pool (``pairclean_workers.pseudo_exec``); smaller pools, and
@@ -17,14 +17,23 @@ import contextlib
 import json
 from typing import Any
 
+from pairclean_workers.args import (
+    add_executor_args,
+    add_lock_ttl_arg,
+    add_seed_arg,
+    add_storage_arg,
+    add_threads_arg,
+    storage_options,
+)
+
 __all__ = ["add_pseudo_parser", "cmd_pseudo_pair"]
 
 
 def add_pseudo_parser(sub: Any) -> None:
     """Register the ``pseudo-pair`` sub-command."""
-    from pairclean.ann import DEFAULT_CHUNK as _CHUNK
-    from pairclean.ann import FLAT_MAX, INDEX_KINDS, IVF_MAX
-    from pairclean.pseudo import POOLS
+    from pairclean.pseudo.ann import DEFAULT_CHUNK as _CHUNK
+    from pairclean.pseudo.ann import FLAT_MAX, INDEX_KINDS, IVF_MAX
+    from pairclean.pseudo.pairing import POOLS
     from pairclean_workers.pseudo_exec import RAY_MIN_POOL
 
     p = sub.add_parser("pseudo-pair", help="pair noisy images with their nearest noisy captions (RCSL) into OUT/_pseudo/")
@@ -35,30 +44,25 @@ def add_pseudo_parser(sub: Any) -> None:
     p.add_argument("--min-weight", type=float, default=0.0, help="drop pseudo-pairs whose OSA weight is below this")
     p.add_argument("--neighbours", type=int, default=1, help="pseudo-captions per image (and images per caption)")
     p.add_argument("--nprobe", type=int, default=None, help="IVF lists probed per query (default nlist/64, at least 8)")
-    p.add_argument("--seed", type=int, default=None, help="index training seed (default: the job's seed)")
+    add_seed_arg(p, None, "index training seed (default: the job's seed)")
     p.add_argument("--chunk", type=int, default=_CHUNK, help=f"query rows per FAISS call, and per Ray task (default {_CHUNK})")
-    p.add_argument("--executor", choices=("ray", "local"), default="ray",
-                   help="ray (default: a local Ray, or --ray-address; pools of --ray-min-pool pairs or more) or local (this process only)")
-    p.add_argument("--ray-address", default=None)
-    p.add_argument("--num-actors", type=int, default=None, help="search actors (default: one per Ray node; each holds a copy of the index)")
-    p.add_argument("--threads", type=int, default=None, help="FAISS threads of each actor (default: the cluster's CPUs / actors)")
+    add_executor_args(p, "search actors (default: one per Ray node; each holds a copy of the index)", "pools of --ray-min-pool pairs or more")
+    add_threads_arg(p, "FAISS threads of each actor (default: the cluster's CPUs / actors)")
     p.add_argument("--ray-min-pool", type=int, default=RAY_MIN_POOL, help=f"smaller pools are searched in this process (default {RAY_MIN_POOL:,})")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    from pairclean_workers.cli import _add_storage_arg
 
-    _add_storage_arg(p)  # one spelling of --storage-option for every verb
-    p.add_argument("--lock-ttl", type=float, default=None, help="seconds without a heartbeat after which a crashed run's lock is taken over")
+    add_storage_arg(p)  # one spelling of --storage-option for every verb
+    add_lock_ttl_arg(p)
 
 
 def cmd_pseudo_pair(args: argparse.Namespace) -> int:
     """Run pseudo-pairing under the folder's lock; print a summary (or JSON)."""
     from pairclean.errors import InputError
-    from pairclean.job import OutputDir
-    from pairclean.lock import RunLock
-    from pairclean.pseudo import PseudoOptions, pseudo_pair
-    from pairclean_workers.cli import _storage_options
+    from pairclean.output.folder import OutputDir
+    from pairclean.output.lock import RunLock
+    from pairclean.pseudo.pairing import PseudoOptions, pseudo_pair
 
-    storage = _storage_options(args.storage_option)
+    storage = storage_options(args.storage_option)
     out = OutputDir(args.out, storage)
     opts = PseudoOptions(pool=args.pool, mutual_only=args.mutual, index=args.index, min_weight=args.min_weight,
                          neighbours=args.neighbours, seed=args.seed, nprobe=args.nprobe, chunk=args.chunk)

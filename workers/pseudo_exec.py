@@ -1,10 +1,10 @@
 """Pseudo-pair queries on a Ray actor pool (``pairclean pseudo-pair --executor ray``).
 
-The driver (``pairclean.pseudo.pseudo_pair``) builds each FAISS index once; ``RaySearcher``
+The driver (``pairclean.pseudo.pairing.pseudo_pair``) builds each FAISS index once; ``RaySearcher``
 serialises it (``faiss.serialize_index``: one numpy byte array), puts it in Ray's object
 store once and hands each actor the reference. An actor deserialises an index the first
 time it sees it and keeps it until the next one, so the index crosses the network once per
-actor. A task is one query chunk of ``pairclean.ann.query_chunks``: the names of the
+actor. A task is one query chunk of ``pairclean.pseudo.ann.query_chunks``: the names of the
 sidecars holding its rows and the rows in them (``Pool.segments``); the actor reads those
 query vectors from the output folder itself (local or object store), so no embedding
 passes through the driver or the object store, and returns FAISS's top ``fetch`` ids and
@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
-from pairclean.ann import IndexPlan, RawSearch, query_chunks
+from pairclean.pseudo.ann import IndexPlan, RawSearch, query_chunks
 from pairclean.errors import PaircleanError
-from pairclean.job import OutputDir
-from pairclean.pseudo import Pool
+from pairclean.output.folder import OutputDir
+from pairclean.pseudo.pairing import Pool
 
 if TYPE_CHECKING:  # ray_exec imports the estimators (torch): not needed to parse the CLI
     from .ray_exec import RayOptions
@@ -77,7 +77,7 @@ class QuerySearcher:
         ``blob_box`` holds the index's object reference (boxed, so Ray does not fetch it
         for calls that find it loaded already).
         """
-        from pairclean.pseudo import read_rows
+        from pairclean.pseudo.pairing import read_rows
 
         if self.key != key:
             import ray
@@ -91,7 +91,7 @@ class QuerySearcher:
 
 
 class RaySearcher:
-    """A ``pairclean.pseudo.PoolSearcher`` on a Ray actor pool; use as a context manager
+    """A ``pairclean.pseudo.pairing.PoolSearcher`` on a Ray actor pool; use as a context manager
     (the actors are started on the first large pool and killed on exit)."""
 
     name = "ray"  # what ``PseudoReport.executor`` says when the queries ran here

@@ -1,9 +1,9 @@
 """Scoring on Ray: a pool of actors that each load the estimator once and write their own outputs.
 
-The shard is the unit of work. Each actor holds a ``pairclean.work.ShardWork``: it reads,
+The shard is the unit of work. Each actor holds a ``pairclean.job.work.ShardWork``: it reads,
 decodes (a thread pool sized to the CPUs Ray gives the actor) and embeds whole shards,
 applies the frozen calibration and writes the score table and sidecar straight into the
-output folder (local or object store). The driver (``pairclean.runner.run_job``) gets back
+output folder (local or object store). The driver (``pairclean.job.runner.run_job``) gets back
 only a small ``ShardRecord`` per shard and writes the completion record, so every shard
 is committed exactly once and no embedding passes through the driver or Ray's object store.
 
@@ -29,12 +29,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pairclean.cpu_settings import process_env
+from pairclean.embed.cpu_settings import process_env
 from pairclean.errors import InputError, ModelLoadError, PaircleanError
-from pairclean.estimators import EstimatorSpec, load_estimator
-from pairclean.job import Calibration, JobSpec, OutputDir
-from pairclean.scoring import ScoreOptions
-from pairclean.work import CalibrationOutcome, ShardOutcome, ShardWork
+from pairclean.embed.estimators import EstimatorSpec, load_estimator
+from pairclean.calibrate.calibration import Calibration
+from pairclean.spec import JobSpec
+from pairclean.output.folder import OutputDir
+from pairclean.embed.shard import ScoreOptions
+from pairclean.job.work import CalibrationOutcome, ShardOutcome, ShardWork
 
 __all__ = ["RayOptions", "ShardScorer", "RaySource", "init_ray"]
 
@@ -134,7 +136,7 @@ def init_ray(options: RayOptions) -> None:
 
 
 def _with_cpu_env(runtime_env: dict[str, Any]) -> dict[str, Any]:
-    """``runtime_env`` plus pairclean's CPU environment (``pairclean.cpu_settings``) in its
+    """``runtime_env`` plus pairclean's CPU environment (``pairclean.embed.cpu_settings``) in its
     ``env_vars``; variables the caller sets there win. The actors' libgomp reads them when
     they import torch, which an environment variable set in ``__init__`` would be too late for."""
     env_vars = {**process_env(), **dict(runtime_env.get("env_vars") or {})}
@@ -152,7 +154,7 @@ class _Task:
 
 
 class RaySource:
-    """A ``pairclean.runner.ShardSource`` backed by a pool of Ray actors.
+    """A ``pairclean.job.runner.ShardSource`` backed by a pool of Ray actors.
 
     Each actor holds up to ``tasks_per_actor`` shards: one running and the next queued in
     its mailbox, so it never idles while the driver commits. A queued shard's timeout

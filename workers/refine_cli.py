@@ -7,6 +7,15 @@ import json
 import sys
 from typing import Any
 
+from pairclean_workers.args import (
+    add_executor_args,
+    add_lock_ttl_arg,
+    add_seed_arg,
+    add_storage_arg,
+    add_threads_arg,
+    storage_options,
+)
+
 __all__ = ["add_refine_parser", "cmd_refine"]
 
 
@@ -18,18 +27,15 @@ def add_refine_parser(sub: Any) -> None:
     p = sub.add_parser("refine", help="fit NCR / DisNCL / SDCMR / an ensemble on a scored job's embeddings and rewrite its tables with p_clean (resumable)")
     p.add_argument("out", help="a scored job's output folder (with embedding sidecars)")
     p.add_argument("--method", choices=METHODS, default=None, help=f"default: {DEFAULT_METHOD} (or the method of --heads)")
-    p.add_argument("--seed", type=int, default=0)
+    add_seed_arg(p, 0, "seed of the fit sample and the heads' initialisation")
     p.add_argument("--sample-pairs", type=int, default=DEFAULT_SAMPLE_PAIRS, help="ok pairs the heads are fitted on (a seeded sample; all when fewer)")
     p.add_argument("--heads", default=None, help="apply this heads file (OUT/_pairclean/heads/*.safetensors of another job) instead of fitting")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a method setting, e.g. epochs=3 (repeatable)")
-    p.add_argument("--executor", choices=("ray", "local"), default="ray")
-    p.add_argument("--ray-address", default=None)
-    p.add_argument("--num-actors", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch threads of the fit (and of each actor)")
-    p.add_argument("--lock-ttl", type=float, default=None)
-    from pairclean_workers.cli import _add_storage_arg
+    add_executor_args(p, "actors that apply the heads (default: one per 2 CPUs)")
+    add_threads_arg(p, "torch threads of the fit (and of each actor)")
+    add_lock_ttl_arg(p)
 
-    _add_storage_arg(p)  # one spelling of --storage-option for every verb (OUT, --heads)
+    add_storage_arg(p)  # one spelling of --storage-option for every verb (OUT, --heads)
 
 
 def _overrides(pairs: list[str]) -> dict[str, Any]:
@@ -55,13 +61,12 @@ def cmd_refine(args: argparse.Namespace) -> int:
     import torch
 
     from pairclean.errors import InputError
-    from pairclean.job import OutputDir
-    from pairclean_workers.cli import _storage_options
+    from pairclean.output.folder import OutputDir
 
     from pairclean.refine import DEFAULT_METHOD
     from pairclean.refine.run import RefineOptions, refine
 
-    storage = _storage_options(args.storage_option)
+    storage = storage_options(args.storage_option)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     heads = None
     if args.heads:

@@ -11,13 +11,12 @@ same bytes) up to ``max_retries`` times; then the refine fails and a rerun resum
 from __future__ import annotations
 
 import logging
-import os
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
 from pairclean.errors import PaircleanError
-from pairclean.job import OutputDir, ShardRecord
+from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.refine.run import Executor, ShardApplied
 
 from .ray_exec import RayOptions, get_result, init_ray

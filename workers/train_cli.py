@@ -38,7 +38,7 @@ def add_train_parser(sub: Any) -> None:
 
 def candidate_recipes() -> tuple[Any, list[tuple[str, Any]]]:
     """The baseline and its one-factor variants, each with a label."""
-    from pairclean.lite_train import HeadRecipe
+    from pairclean.lite.train import HeadRecipe
 
     base = HeadRecipe()
     variants = [
@@ -60,7 +60,7 @@ def _score(metrics: dict[str, float]) -> tuple[float, float]:
 
 
 def _run(label: str, recipe: Any, feats: dict[str, Any]) -> dict[str, Any]:
-    from pairclean.lite_train import evaluate, train_heads
+    from pairclean.lite.train import evaluate, train_heads
 
     t0 = time.perf_counter()
     state = train_heads(feats["train"], recipe)
@@ -74,9 +74,9 @@ def cmd_train_lite(args: argparse.Namespace) -> int:
     """Extract features (cached), compare recipes, save the best heads."""
     import torch
 
-    from pairclean.calibration import cache_dir
-    from pairclean.evaldata import find_flickr8k
-    from pairclean.lite_train import extract_features, save_heads
+    from pairclean.calibrate.calibration import cache_dir
+    from pairclean.lite.evaldata import find_flickr8k
+    from pairclean.lite.train import extract_features, save_heads
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     root = Path(args.data) if args.data else find_flickr8k(os.getcwd())
@@ -90,7 +90,7 @@ def cmd_train_lite(args: argparse.Namespace) -> int:
     if not args.quick:
         rows += [_run(label, recipe, feats) for label, recipe in variants]
     best = max(rows, key=lambda r: _score(r["dev"]))
-    from pairclean.lite_train import HeadRecipe
+    from pairclean.lite.train import HeadRecipe
 
     sha = save_heads(Path(args.out), best["state"], HeadRecipe(**best["recipe"]), best["dev"])
     print(f"best: {best['label']} -> {args.out} (sha256 {sha})")

@@ -37,8 +37,8 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from . import disncl, ensemble, ncr, sdcmr
-from .common import Heads, Mixture1D, Platt, heads_bytes, heads_from_bytes
+from pairclean.refine import disncl, ensemble, ncr, sdcmr
+from pairclean.refine.common import Heads, Mixture1D, Platt, heads_bytes, heads_from_bytes
 
 __all__ = ["METHODS", "DEFAULT_METHOD", "METHOD_MODULES", "Heads", "fit", "apply", "apply_raw", "p_clean_curve", "score_column", "settings_for", "heads_bytes", "heads_from_bytes"]
 
@@ -100,8 +100,8 @@ def p_clean_curve(heads: Heads, img: Any, txt: Any, seed: int) -> dict[str, Any]
     parameters, plus ``noise_rate``, ``separation`` and ``teacher_mean``."""
     import numpy as np
 
-    from .. import osa
-    from .common import fit_mixture_fixed_weight, fit_platt, separation
+    from pairclean import osa
+    from pairclean.refine.common import fit_mixture_fixed_weight, fit_platt, separation
 
     img, txt = np.asarray(img, dtype=np.float32), np.asarray(txt, dtype=np.float32)
     sims = osa.cosine_rows(img, txt)

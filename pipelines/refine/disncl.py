@@ -45,8 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from .common import FloatArray, Heads, Mixture1D, apply_chunks, batches, fit_mixture, guard_finite, load_state, mlp, state_arrays, torch_generator
-from .ncr import _mean_hinge, _rectified, _soft_margin_loss
+from pairclean.refine.common import FloatArray, Heads, Mixture1D, apply_chunks, batches, fit_mixture, guard_finite, load_state, mlp, state_arrays, torch_generator
+from pairclean.refine.ncr import mean_hinge, rectified, soft_margin_loss
 
 __all__ = ["DisnclSettings", "fit", "apply", "SCORE_COLUMN"]
 
@@ -99,7 +99,7 @@ def _modules(dim: int, s: DisnclSettings, seed: int) -> Any:
     })
 
 
-def _grad_reverse(x: Any, coefficient: float = 1.0) -> Any:
+def grad_reverse(x: Any, coefficient: float = 1.0) -> Any:
     """Identity forward; the gradient is multiplied by ``-coefficient`` on the way back."""
     import torch
 
@@ -132,14 +132,14 @@ def _step_loss(mods: Any, xi: Any, ti: Any, s: DisnclSettings, warm: bool) -> An
     vs, ts = mods["inv_img"](xi), mods["inv_txt"](ti)
     sim = vs @ ts.t()
     if warm:
-        return _mean_hinge(sim).mean()
+        return mean_hinge(sim).mean()
     with torch.no_grad():
         n = sim.shape[0]
         ar = torch.arange(n)
         clean = (sim.argmax(1) == ar) & (sim.argmax(0) == ar)
-        y = torch.where(clean, torch.ones(n), _rectified(sim.detach(), 0.1))
+        y = torch.where(clean, torch.ones(n), rectified(sim.detach(), 0.1))
         alpha = s.alpha * (s.m**y - 1.0) / (s.m - 1.0)
-    align = _soft_margin_loss(sim, alpha)
+    align = soft_margin_loss(sim, alpha)
     logits = sim / s.tau
     i2t, t2i = log_softmax(logits, 1), log_softmax(logits.t(), 1)
     eye = torch.eye(sim.shape[0])
@@ -150,7 +150,7 @@ def _step_loss(mods: Any, xi: Any, ti: Any, s: DisnclSettings, warm: bool) -> An
     rec = mse_loss(mods["dec_img"](torch.cat([vs, ve], 1)), xi) + mse_loss(mods["dec_txt"](torch.cat([ts, te], 1)), ti)
     mi_max = _jsd(mods["mi_max"], vs, ts)
     # The discriminators maximise their JSD; the encoders see it reversed (minimise MI).
-    mi_min = _jsd(mods["mi_min_img"], _grad_reverse(vs), _grad_reverse(ve)) + _jsd(mods["mi_min_txt"], _grad_reverse(ts), _grad_reverse(te))
+    mi_min = _jsd(mods["mi_min_img"], grad_reverse(vs), grad_reverse(ve)) + _jsd(mods["mi_min_txt"], grad_reverse(ts), grad_reverse(te))
     cond = 0.5 * ((vs - ts)[clean] ** 2).sum(1).mean() if bool(clean.any()) else sim.new_zeros(())
     return align + soft + rec - s.beta1 * mi_max - s.beta2 * mi_min + s.gamma * cond
 

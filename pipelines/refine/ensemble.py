@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import FloatArray, Heads, Mixture1D, fit_mixture, guard_finite
+from pairclean.refine.common import FloatArray, Heads, Mixture1D, fit_mixture, guard_finite
 
 __all__ = ["MEMBERS", "fit", "apply", "SCORE_COLUMN"]
 
@@ -28,7 +28,7 @@ MEMBERS = ("osa", "ncr", "disncl", "sdcmr")
 
 
 def _member_raw(name: str, heads: Heads | None, img: FloatArray, txt: FloatArray) -> FloatArray:
-    from . import METHOD_MODULES
+    from pairclean.refine import METHOD_MODULES
 
     if name == "osa":
         return (np.asarray(img, np.float32) * np.asarray(txt, np.float32)).sum(1).astype(np.float32)
@@ -45,7 +45,7 @@ def _separation(z: FloatArray, seed: int) -> float:
 def fit(img: FloatArray, txt: FloatArray, seed: int, settings: dict[str, Any] | None = None) -> Heads:
     """Fit every learned member (``settings``: per-member settings objects by name), then
     the standardisation, weights and mixture; deterministic given ``seed``."""
-    from . import METHOD_MODULES, p_clean_curve
+    from pairclean.refine import METHOD_MODULES, p_clean_curve
 
     settings = settings or {}
     arrays: dict[str, np.ndarray] = {}

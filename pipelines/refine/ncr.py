@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import FloatArray, Heads, Mixture1D, apply_chunks, batches, fit_mixture, guard_finite, load_state, residual_adapter, state_arrays, torch_generator
+from pairclean.refine.common import FloatArray, Heads, Mixture1D, apply_chunks, batches, fit_mixture, guard_finite, load_state, residual_adapter, state_arrays, torch_generator
 
 __all__ = ["NcrSettings", "fit", "apply", "SCORE_COLUMN"]
 
@@ -70,7 +70,7 @@ def _heads(dim: int, hidden: int, seed: int, salt: int) -> Any:
     return nn.ModuleDict({"img": residual_adapter(dim, hidden, gen), "txt": residual_adapter(dim, hidden, gen)})
 
 
-def _mean_hinge(sim: Any) -> Any:
+def mean_hinge(sim: Any) -> Any:
     """(B, B) similarities -> (B,) mean over negatives of both directions' hinge, halved."""
     import torch
 
@@ -82,7 +82,7 @@ def _mean_hinge(sim: Any) -> Any:
     return 0.5 * (i2t + t2i)
 
 
-def _soft_margin_loss(sim: Any, alpha: Any) -> Any:
+def soft_margin_loss(sim: Any, alpha: Any) -> Any:
     """Hardest-negative hinge with per-anchor margins ``alpha`` (B,), both directions."""
     import torch
 
@@ -93,11 +93,11 @@ def _soft_margin_loss(sim: Any, alpha: Any) -> Any:
     return (i2t + t2i).mean()
 
 
-def _rectified(sim: Any, top_fraction: float) -> Any:
+def rectified(sim: Any, top_fraction: float) -> Any:
     """``P`` of co-rectify for one batch: (B, B) -> (B,) in [0, 1], tau = 0 guarded."""
     import torch
 
-    p = (MARGIN - _mean_hinge(sim)).clamp(0, MARGIN)
+    p = (MARGIN - mean_hinge(sim)).clamp(0, MARGIN)
     k = max(1, int(round(top_fraction * p.numel())))
     tau = torch.topk(p, k).values.mean()
     if float(tau) <= 0:
@@ -150,7 +150,7 @@ def fit(img: FloatArray, txt: FloatArray, seed: int, settings: NcrSettings | Non
             h.train()
             for idx in batches(n, s.batch_size, gen):
                 sim = h["img"](X[idx].float()) @ h["txt"](T[idx].float()).t()
-                loss = _mean_hinge(sim).mean()
+                loss = mean_hinge(sim).mean()
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
@@ -166,13 +166,13 @@ def fit(img: FloatArray, txt: FloatArray, seed: int, settings: NcrSettings | Non
                 xi, ti = X[idx].float(), T[idx].float()
                 sim = h["img"](xi) @ h["txt"](ti).t()
                 with torch.no_grad():
-                    p_self = _rectified(sim.detach(), s.top_fraction)
-                    p_other = _rectified(other["img"](xi) @ other["txt"](ti).t(), s.top_fraction)
+                    p_self = rectified(sim.detach(), s.top_fraction)
+                    p_other = rectified(other["img"](xi) @ other["txt"](ti).t(), s.top_fraction)
                     wi = w_other[idx]
                     clean = wi > 0.5
                     y = torch.where(clean, wi + (1 - wi) * p_self, 0.5 * (p_self + p_other))
                     alpha = MARGIN * (10.0**y - 1.0) / 9.0
-                loss = _soft_margin_loss(sim, alpha)
+                loss = soft_margin_loss(sim, alpha)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()

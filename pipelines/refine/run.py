@@ -44,12 +44,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .. import schema
-from ..errors import InputError
-from ..job import OutputDir, ShardRecord
-from ..lock import RunLock
-from ..rescore import read_embeddings
-from . import DEFAULT_METHOD, METHODS, Heads, fit, apply, heads_bytes, heads_from_bytes, score_column, settings_for
+from pairclean import schema
+from pairclean.errors import InputError
+from pairclean.output.folder import OutputDir, ShardRecord
+from pairclean.output.lock import RunLock
+from pairclean.output.tables import read_embeddings
+from pairclean.refine import DEFAULT_METHOD, METHODS, Heads, fit, apply, heads_bytes, heads_from_bytes, score_column, settings_for
 
 __all__ = ["MIN_FIT_PAIRS", "DEFAULT_SAMPLE_PAIRS", "RefineOptions", "RefineReport", "ShardApplied", "refine", "apply_shard", "check_job", "draw_sample", "Executor"]
 
@@ -246,7 +246,7 @@ def apply_shard(out: OutputDir, record: ShardRecord, heads: Heads, doc: dict[str
     """
     t0 = time.perf_counter()
     table = out.read_scores(record)
-    ok = np.asarray(table.column(schema.COL_STATUS).to_pylist(), dtype=object) == schema.STATUS_OK
+    ok = schema.ok_mask(table)
     img, txt = read_embeddings(out.read_embeddings_table(record))
     if len(img) != int(ok.sum()):
         raise InputError(f"{out.store.url(record.emb_output or '')} holds {len(img)} ok rows but the score table "

@@ -47,8 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from .common import FloatArray, Heads, Mixture1D, apply_chunks, batches, fit_mixture, guard_finite, load_state, mlp, state_arrays, torch_generator
-from .disncl import _grad_reverse
+from pairclean.refine.common import FloatArray, Heads, Mixture1D, apply_chunks, batches, fit_mixture, guard_finite, load_state, mlp, state_arrays, torch_generator
+from pairclean.refine.disncl import grad_reverse
 
 __all__ = ["SdcmrSettings", "fit", "apply", "SCORE_COLUMN", "pseudo_labels"]
 
@@ -133,8 +133,8 @@ def _step_loss(mods: Any, xi: Any, ti: Any, yi: Any, s: SdcmrSettings, gen: Any)
     labels = torch.cat([yi, yi])
     modality = torch.cat([torch.zeros(len(yi), dtype=torch.long), torch.ones(len(yi), dtype=torch.long)])
     adv = (cross_entropy(mods["cls_sem"](sem), labels)
-           + cross_entropy(mods["cls_priv"](_grad_reverse(torch.cat([pm_i, pm_t]), s.reversal)), labels)
-           + cross_entropy(mods["cls_mod"](_grad_reverse(sem, s.reversal)), modality))
+           + cross_entropy(mods["cls_priv"](grad_reverse(torch.cat([pm_i, pm_t]), s.reversal)), labels)
+           + cross_entropy(mods["cls_mod"](grad_reverse(sem, s.reversal)), modality))
     b = xi.shape[0]
     ind = ((normalize(sm_i, dim=1).t() @ normalize(pm_i, dim=1) / b) ** 2).sum() + ((normalize(sm_t, dim=1).t() @ normalize(pm_t, dim=1) / b) ** 2).sum()
     return elbo + s.w_rec * rec + s.w_sim * sim + s.w_adv * adv + s.w_ind * ind

@@ -8,12 +8,13 @@ import os
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, Response
 from sqlalchemy.exc import IntegrityError
 
-from pairclean.lifecycle import FAILED, PARTIAL, QUEUED, RUNNING, TERMINAL, State
+from pairclean import schema
+from pairclean.job.lifecycle import FAILED, PARTIAL, QUEUED, RUNNING, TERMINAL, State
 
 from ..dependencies import Caller, JobId, Runner, Settings, Store, Validations, job_or_404, output_key
 from ..guards import BoundedReader, PrefixEnd, scrub
@@ -39,7 +40,7 @@ def submit(request: JobRequest, who: Caller, response: Response, store: Store, s
         existing = store.by_idempotency_key(idempotency_key, who.name)
         if existing is not None:
             response.status_code = 200
-            return _public(existing)
+            return public_job(existing)
     total = len(expand(request, settings))
     try:
         job, created = store.create(request.model_dump(), who.name, idempotency_key, total, output_key(request.output))
@@ -47,7 +48,7 @@ def submit(request: JobRequest, who: Caller, response: Response, store: Store, s
         raise HTTPException(409, f"job {exc.job_id} is already writing to {request.output!r}; wait for it or cancel it") from exc
     if not created:
         response.status_code = 200
-    return _public(job)
+    return public_job(job)
 
 
 @router.post("/jobs:validate", response_model=Validation,
@@ -69,16 +70,16 @@ async def validate(request: JobRequest, who: Caller, settings: Settings, validat
 def list_jobs(who: Caller, store: Store, limit: Annotated[int, Query(ge=1, le=500)] = 50,
               offset: Annotated[int, Query(ge=0, le=10**9)] = 0, state: State | None = None) -> JobPage:
     rows, total = store.list(limit, offset, state, owner=None if who.admin else who.name)
-    return JobPage(items=[_public(r) for r in rows], total=total, limit=limit, offset=offset)
+    return JobPage(items=[public_job(r) for r in rows], total=total, limit=limit, offset=offset)
 
 
 @router.get("/jobs/{job_id}", response_model=JobPublic)
 def get_job(job_id: JobId, who: Caller, store: Store) -> JobPublic:
-    return _public(job_or_404(store, job_id, who))
+    return public_job(job_or_404(store, job_id, who))
 
 
 @router.get("/jobs/{job_id}/shards", response_model=ShardPage)
-def job_shards(job_id: JobId, who: Caller, store: Store, state: Literal["committed", "quarantined", "pending"] | None = None,
+def job_shards(job_id: JobId, who: Caller, store: Store, state: schema.ShardState | None = None,
                limit: Annotated[int, Query(ge=1, le=1000)] = 100, offset: Annotated[int, Query(ge=0, le=10**9)] = 0) -> ShardPage:
     job = job_or_404(store, job_id, who)
     items = [s for s in _shard_states(job) if state is None or s.state == state]
@@ -99,7 +100,7 @@ def cancel(job_id: JobId, who: Caller, store: Store, runner: Runner) -> JobPubli
     if job.state in TERMINAL:
         raise HTTPException(409, f"job is {job.state}")
     runner.cancel(job)
-    return _public(job_or_404(store, job_id, who))
+    return public_job(job_or_404(store, job_id, who))
 
 
 @router.post("/jobs/{job_id}:retry", response_model=JobPublic)
@@ -115,7 +116,7 @@ def retry(job_id: JobId, who: Caller, store: Store) -> JobPublic:
                                  "wait for it or cancel it") from None
     if not moved:
         raise HTTPException(409, f"only PARTIAL or FAILED jobs can be retried; this one is {job.state}")
-    return _public(job_or_404(store, job_id, who))
+    return public_job(job_or_404(store, job_id, who))
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -149,7 +150,7 @@ def expand(request: JobRequest, settings: ServiceSettings) -> list[str]:
 def validate_blocking(request: JobRequest, settings: ServiceSettings) -> Validation:
     """Expand the shards and read a bounded prefix of the first (bytes, seconds, samples)."""
     from pairclean.errors import PaircleanError
-    from pairclean.shards import DEFAULT_MAX_MEMBER_BYTES, ReadOptions, iter_pairs_from
+    from pairclean.read.shards import DEFAULT_MAX_MEMBER_BYTES, ReadOptions, iter_pairs_from
     from pairclean.uris import open_shard
 
     shards = expand(request, settings)
@@ -185,7 +186,7 @@ def _seconds_since(iso: str | None) -> float | None:
     return max(0.0, (datetime.now(timezone.utc) - datetime.fromisoformat(iso)).total_seconds())
 
 
-def _public(job: JobRow) -> JobPublic:
+def public_job(job: JobRow) -> JobPublic:
     elapsed = _seconds_since(job.started_at) if job.state == RUNNING else None
     rate = job.pairs / elapsed if elapsed and job.pairs else None
     finished = job.shards_done + job.shards_failed
@@ -224,7 +225,7 @@ def read_log(path: Path, offset: int, limit: int) -> JobLogs:
 
 def _shard_states(job: JobRow) -> list[ShardPublic]:
     """Every shard of a job with its state, from the job's own output folder."""
-    from pairclean.job import OutputDir
+    from pairclean.output.folder import OutputDir
     from pairclean.uris import shard_stem
 
     out = OutputDir(job.request["output"])
@@ -236,9 +237,9 @@ def _shard_states(job: JobRow) -> list[ShardPublic]:
     for uri in spec.shards:
         stem = shard_stem(uri)
         if stem in committed:
-            items.append(ShardPublic(shard=uri, state="committed", rows=committed[stem].rows))
+            items.append(ShardPublic(shard=uri, state=schema.SHARD_COMMITTED, rows=committed[stem].rows))
         elif stem in failed:
-            items.append(ShardPublic(shard=uri, state="quarantined", error=failed[stem].get("error")))
+            items.append(ShardPublic(shard=uri, state=schema.SHARD_QUARANTINED, error=failed[stem].get("error")))
         else:
-            items.append(ShardPublic(shard=uri, state="pending"))
+            items.append(ShardPublic(shard=uri, state=schema.SHARD_PENDING))
     return items

@@ -31,7 +31,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pairclean import schema
-from pairclean.lifecycle import TERMINAL, State
+from pairclean.job.lifecycle import TERMINAL, State
 
 from ..browse import GALLERY_MAX, PAGE_SIZE, Browser, JobOverview, RowFilter
 from ..charts import Series, histogram_svg
@@ -42,7 +42,7 @@ from ..security import hash_key
 from ..sessions import COOKIE, Sessions
 from ..settings import ServiceSettings
 from ..store import Principal
-from .jobs import _public
+from .jobs import public_job
 
 __all__ = ["router", "install", "DEMO_IDEMPOTENCY_KEY"]
 
@@ -306,7 +306,7 @@ def static(name: str) -> Response:
 
 def _job_page(who: Principal, store: Any, state: State | None, offset: int) -> tuple[list[JobPublic], int]:
     rows, total = store.list(JOBS_PAGE, offset, state, owner=None if who.admin else who.name)
-    return [_public(r) for r in rows], total
+    return [public_job(r) for r in rows], total
 
 
 @router.get("/ui/jobs", response_class=HTMLResponse)
@@ -336,7 +336,7 @@ def demo(who: Viewer, store: Store) -> RedirectResponse:
 
 @router.get("/ui/jobs/{job_id}/progress.json")
 def job_progress(job_id: JobId, who: ViewerApi, store: Store) -> dict[str, Any]:
-    job = _public(job_or_404(store, job_id, who))
+    job = public_job(job_or_404(store, job_id, who))
     return {"items": [{"id": job.id, "state": job.state, "fields": progress_fields(job)}]}
 
 
@@ -344,7 +344,7 @@ def job_progress(job_id: JobId, who: ViewerApi, store: Store) -> dict[str, Any]:
 def job_page(request: Request, job_id: JobId, who: Viewer, store: Store, pages: Pages,
              shard_offset: Annotated[int, Query(ge=0, le=10**9)] = 0) -> Response:
     row = job_or_404(store, job_id, who)
-    job = _public(row)
+    job = public_job(row)
     view = pages.overview(row)
     return _render(request, "job.html", who=who, job=job, fields=progress_fields(job), view=view, charts=_charts(view),
                    why=_why(view), shards=view.scanned[shard_offset : shard_offset + SHARDS_PAGE], shard_offset=shard_offset,
@@ -404,7 +404,7 @@ def gallery(request: Request, job_id: JobId, who: Viewer, store: Store, pages: P
     view = pages.overview(row)
     refs = view.lowest if kind == "lowest" else view.border
     items = pages.pairs(row, refs[(page - 1) * PAGE_SIZE : page * PAGE_SIZE])
-    return _render(request, "gallery.html", who=who, job=_public(row), view=view, kind=kind, page=page, items=items,
+    return _render(request, "gallery.html", who=who, job=public_job(row), view=view, kind=kind, page=page, items=items,
                    pages=max(1, -(-len(refs) // PAGE_SIZE)), first_rank=(page - 1) * PAGE_SIZE + 1)
 
 
@@ -422,7 +422,7 @@ def shard_page(request: Request, job_id: JobId, stem: Annotated[str, PathParam(m
     filters = RowFilter(status or None, {"yes": True, "no": False}.get(noisy), weight_min, weight_max)
     items, total = pages.shard_rows(row, record, filters, offset, PAGE_SIZE)
     query = {"status": status, "noisy": noisy, "weight_min": weight_min, "weight_max": weight_max}
-    return _render(request, "shard.html", who=who, job=_public(row), record=record, items=items, total=total, offset=offset,
+    return _render(request, "shard.html", who=who, job=public_job(row), record=record, items=items, total=total, offset=offset,
                    page=PAGE_SIZE, filters=query, statuses=schema.STATUSES, query=urlencode(query))
 
 

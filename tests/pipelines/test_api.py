@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pairclean
-from pairclean.shards import iter_raw_samples
+from pairclean.read.shards import iter_raw_samples
 
 SAMPLE = Path(pairclean.__file__).parent / "data" / "sample" / "demo-000000.tar"
 

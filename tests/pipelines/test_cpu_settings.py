@@ -1,4 +1,4 @@
-"""pairclean's process-wide CPU settings (``pairclean.cpu_settings``): malloc keeps large
+"""pairclean's process-wide CPU settings (``pairclean.embed.cpu_settings``): malloc keeps large
 blocks, and the CLI's torch runs with OpenMP's passive wait policy. Each case runs in a
 fresh interpreter, since both settings are per process and read once."""
 
@@ -24,7 +24,7 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 # freed one at first), then ten times more, and reports the minor page faults of those.
 _FAULTS = """
 import json, resource, torch
-from pairclean.cpu_settings import keep_heap_memory
+from pairclean.embed.cpu_settings import keep_heap_memory
 tuned = keep_heap_memory() if TUNE else False
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -47,7 +47,7 @@ def test_large_blocks_are_reused_instead_of_faulted_in_each_time() -> None:
 
 
 def test_tuning_can_be_turned_off() -> None:
-    out = _python("from pairclean.cpu_settings import keep_heap_memory, process_env; print(keep_heap_memory(), process_env())",
+    out = _python("from pairclean.embed.cpu_settings import keep_heap_memory, process_env; print(keep_heap_memory(), process_env())",
                   PAIRCLEAN_CPU_TUNING="0")
     assert out.stdout.split() == ["False", "{}"]
 
@@ -69,5 +69,5 @@ def test_the_cli_sets_the_passive_openmp_wait_policy_before_torch_loads() -> Non
 
 
 def test_the_wait_policy_is_not_touched_once_torch_is_loaded() -> None:
-    code = "import os, torch\nfrom pairclean.cpu_settings import apply_process_env\nprint(apply_process_env(), os.environ.get('OMP_WAIT_POLICY'))"
+    code = "import os, torch\nfrom pairclean.embed.cpu_settings import apply_process_env\nprint(apply_process_env(), os.environ.get('OMP_WAIT_POLICY'))"
     assert _python(code).stdout.split() == ["False", "None"]

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from pairclean import schema
-from pairclean.decode import (
+from pairclean.read.decode import (
     DEFAULT_MAX_PIXELS,
     DecodeFailure,
     _batch_decodable,
@@ -29,10 +29,10 @@ from pairclean.decode import (
     tensor_preprocess_of,
 )
 from pairclean.errors import InputError, ShardReadError
-from pairclean.estimators import EstimatorSpec, load_estimator
-from pairclean.evaldata import write_shard
-from pairclean.scoring import ScoreOptions, _prepared_batches, score_shard
-from pairclean.shards import iter_raw_samples
+from pairclean.embed.estimators import EstimatorSpec, load_estimator
+from pairclean.lite.evaldata import write_shard
+from pairclean.embed.shard import ScoreOptions, _prepared_batches, score_shard
+from pairclean.read.shards import iter_raw_samples
 
 TINY = "pairclean-tiny-test"
 DEMO = Path(__file__).resolve().parents[2] / "pipelines" / "data" / "sample" / "demo-000000.tar"

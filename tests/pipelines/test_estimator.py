@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pairclean.errors import InputError, ModelLoadError
-from pairclean.estimators import EstimatorSpec, load_estimator
+from pairclean.embed.estimators import EstimatorSpec, load_estimator
 
 TINY = "pairclean-tiny-test"
 
@@ -74,7 +74,7 @@ def test_bf16_path_agrees_with_fp32(tiny) -> None:
 
 def test_auto_takes_bf16_on_cpu_only_where_amx_makes_it_faster(monkeypatch) -> None:
     """bf16 ViT-B/32 ran at 0.57x of fp32 on a CPU without AMX (benchmarks/precision.py)."""
-    import pairclean.estimators as estimators
+    import pairclean.embed.estimators as estimators
 
     monkeypatch.setattr(estimators, "BF16_FASTER_ON_CPU", frozenset({TINY}))
     monkeypatch.setattr(estimators, "cpu_has_amx", lambda: False)

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from pairclean import job as job_mod
+from pairclean.output import folder as job_mod
 from pairclean import schema
 from pairclean.errors import OutputBusyError
-from pairclean.job import OutputDir, ShardRecord
-from pairclean.lock import RunLock
+from pairclean.output.folder import OutputDir, ShardRecord
+from pairclean.output.lock import RunLock
 from pairclean.storage import Store
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pairclean.estimators import EstimatorSpec, load_estimator
+from pairclean.embed.estimators import EstimatorSpec, load_estimator
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ def lite():
 
 def test_towers_load_offline_in_a_fresh_process() -> None:
     code = (
-        "from pairclean.estimators import EstimatorSpec, load_estimator;"
+        "from pairclean.embed.estimators import EstimatorSpec, load_estimator;"
         "e = load_estimator(EstimatorSpec('pairclean-lite', device='cpu'));"
         "print(e.info.model_id, e.info.embed_dim, e.encode_texts(['a dog']).shape)"
     )
@@ -39,7 +39,7 @@ def test_image_tower_recognises_imagenet_classes_on_real_photos(lite) -> None:
     skimage_data = pytest.importorskip("skimage.data")
     from PIL import Image
 
-    from pairclean.estimators.lite import LITE_PREPROCESS, tower_paths
+    from pairclean.embed.estimators.lite import LITE_PREPROCESS, tower_paths
 
     trunk = lite.model.visual.trunk
     source = torch.load(tower_paths()[0], map_location="cpu", weights_only=True)
@@ -101,7 +101,7 @@ def test_image_tower_runs_on_onnx_runtime_and_agrees_with_pytorch(lite, dev_imag
 
 
 def test_an_engine_that_disagrees_or_is_missing_leaves_pytorch(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    import pairclean.estimators as estimators
+    import pairclean.embed.estimators as estimators
 
     def wrong(visual, image_size, threads):  # an engine whose embeddings are unrelated
         return (lambda x: torch.randn((x.shape[0], 512), generator=torch.Generator().manual_seed(0)), "broken 1.0")

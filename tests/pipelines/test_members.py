@@ -13,9 +13,9 @@ import pytest
 
 from pairclean import schema
 from pairclean.errors import InputError, ShardNotFoundError, ShardReadError
-from pairclean.evaldata import write_shard
-from pairclean.members import MemberTooLarge, read_member
-from pairclean.shards import ReadOptions, iter_pairs
+from pairclean.lite.evaldata import write_shard
+from pairclean.read.members import MemberTooLarge, read_member
+from pairclean.read.shards import ReadOptions, iter_pairs
 
 
 def _image(colour: tuple[int, int, int], fmt: str = "JPEG") -> bytes:

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pairclean.evaldata import write_shard
+from pairclean.lite.evaldata import write_shard
 from pairclean.sampler import PSEUDO_KEY, WEIGHT_KEY, WeightStage, weight_stage
 from pairclean.uris import shard_stem
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pairclean import ann
+from pairclean.pseudo import ann
 from pairclean.errors import InputError
-from pairclean.pseudo import PseudoOptions, _drop_self, exact_cosine, nearest_pairs
+from pairclean.pseudo.pairing import PseudoOptions, _drop_self, exact_cosine, nearest_pairs
 
 N, DIM, ORPHANS = 2000, 32, 100
 
@@ -168,7 +168,7 @@ def test_search_takes_its_chunks_from_anywhere_in_any_order(planted) -> None:
 
 
 def test_pool_segments_map_rows_to_sidecars() -> None:
-    from pairclean.pseudo import Pool
+    from pairclean.pseudo.pairing import Pool
 
     shard_of = np.array([0, 0, 1, 1, 1, 3], dtype=np.int32)
     side_rows = np.array([2, 5, 0, 1, 7, 4], dtype=np.int64)

@@ -16,7 +16,7 @@ from pairclean.sampler import WeightedSampler, weight_stage
 @pytest.fixture(scope="module")
 def scored(tmp_path_factory: pytest.TempPathFactory, dev_images: list) -> tuple[Path, list[Path]]:
     """A real job output over two shards (tiny model), with 32-hex uids."""
-    from pairclean.evaldata import write_shard
+    from pairclean.lite.evaldata import write_shard
     from pairclean_workers.cli import main
 
     root = tmp_path_factory.mktemp("scored")
@@ -130,8 +130,8 @@ def test_weighted_clip_loss_and_rcm_loss() -> None:
 
 
 def test_exports(scored) -> None:
-    from pairclean.exports import UID_DTYPE, write_exports
-    from pairclean.job import OutputDir
+    from pairclean.output.exports import UID_DTYPE, write_exports
+    from pairclean.output.folder import OutputDir
     import pyarrow.parquet as pq
 
     out, _ = scored
@@ -175,8 +175,8 @@ def test_export_sizes_where_open_clip_looks_and_never_over_foreign_files(scored,
     import pyarrow.parquet as pq
 
     from pairclean.errors import InputError
-    from pairclean.exports import export
-    from pairclean.job import OutputDir
+    from pairclean.output.exports import export
+    from pairclean.output.folder import OutputDir
     from pairclean_workers.cli import main
 
     out, shards = scored
@@ -228,7 +228,7 @@ def test_export_on_the_demo_job_without_datacomp_uids(tmp_path: Path, capsys) ->
 
 
 def test_export_names_a_bad_uid_and_writes_nothing_unless_told_to_skip(dev_images: list, tmp_path: Path, capsys) -> None:
-    from pairclean.evaldata import write_shard
+    from pairclean.lite.evaldata import write_shard
     from pairclean_workers.cli import main
 
     samples = [

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from pairclean import schema
-from pairclean.decode import DecodeFailure, decode_image
+from pairclean.read.decode import DecodeFailure, decode_image
 from pairclean.errors import ShardReadError
-from pairclean.evaldata import write_shard
-from pairclean.shards import ReadOptions, iter_pairs, split_member_name
+from pairclean.lite.evaldata import write_shard
+from pairclean.read.shards import ReadOptions, iter_pairs, split_member_name
 
 
 def test_key_rule_matches_webdataset() -> None:

@@ -52,7 +52,7 @@ def test_pipe_command_naming_no_shard_is_a_clear_error() -> None:
 
 
 def test_scorer_and_sampler_use_the_same_function(tmp_path) -> None:
-    from pairclean.job import JobSpec
+    from pairclean.spec import JobSpec
 
     spec = JobSpec((str(tmp_path / "part-00000.tar"), "s3://b/part-00001.tar"), "m", None, None, "fp32", "gmm", 4, "paper", 0, 8, 10, None, True, 16)
     assert list(spec.stems().values()) == ["part-00000", "part-00001"]

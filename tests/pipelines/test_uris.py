@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pairclean.errors import InputError, ShardNotFoundError, UnsupportedSchemeError
-from pairclean.job import JobSpec
+from pairclean.spec import JobSpec
 from pairclean.uris import expand_shards, shard_stem
 
 
@@ -60,7 +60,7 @@ def test_gs_without_gcsfs_is_a_clear_error(tmp_path: Path) -> None:
 
     if importlib.util.find_spec("gcsfs") is not None:
         pytest.skip("gcsfs is installed here")
-    from pairclean.shards import iter_pairs
+    from pairclean.read.shards import iter_pairs
 
     with pytest.raises(UnsupportedSchemeError, match="extra package"):
         list(iter_pairs("gs://bucket/shard-0.tar"))

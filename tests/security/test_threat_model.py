@@ -452,7 +452,7 @@ def test_apikey_admin_flag(tmp_path: Path) -> None:
 def test_the_store_refuses_moves_the_lifecycle_does_not_allow(tmp_path: Path) -> None:
     import typing
 
-    from pairclean.lifecycle import EXIT_CODES, STATES, TERMINAL, IllegalTransition, State, state_for_exit
+    from pairclean.job.lifecycle import EXIT_CODES, STATES, TERMINAL, IllegalTransition, State, state_for_exit
     from pairclean_workers import cli
     from pairclean_service.client import TERMINAL as CLIENT_TERMINAL
 

@@ -63,7 +63,7 @@ class DemoService:
         import json
         import shutil
 
-        from pairclean.shards import iter_raw_samples
+        from pairclean.read.shards import iter_raw_samples
         from pairclean_workers.cli import sample_shard
 
         (root / "shards").mkdir(parents=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("fastapi")
-from pairclean.lifecycle import STATES  # noqa: E402
+from pairclean.job.lifecycle import STATES  # noqa: E402
 from pairclean_service.app import read_log  # noqa: E402
 from pairclean_service.client import PaircleanClient, ServiceError  # noqa: E402
 from pairclean_service.security import hash_key, new_api_key  # noqa: E402

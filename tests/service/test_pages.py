@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("jinja2")
 
-from pairclean.evaldata import write_shard  # noqa: E402
+from pairclean.lite.evaldata import write_shard  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -177,7 +177,7 @@ def _hostile_shard(folder: Path, image: bytes) -> Path:
 
 
 def test_hostile_captions_are_escaped_and_bad_images_get_placeholders(demo_service) -> None:
-    from pairclean.shards import iter_pairs
+    from pairclean.read.shards import iter_pairs
 
     folder = demo_service.root / "hostile"
     image = next(iter(iter_pairs(str(demo_service.shard)))).image  # a real JPEG

@@ -124,7 +124,7 @@ def test_server_killed_mid_job_restarts_and_resumes(make_shards, tmp_path: Path)
     try:
         done = client.wait(job_id, timeout=300, poll=0.3)
         assert done["progress"]["shards_done"] == 8
-        from pairclean.job import OutputDir
+        from pairclean.output.folder import OutputDir
 
         stems = [r.stem for r in OutputDir(str(tmp_path / "out")).iter_committed()]
         assert sorted(stems) == sorted(set(stems)) and len(stems) == 8  # each shard committed once

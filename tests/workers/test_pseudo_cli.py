@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pairclean import schema
-from pairclean.job import OutputDir
+from pairclean.output.folder import OutputDir
 from pairclean_workers.cli import main
 
 TINY = ["--model", "pairclean-tiny-test", "--no-progress", "--batch-size", "8", "--executor", "local"]
@@ -23,7 +23,7 @@ COLUMNS = ["image_shard", "image_key", "caption_shard", "caption_key", "caption"
 def job(tmp_path_factory: pytest.TempPathFactory, dev_images: list) -> tuple[Path, list[Path], dict[str, str]]:
     """A scored job over two shards of 12 real pairs, half of them shuffled; returns
     (OUT, shards, caption by key)."""
-    from pairclean.evaldata import noisy_pairing, write_shard
+    from pairclean.lite.evaldata import noisy_pairing, write_shard
 
     root = tmp_path_factory.mktemp("pseudo")
     pairs = noisy_pairing(dev_images[:24], 0.5, seed=0)
@@ -47,8 +47,8 @@ def _read_all(out: Path) -> dict[str, object]:
 def test_pseudo_pair_writes_scored_pairs_beside_an_unchanged_dataset(job, capsys) -> None:
     import pyarrow.dataset as ds
 
-    from pairclean.pseudo import weigh
-    from pairclean.rescore import read_embeddings
+    from pairclean.pseudo.pairing import weigh
+    from pairclean.output.tables import read_embeddings
 
     out, shards, captions = job
     names_before = ds.dataset(str(out)).schema.names
@@ -105,7 +105,7 @@ def test_noisy_pool_and_min_weight(job) -> None:
 
 
 def test_sampler_substitutes_pseudo_captions(job) -> None:
-    from pairclean.pseudo import PseudoCaptions
+    from pairclean.pseudo.pairing import PseudoCaptions
     from pairclean.sampler import weight_stage
 
     out, shards, captions = job
@@ -127,7 +127,7 @@ def test_sampler_substitutes_pseudo_captions(job) -> None:
 
 
 def test_clear_errors(job, tmp_path: Path, dev_images: list, capsys) -> None:
-    from pairclean.evaldata import write_shard
+    from pairclean.lite.evaldata import write_shard
 
     # not a job
     (tmp_path / "plain").mkdir()
@@ -177,7 +177,7 @@ def test_resume_after_kill_9_writes_what_an_uncrashed_run_writes(job, tmp_path: 
     import subprocess
     import sys
 
-    from pairclean.pseudo import RECORD, PseudoCaptions
+    from pairclean.pseudo.pairing import RECORD, PseudoCaptions
 
     out, _, _ = job
     args = ["pseudo-pair", str(out), "--pool", "all", "--index", "ivf", "--neighbours", "2", "--executor", "local"]
@@ -215,8 +215,8 @@ def test_query_searcher_reads_its_rows_from_the_sidecars(job, tmp_path: Path) ->
     ``Pool.segments`` search exactly like the driver's copy of them."""
     import faiss
 
-    from pairclean import ann
-    from pairclean.pseudo import load_pool
+    from pairclean.pseudo import ann
+    from pairclean.pseudo.pairing import load_pool
     from pairclean_workers.pseudo_exec import QuerySearcher
 
     out, _, _ = job

@@ -14,9 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from pairclean import schema
-from pairclean.estimators import EstimatorSpec
-from pairclean.job import JobSpec, OutputDir
-from pairclean.runner import run_job, score_options
+from pairclean.embed.estimators import EstimatorSpec
+from pairclean.spec import JobSpec
+from pairclean.output.folder import OutputDir
+from pairclean.job.runner import run_job, score_options
 from pairclean_workers.cli import main
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -107,7 +108,7 @@ def _actor_cpu_settings(actor: object) -> dict[str, object]:
     def probe(self: object) -> dict[str, object]:
         import ctypes
 
-        from pairclean.cpu_settings import keep_heap_memory
+        from pairclean.embed.cpu_settings import keep_heap_memory
 
         class MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2: 10 size_t fields
             _fields_ = [(name, ctypes.c_size_t) for name in

@@ -10,9 +10,10 @@ from typing import Any
 import pyarrow.dataset as ds
 import pytest
 
-from pairclean.estimators import EstimatorSpec
-from pairclean.job import JobSpec, OutputDir
-from pairclean.runner import run_job, score_options
+from pairclean.embed.estimators import EstimatorSpec
+from pairclean.spec import JobSpec
+from pairclean.output.folder import OutputDir
+from pairclean.job.runner import run_job, score_options
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -19,9 +19,10 @@ import pytest
 from sklearn.metrics import roc_auc_score
 
 from pairclean import schema
-from pairclean.calibration import calibrate
-from pairclean.job import JobSpec, OutputDir, ShardRecord, spec_digest
-from pairclean.scoring import embeddings_table, output_metadata, scores_table
+from pairclean.calibrate.calibration import calibrate
+from pairclean.spec import JobSpec, spec_digest
+from pairclean.output.folder import OutputDir, ShardRecord
+from pairclean.output.tables import embeddings_table, output_metadata, scores_table
 from pairclean_workers.cli import main
 
 FAST = ["--set", "warmup_epochs=1", "--set", "epochs=2"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pairclean.shards import iter_pairs
+from pairclean.read.shards import iter_pairs
 from pairclean_workers.cli import main
 
 TINY = ["--model", "pairclean-tiny-test", "--no-progress", "--batch-size", "4", "--executor", "local"]
@@ -92,7 +92,7 @@ def test_s3_shards_with_brace_glob_and_list(make_shards, s3_endpoint: str, tmp_p
 
 
 def _read_opts(endpoint: str):
-    from pairclean.shards import ReadOptions
+    from pairclean.read.shards import ReadOptions
 
     return ReadOptions(storage_options={"endpoint_url": endpoint})
 

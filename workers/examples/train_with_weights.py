@@ -42,7 +42,7 @@ def main() -> None:
     weights_dir = args.weights or tmp
     shards = args.shards or _score_demo(weights_dir)
 
-    from pairclean.estimators import EstimatorSpec, load_estimator
+    from pairclean.embed.estimators import EstimatorSpec, load_estimator
 
     est = load_estimator(EstimatorSpec(args.model, precision="fp32", device="cpu"))  # open_clip model + transforms
     model, preprocess, tokenizer = est.model.train(), est.preprocess, est.tokenizer

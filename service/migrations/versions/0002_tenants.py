@@ -15,7 +15,7 @@ down_revision: str | None = "0001"
 branch_labels: str | None = None
 depends_on: str | None = None
 
-# The states as of this revision, frozen here: a later change to pairclean.lifecycle
+# The states as of this revision, frozen here: a later change to pairclean.job.lifecycle
 # needs its own revision, not a silent change to this one.
 _ACTIVE = ("QUEUED", "RUNNING")
 _jobs = sa.table("jobs", sa.column("state", sa.String), sa.column("idempotency_key", sa.String), sa.column("idem_key", sa.String))

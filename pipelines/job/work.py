@@ -26,13 +26,16 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__, schema
-from .calibration import calibrate, cached_random_beta, needs_corpus
-from .errors import InputError
-from .estimators import Estimator
-from .job import Calibration, JobSpec, OutputDir, ShardRecord, spec_digest
-from .scoring import ScoreOptions, ShardResult, embeddings_table, output_metadata, score_shard, scores_table
-from .uris import shard_size, shard_stem
+from pairclean import __version__, schema
+from pairclean.calibrate.calibration import calibrate, cached_random_beta, needs_corpus
+from pairclean.errors import InputError
+from pairclean.embed.estimators import Estimator
+from pairclean.calibrate.calibration import Calibration
+from pairclean.spec import JobSpec, spec_digest
+from pairclean.output.folder import OutputDir, ShardRecord
+from pairclean.embed.shard import ScoreOptions, ShardResult, score_shard
+from pairclean.output.tables import embeddings_table, output_metadata, scores_table
+from pairclean.uris import shard_size, shard_stem
 
 __all__ = ["ShardOutcome", "CalibrationOutcome", "ShardWork", "random_beta_fn"]
 
@@ -59,7 +62,7 @@ class CalibrationOutcome:
 def random_beta_fn(estimator: Estimator, k: int, seed: int) -> Any:
     """A callable giving beta of the random-inputs recipe for ``estimator`` (disk-cached
     per model identity)."""
-    from .osa import beta_from_cross
+    from pairclean.osa import beta_from_cross
 
     info = estimator.info
     identity = {

@@ -22,8 +22,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..errors import ModelLoadError
-from .base import Estimator, ModelInfo, file_sha256, quiet_open_clip
+from pairclean.errors import ModelLoadError
+from pairclean.embed.estimators.base import Estimator, ModelInfo, file_sha256, quiet_open_clip
 
 __all__ = [
     "LITE_MODEL",

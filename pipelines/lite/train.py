@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .evaldata import FlickrImage, load_flickr8k
+from pairclean.lite.evaldata import FlickrImage, load_flickr8k
 
 __all__ = [
     "Features",
@@ -118,8 +118,8 @@ def extract_features(root: Path, cache: Path, batch: int = 64) -> dict[str, Feat
     import torch
     from open_clip.transform import PreprocessCfg, image_transform_v2
 
-    from .estimators.base import file_sha256
-    from .estimators.lite import TrimmedTokenizer, build_lite_model, tower_paths
+    from pairclean.embed.estimators.base import file_sha256
+    from pairclean.embed.estimators.lite import TrimmedTokenizer, build_lite_model, tower_paths
 
     image_path, text_dir = tower_paths()
     tag = hashlib.sha256(f"{file_sha256(image_path)}:{file_sha256(Path(text_dir) / 'model.safetensors')}".encode()).hexdigest()[:12]
@@ -160,7 +160,7 @@ def _features_of(images: list[FlickrImage], model: Any, preprocess: Any, tokeniz
 def _heads(recipe: HeadRecipe) -> tuple[Any, Any]:
     """Fresh ``visual.head`` and ``text.proj`` modules exactly as open_clip builds them."""
     import torch
-    from .estimators.lite import build_lite_model
+    from pairclean.embed.estimators.lite import build_lite_model
 
     torch.manual_seed(recipe.seed)
     model = build_lite_model(lite_config(recipe), "cpu")
@@ -270,7 +270,7 @@ def save_heads(path: Path, state: dict[str, Any], recipe: HeadRecipe, metrics: d
     """Write the heads as safetensors with config, recipe and metrics in the metadata; returns sha256."""
     from safetensors.torch import save_file
 
-    from .storage import sha256_file
+    from pairclean.storage import sha256_file
 
     meta = {
         "open_clip_config": json.dumps(lite_config(recipe), sort_keys=True),

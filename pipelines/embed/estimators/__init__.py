@@ -14,10 +14,10 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
 
-from ..errors import InputError, ModelLoadError
-from .base import BF16_MIN_COSINE, PRECISIONS, Estimator, ModelInfo, file_sha256, quiet_open_clip
-from ..cpu_settings import keep_heap_memory
-from .engines import ENGINES, onnx_image_runner
+from pairclean.errors import InputError, ModelLoadError
+from pairclean.embed.estimators.base import BF16_MIN_COSINE, PRECISIONS, Estimator, ModelInfo, file_sha256, quiet_open_clip
+from pairclean.embed.cpu_settings import keep_heap_memory
+from pairclean.embed.estimators.engines import ENGINES, onnx_image_runner
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -114,14 +114,14 @@ def resolve_device(device: str) -> str:
 def load_estimator(spec: EstimatorSpec) -> Estimator:
     """Build the estimator of ``spec`` in eval mode on its device, precision resolved.
 
-    Also sets this process's malloc to keep large freed blocks (``pairclean.cpu_settings.keep_heap_memory``):
+    Also sets this process's malloc to keep large freed blocks (``pairclean.embed.cpu_settings.keep_heap_memory``):
     without it, pairclean-lite spent a third of its CPU time in the kernel.
     """
     spec.validate()
     keep_heap_memory()
     spec = replace(spec, device=resolve_device(spec.device))
     if spec.model == DEFAULT_MODEL:
-        from .lite import build_lite
+        from pairclean.embed.estimators.lite import build_lite
 
         fp32 = build_lite(spec.checkpoint, spec.device)
     else:

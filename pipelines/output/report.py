@@ -7,11 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 
-from . import osa, schema
-from .job import OutputDir
-from .rescore import load_scores, read_embeddings
+from pairclean import osa, schema
+from pairclean.output.folder import OutputDir
+from pairclean.output.tables import read_embeddings
 
 __all__ = ["Summary", "summarize", "format_summary"]
 
@@ -38,10 +37,10 @@ class Summary:
 def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> Summary:
     """Summarise ``out``: status counts, noisy fraction, GMM noise rate, weight histogram."""
     spec = out.read_spec()
-    table = load_scores(out)
+    table = out.read_all_scores()
     meta = json.loads(table.schema.metadata[schema.META_KEY])
     status = np.asarray(table.column(schema.COL_STATUS).to_pylist())
-    ok = status == schema.STATUS_OK
+    ok = schema.ok_mask(status)
     sims = table.column(schema.COL_SIMILARITY).to_numpy()[ok]
     weights = table.column(schema.COL_WEIGHT).to_numpy()[ok]
     noisy = table.column(schema.COL_NOISY).to_numpy(zero_copy_only=False)[ok]

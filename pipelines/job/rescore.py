@@ -14,32 +14,15 @@ from dataclasses import replace
 import numpy as np
 import pyarrow as pa
 
-from . import osa, schema
-from .calibration import calibrate
-from .errors import InputError
-from .job import Calibration, JobSpec, OutputDir, ShardRecord, spec_digest
-from .scoring import output_metadata, scores_table
+from pairclean import osa, schema
+from pairclean.calibrate.calibration import calibrate
+from pairclean.errors import InputError
+from pairclean.calibrate.calibration import Calibration
+from pairclean.spec import JobSpec, spec_digest
+from pairclean.output.folder import OutputDir, ShardRecord
+from pairclean.output.tables import output_metadata, read_embeddings, scores_table
 
-__all__ = ["load_scores", "rescore"]
-
-
-def load_scores(out: OutputDir) -> pa.Table:
-    """All committed scores of a job as one table, shards in spec order."""
-    tables = [out.read_scores(record) for record in out.iter_committed()]
-    if not tables:
-        raise InputError(f"{out.uri} holds no committed shard")
-    return pa.concat_tables(tables, promote_options="default")
-
-
-def read_embeddings(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
-    """(image, text) float32 embeddings of the ok rows of one sidecar table: (n, D) each."""
-    valid = pa.array(table.column(schema.COL_IMAGE_EMB).is_valid().to_numpy(zero_copy_only=False))
-    out = []
-    for name in (schema.COL_IMAGE_EMB, schema.COL_TEXT_EMB):
-        col = table.column(name).combine_chunks().filter(valid)
-        dim = col.type.list_size
-        out.append(col.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, dim))
-    return out[0], out[1]
+__all__ = ["rescore"]
 
 
 def _embeddings(out: OutputDir, records: list[ShardRecord]) -> tuple[np.ndarray, np.ndarray]:
@@ -65,10 +48,7 @@ def rescore(
     passes a cached loader). Updates the job's spec, its calibration and the records'
     checksums; each file is replaced atomically.
     """
-    if beta_recipe not in osa.BETA_RECIPES:
-        raise InputError(f"unknown beta recipe {beta_recipe!r}; choose one of {', '.join(osa.BETA_RECIPES)}")
-    if weighting not in osa.WEIGHTINGS:
-        raise InputError(f"unknown weighting {weighting!r}; choose one of {', '.join(osa.WEIGHTINGS)}")
+    osa.check_method(beta_recipe, weighting)
     old_spec = out.read_spec()
     if old_spec is None:
         raise InputError(f"{out.uri} is not a pairclean output folder (no {schema.JOB_FILE})")
@@ -79,7 +59,7 @@ def rescore(
     tables = [(record, out.read_scores(record)) for record in committed]
     ok_sims = [
         t.column(schema.COL_SIMILARITY).to_numpy()[
-            np.asarray(t.column(schema.COL_STATUS).to_pylist()) == schema.STATUS_OK
+            schema.ok_mask(t)
         ]
         for _, t in tables
     ]

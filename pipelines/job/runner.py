@@ -26,13 +26,15 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .errors import InputError
-from .estimators import Estimator
-from .job import Calibration, JobSpec, OutputDir, ShardRecord
-from .lifecycle import FAILED, PARTIAL, SUCCEEDED
-from .lock import RunLock
-from .scoring import ScoreOptions
-from .work import CalibrationOutcome, ShardOutcome, ShardWork
+from pairclean.errors import InputError
+from pairclean.embed.estimators import Estimator
+from pairclean.calibrate.calibration import Calibration
+from pairclean.spec import JobSpec
+from pairclean.output.folder import OutputDir, ShardRecord
+from pairclean.job.lifecycle import FAILED, PARTIAL, SUCCEEDED
+from pairclean.output.lock import RunLock
+from pairclean.embed.shard import ScoreOptions
+from pairclean.job.work import CalibrationOutcome, ShardOutcome, ShardWork
 
 __all__ = [
     "SUCCEEDED",
@@ -72,7 +74,7 @@ class ShardSource(Protocol):
 
 def score_options(spec: JobSpec, storage_options: dict[str, Any] | None = None, decode_workers: int = 1) -> ScoreOptions:
     """The per-shard reading and batching options a job spec implies."""
-    from .shards import ReadOptions
+    from pairclean.read.shards import ReadOptions
 
     return ScoreOptions(
         batch_size=spec.batch_size,

@@ -23,9 +23,9 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from . import schema
-from .errors import InputError
-from .job import OutputDir
+from pairclean import schema
+from pairclean.errors import InputError
+from pairclean.output.folder import OutputDir
 
 __all__ = ["UID_DTYPE", "ExportReport", "export", "uid_records", "write_exports"]
 
@@ -87,7 +87,7 @@ def export(
     for record in out.iter_committed():
         table = out.read_scores(record)
         name = PurePosixPath(record.shard).name
-        ok = np.asarray(table.column(schema.COL_STATUS).to_pylist()) == schema.STATUS_OK
+        ok = schema.ok_mask(table)
         clean = ok & ~table.column(schema.COL_NOISY).to_numpy(zero_copy_only=False).astype(bool)
         sizes[name] = table.num_rows if sizes_of == "all" else int(clean.sum())
         sums[name] = float(table.column(schema.COL_WEIGHT).to_numpy().sum(dtype=np.float64))
@@ -161,7 +161,7 @@ def write_exports(out: OutputDir, **options: object) -> dict[str, str]:
 
 def _local_folder(uri: str) -> str | None:
     """The folder of a local shard (plain path or file://); None for remote ones."""
-    from .uris import LOCAL_SCHEMES, local_path, scheme_of
+    from pairclean.uris import LOCAL_SCHEMES, local_path, scheme_of
 
     try:
         if scheme_of(uri) not in LOCAL_SCHEMES:

@@ -2,7 +2,7 @@
 
 Pairs a job judged noisy are the *unpaired pool*. For each pool image we find its nearest
 pool caption and for each pool caption its nearest pool image (cosine of the stored
-embeddings, FAISS via ``pairclean.ann``), score every pseudo-pair with the job's own OSA
+embeddings, FAISS via ``pairclean.pseudo.ann``), score every pseudo-pair with the job's own OSA
 calibration and write them to ``OUT/_pseudo/<image shard stem>.parquet``, then the run's
 completion record ``OUT/_pseudo/_run.json`` (see ``pseudo_pair`` for what a crash leaves).
 
@@ -51,8 +51,9 @@ import pyarrow as pa
 from numpy.typing import NDArray
 
 if TYPE_CHECKING:
-    from .ann import IndexPlan, RawSearch
-    from .job import Calibration, OutputDir
+    from pairclean.pseudo.ann import IndexPlan, RawSearch
+    from pairclean.calibrate.calibration import Calibration
+    from pairclean.output.folder import OutputDir
 
 __all__ = [
     "POOLS",
@@ -102,7 +103,7 @@ def _schema() -> pa.Schema:
 
 @dataclass(frozen=True)
 class PseudoOptions:
-    """How to pseudo-pair. ``index``: auto | flat | ivf | ivfpq (``pairclean.ann``);
+    """How to pseudo-pair. ``index``: auto | flat | ivf | ivfpq (``pairclean.pseudo.ann``);
     ``min_weight``: drop pseudo-pairs weighted below it; ``seed``: None = the job's seed;
     ``nprobe``: override the IVF probes; ``chunk``: rows per FAISS call."""
 
@@ -149,7 +150,7 @@ class Pool:
 
 def _column(modality: str) -> str:
     """The sidecar column of ``modality`` (image or text)."""
-    from . import schema
+    from pairclean import schema
 
     if modality not in ("image", "text"):
         raise ValueError(f"modality must be image or text, not {modality!r}")
@@ -166,9 +167,9 @@ def read_rows(out: OutputDir, segments: Iterable[tuple[str, NDArray[np.int64]]],
 
 
 def _pool_rows(table: pa.Table, pool: str) -> NDArray[np.int64]:
-    from . import schema
+    from pairclean import schema
 
-    ok = np.asarray(table.column(schema.COL_STATUS).to_pylist(), dtype=object) == schema.STATUS_OK
+    ok = schema.ok_mask(table)
     if pool == "noisy":
         ok &= table.column(schema.COL_NOISY).to_numpy(zero_copy_only=False).astype(bool)
     return np.flatnonzero(ok)
@@ -187,8 +188,8 @@ def load_pool(out: OutputDir, pool: str, workdir: str | os.PathLike[str]) -> Poo
     Raises ``InputError`` (one line) for a folder that is not a scored job, a job without
     sidecars, or an empty pool.
     """
-    from . import schema
-    from .errors import InputError
+    from pairclean import schema
+    from pairclean.errors import InputError
 
     if pool not in POOLS:
         raise InputError(f"unknown pool {pool!r}; choose one of {', '.join(POOLS)}")
@@ -279,7 +280,7 @@ PoolSearcher = Callable[["Pool", Any, "IndexPlan", str], "RawSearch | None"]
 
 def _neighbours(data: NDArray[Any], queries: NDArray[Any], modality: str, k: int, opts: PseudoOptions, seed: int,
                 search: Search | None) -> tuple[NDArray[np.int64], dict[str, Any], dict[str, float]]:
-    from . import ann
+    from pairclean.pseudo import ann
 
     plan = ann.choose_index(data.shape[0], data.shape[1], opts.index, seed=seed, nprobe=opts.nprobe)
     index, plan, timings = ann.build_index(plan, data, chunk=opts.chunk)
@@ -348,7 +349,7 @@ def exact_cosine(image: NDArray[Any], text: NDArray[Any], img: NDArray[np.int64]
 
 def weigh(similarity: NDArray[np.float32], calibration: Calibration) -> NDArray[np.float32]:
     """The job's own OSA weights of ``similarity`` (its beta, weighting and d_ref)."""
-    from . import osa
+    from pairclean import osa
 
     return osa.apply_weighting(similarity, calibration.beta, calibration.weighting_params())
 
@@ -376,7 +377,7 @@ class PseudoReport:
 
 def _captions(pool: Pool, caps: NDArray[np.int64], caption_field: str | None, storage_options: Mapping[str, Any]) -> dict[int, str | None]:
     """Text of the pool captions ``caps``, read from their shards (only shards that hold one)."""
-    from .shards import ReadOptions, iter_pairs
+    from pairclean.read.shards import ReadOptions, iter_pairs
 
     wanted: dict[int, dict[str, int]] = {}
     for g in np.unique(caps).tolist():
@@ -415,7 +416,7 @@ def pseudo_pair(out: OutputDir, opts: PseudoOptions, storage_options: Mapping[st
     Hold the folder's ``RunLock`` while calling and pass its ``check`` as ``before_write``
     (a run that lost the lock writes nothing). Raises ``InputError`` for unusable input.
     """
-    from .errors import InputError
+    from pairclean.errors import InputError
 
     calibration = out.read_calibration()
     if calibration is None:
@@ -478,7 +479,7 @@ def _write(out: OutputDir, pool: Pool, result: PairResult, sim: NDArray[np.float
            keep: NDArray[np.bool_], texts: dict[int, str | None], meta: dict[str, Any]) -> dict[str, str]:
     """Write one file per shard; returns ``{name: sha256}``. Removes our files of shards no
     longer committed (only ours: ``written_by``)."""
-    from . import __version__, schema
+    from pairclean import __version__, schema
 
     idx = np.flatnonzero(keep)
     img_shard = pool.shard_of[result.img[idx]]
@@ -515,7 +516,7 @@ def _write(out: OutputDir, pool: Pool, result: PairResult, sim: NDArray[np.float
 
 # -- the trainer side -------------------------------------------------------------------------
 def _stem_of(url: str) -> str:
-    from .uris import shard_stem  # the scorer's own naming: pipe:, query strings, any scheme
+    from pairclean.uris import shard_stem  # the scorer's own naming: pipe:, query strings, any scheme
 
     return shard_stem(url)
 

@@ -14,8 +14,8 @@ import stat
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .errors import InputError, ShardNotFoundError, ShardReadError
-from .uris import LOCAL_SCHEMES, local_path, scheme_of, under_prefix
+from pairclean.errors import InputError, ShardNotFoundError, ShardReadError
+from pairclean.uris import LOCAL_SCHEMES, local_path, scheme_of, under_prefix
 
 __all__ = ["MemberTooLarge", "read_member"]
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 
-from . import schema
+from pairclean import schema
 
 if TYPE_CHECKING:
     import torch

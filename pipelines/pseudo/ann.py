@@ -46,7 +46,7 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
-from .errors import InputError
+from pairclean.errors import InputError
 
 __all__ = [
     "INDEX_KINDS",

@@ -25,7 +25,6 @@ a data file is replaced only when its own Parquet metadata says pairclean wrote 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Iterator, Mapping
@@ -33,119 +32,28 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pyarrow as pa
+from pairclean import __version__, schema
+from pairclean.calibrate.calibration import Calibration
+from pairclean.errors import ForeignOutputError, InputError, SpecMismatchError
+from pairclean.spec import JobSpec, spec_diff, spec_digest
+from pairclean.storage import Store, WriteInfo
+from pairclean.uris import shard_stem
 
-from . import __version__, osa, schema
-from .errors import ForeignOutputError, InputError, SpecMismatchError
-from .storage import Store, WriteInfo
-from .uris import shard_stem
-
-__all__ = [
-    "JobSpec",
-    "Calibration",
-    "ShardRecord",
-    "OutputDir",
-]
+__all__ = ["ShardRecord", "OutputDir", "COMPACT_EVERY", "COMPACT_SECONDS", "MAX_SEGMENTS"]
 
 #: Completion records since the last compaction that trigger a new compaction. Resuming
 #: reads at most this many single records, so it stays small.
 COMPACT_EVERY = 200
+
+
 #: ... or this many seconds since the last one, whichever comes first.
 COMPACT_SECONDS = 120.0
+
+
 #: Manifest segments that trigger a merge into one. Each compaction writes only its new
 #: records (cost O(COMPACT_EVERY)); a merge rewrites everything (O(shards)) but only once
 #: every MAX_SEGMENTS compactions, and resuming reads at most MAX_SEGMENTS + 1 segments.
 MAX_SEGMENTS = 32
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """Everything that determines a job's outputs. Two runs with equal specs write equal files.
-
-    Device and thread counts are deliberately absent: a job may resume elsewhere.
-    """
-
-    shards: tuple[str, ...]
-    model: str
-    checkpoint: str | None
-    pretrained: str | None
-    precision: str
-    beta_recipe: str
-    beta_k: int
-    weighting: str
-    seed: int
-    batch_size: int
-    max_pixels: int
-    caption_field: str | None
-    embeddings: bool
-    calibration_pairs: int
-    #: "cpu" (PIL) or "cuda" (batched nvJPEG): pixels differ slightly, so it is part of the spec.
-    decode_device: str = "cpu"
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-serialisable dict (``shards`` as a list)."""
-        data = asdict(self)
-        data["shards"] = list(self.shards)
-        return data
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> JobSpec:
-        """Inverse of ``to_json``; unknown keys are an error (a newer pairclean wrote it)."""
-        fields = dict(data)
-        fields["shards"] = tuple(fields["shards"])
-        return cls(**fields)
-
-    def stems(self) -> dict[str, str]:
-        """Shard URI -> output stem; raises ``InputError`` when two shards would collide."""
-        seen: dict[str, str] = {}
-        for uri in self.shards:
-            stem = shard_stem(uri)
-            if stem in seen:
-                raise InputError(
-                    f"shards {seen[stem]!r} and {uri!r} share the name {stem!r}: their outputs "
-                    "would collide in one folder; score them into separate output folders",
-                    uri=uri,
-                )
-            seen[stem] = uri
-        return {uri: stem for stem, uri in seen.items()}
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """The resolved beta and weighting parameters of a job, frozen once computed."""
-
-    beta: float
-    recipe: str
-    k: int
-    seed: int
-    weighting: str
-    d_ref: float | None = None
-    weighting_batch_size: int | None = None
-    noise_rate: float | None = None
-    calibration_pairs: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-serialisable dict."""
-        return asdict(self)
-
-    def mixture(self) -> tuple[tuple[float, float], tuple[float, float], float] | None:
-        """The pinned mixture recorded in ``extra`` as ((noise, clean) means, (noise, clean)
-        stds, noise weight); None for a job of fewer than 16 ok pairs (or an older calibration)."""
-        if "gmm_stds" not in self.extra or "gmm_noise_weight" not in self.extra:
-            return None
-        means, stds = self.extra["gmm_means"], self.extra["gmm_stds"]
-        return (float(means[0]), float(means[1])), (float(stds[0]), float(stds[1])), float(self.extra["gmm_noise_weight"])
-
-    def p_clean_params(self) -> osa.WeightingParams:
-        """The ``p-clean`` weighting of this calibration: what every table's ``p_clean`` is."""
-        return osa.WeightingParams("p-clean", mixture=self.mixture())
-
-    def weighting_params(self) -> osa.WeightingParams:
-        """The weighting as frozen here (``p-clean`` takes ``mixture()``; without one it is
-        the hard ``s > beta``)."""
-        if self.weighting == "p-clean":
-            return self.p_clean_params()
-        return osa.WeightingParams(self.weighting, self.d_ref, self.weighting_batch_size)
 
 
 @dataclass(frozen=True)
@@ -202,11 +110,6 @@ def _table_records(table: pa.Table) -> Iterator[ShardRecord]:
         row["statuses"] = json.loads(row["statuses"])
         row["timings"] = json.loads(row["timings"])
         yield ShardRecord(**row)
-
-
-def spec_digest(spec: JobSpec) -> str:
-    """sha256 of the spec (deterministic): written into every data file as its owner."""
-    return hashlib.sha256(json.dumps(spec.to_json(), sort_keys=True).encode()).hexdigest()
 
 
 class OutputDir:
@@ -296,7 +199,7 @@ class OutputDir:
             existing = None
         elif existing is not None and existing != spec:
             raise SpecMismatchError(
-                f"{self.uri} holds a job with a different spec ({_spec_diff(existing, spec)}); rerun with the "
+                f"{self.uri} holds a job with a different spec ({spec_diff(existing, spec)}); rerun with the "
                 "same options to resume, use --overwrite to start over, or pick another --out"
             )
         if existing is None:
@@ -488,7 +391,7 @@ class OutputDir:
 
     def quarantine(self, shard: str, stem: str, error: str, attempts: int) -> None:
         """Record that ``shard`` failed ``attempts`` times; it stays uncommitted (a rerun retries it)."""
-        record = {"state": "quarantined", "shard": shard, "stem": stem, "error": error, "attempts": attempts}
+        record = {"state": schema.SHARD_QUARANTINED, "shard": shard, "stem": stem, "error": error, "attempts": attempts}
         self.store.put(f"{schema.FAILED_DIR}/{stem}.json", json.dumps(record, sort_keys=True).encode())
         if self._failed_stems is not None:
             self._failed_stems.add(stem)
@@ -507,6 +410,14 @@ class OutputDir:
         """The score table of a committed shard."""
         return self.store.read_parquet(record.output, columns=columns)
 
+    def read_all_scores(self, columns: list[str] | None = None) -> pa.Table:
+        """Every committed score table as one table, shards in spec order (only committed
+        shards: a half-written table is never read). Raises ``InputError`` when none is."""
+        tables = [self.read_scores(record, columns) for record in self.iter_committed()]
+        if not tables:
+            raise InputError(f"{self.uri} holds no committed shard")
+        return pa.concat_tables(tables, promote_options="default")
+
     def has_embeddings(self, record: ShardRecord) -> bool:
         """Whether the shard's sidecar was written."""
         return record.emb_output is not None and self.store.exists(record.emb_output)
@@ -516,15 +427,3 @@ class OutputDir:
         if record.emb_output is None or not self.store.exists(record.emb_output):
             raise InputError(f"{self.store.url(self.emb_name(record.stem))} is missing: score with --embeddings")
         return self.store.read_parquet(record.emb_output)
-
-
-def _spec_diff(old: JobSpec, new: JobSpec) -> str:
-    a, b = old.to_json(), new.to_json()
-    changed = [k for k in a if a[k] != b.get(k)]
-    parts = []
-    for key in changed[:4]:
-        if key == "shards":
-            parts.append(f"shards: {len(a[key])} before, {len(b[key])} now")
-        else:
-            parts.append(f"{key}: {a[key]!r} before, {b[key]!r} now")
-    return "; ".join(parts)

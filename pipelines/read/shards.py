@@ -15,7 +15,7 @@ a status instead of being dropped or overwritten.
 Each member read from an uncompressed tar also gets its *span*, ``(offset, size)``: the
 byte offset of its data in the tar file and its length (wids-style random access). The
 score tables record the image's and caption's spans, so a viewer reads just those bytes
-(``pairclean.members.read_member``) instead of rescanning the shard. A compressed tar
+(``pairclean.read.members.read_member``) instead of rescanning the shard. A compressed tar
 (``.tar.gz``) has no spans: offsets into the decompressed stream are of no use for a
 ranged read.
 """
@@ -31,9 +31,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from . import schema
-from .errors import ShardReadError
-from .uris import open_shard
+from pairclean import schema
+from pairclean.errors import ShardReadError
+from pairclean.uris import open_shard
 
 __all__ = [
     "IMAGE_EXTS",

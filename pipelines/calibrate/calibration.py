@@ -13,20 +13,59 @@ import json
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
+from pairclean import osa
+from pairclean.storage import write_file_atomic
 
-from . import osa
-from .job import Calibration
-from .storage import write_file_atomic
-
-__all__ = ["needs_corpus", "calibrate", "cache_dir", "cached_random_beta"]
+__all__ = ["Calibration", "needs_corpus", "calibrate", "cache_dir", "cached_random_beta"]
 
 RandomBeta = Callable[[], float]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The resolved beta and weighting parameters of a job, frozen once computed."""
+
+    beta: float
+    recipe: str
+    k: int
+    seed: int
+    weighting: str
+    d_ref: float | None = None
+    weighting_batch_size: int | None = None
+    noise_rate: float | None = None
+    calibration_pairs: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dict."""
+        return asdict(self)
+
+    def mixture(self) -> tuple[tuple[float, float], tuple[float, float], float] | None:
+        """The pinned mixture recorded in ``extra`` as ((noise, clean) means, (noise, clean)
+        stds, noise weight); None for a job of fewer than 16 ok pairs (or an older calibration)."""
+        if "gmm_stds" not in self.extra or "gmm_noise_weight" not in self.extra:
+            return None
+        means, stds = self.extra["gmm_means"], self.extra["gmm_stds"]
+        return (float(means[0]), float(means[1])), (float(stds[0]), float(stds[1])), float(self.extra["gmm_noise_weight"])
+
+    def p_clean_params(self) -> osa.WeightingParams:
+        """The ``p-clean`` weighting of this calibration: what every table's ``p_clean`` is."""
+        return osa.WeightingParams("p-clean", mixture=self.mixture())
+
+    def weighting_params(self) -> osa.WeightingParams:
+        """The weighting as frozen here (``p-clean`` takes ``mixture()``; without one it is
+        the hard ``s > beta``)."""
+        if self.weighting == "p-clean":
+            return self.p_clean_params()
+        return osa.WeightingParams(self.weighting, self.d_ref, self.weighting_batch_size)
 
 
 #: Fewer ok pairs than this and no mixture is fitted (no gmm beta, no noise-rate estimate).
@@ -109,7 +148,8 @@ def calibrate(
         else:
             beta = gmm.boundary
     else:
-        raise ValueError(f"unknown beta recipe {beta_recipe!r}; choose one of {', '.join(osa.BETA_RECIPES)}")
+        osa.check_method(beta_recipe, weighting)
+        raise AssertionError("unreachable: check_method raised")
     params = osa.weighting_params(weighting, sims, beta, batch_size, gmm)
     return Calibration(
         beta=float(beta),

@@ -28,9 +28,9 @@ import time
 import uuid
 from typing import Any
 
-from . import schema
-from .errors import OutputBusyError
-from .storage import Store
+from pairclean import schema
+from pairclean.errors import OutputBusyError
+from pairclean.storage import Store
 
 __all__ = ["DEFAULT_TTL_S", "RunLock", "lock_ttl_from_env"]
 

@@ -1,0 +1,127 @@
+"""The output tables of a shard: per-pair scores (weights and flags from similarities and the
+frozen calibration), the float16 embedding sidecar, and the self-describing Parquet metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from numpy.typing import NDArray
+from pairclean import __version__, osa, schema
+from pairclean.calibrate.calibration import Calibration
+
+__all__ = ["scores_table", "embeddings_table", "read_embeddings", "output_metadata"]
+
+
+def output_metadata(model_info: dict[str, Any], calibration: Calibration, extra: dict[str, Any]) -> dict[bytes, bytes]:
+    """The Parquet key-value metadata: one JSON document under ``schema.META_KEY``.
+
+    Holds the pairclean version, the model (id, checkpoint sha256, precision,
+    preprocessing), beta with its recipe, K and seed, and the weighting function. No
+    time stamps: equal inputs and specs give byte-identical files.
+    """
+    doc = {
+        "pairclean_version": __version__,
+        "model": model_info,
+        "beta": {
+            "value": calibration.beta,
+            "recipe": calibration.recipe,
+            "k": calibration.k,
+            "seed": calibration.seed,
+            "noise_rate_estimate": calibration.noise_rate,
+            "calibration_pairs": calibration.calibration_pairs,
+        },
+        "weighting": {
+            "name": calibration.weighting,
+            "d_ref": calibration.d_ref,
+            "batch_size": calibration.weighting_batch_size,
+        },
+        "seed": calibration.seed,
+        "noisy_rule": "similarity <= beta",
+        **extra,
+    }
+    return {schema.META_KEY: json.dumps(doc, sort_keys=True).encode()}
+
+
+def scores_table(
+    shard: str,
+    keys: list[str],
+    idx: NDArray[np.int64],
+    status: list[str],
+    error: list[str | None],
+    similarity: NDArray[np.float32],
+    calibration: Calibration,
+    metadata: dict[bytes, bytes],
+    uid: list[str | None] | None = None,
+    url: list[str | None] | None = None,
+    members: Mapping[str, Sequence[int | None]] | None = None,
+) -> pa.Table:
+    """The scores Parquet table: weights and flags from similarities and the calibration.
+
+    ``members``: the ``schema.MEMBER_COLUMNS`` by name (where each pair's members lie in
+    its tar), written last when given.
+
+    Rows that are not ``ok`` get weight 0, ``p_clean`` 0 and ``noisy = True`` (a trainer
+    must not use them as clean pairs). ``p_clean`` is the posterior of the calibration's
+    pinned mixture (``osa.mixture_posterior_clean``); a calibration without a mixture
+    (fewer than 16 ok pairs, or written before mixtures were recorded) gives the hard
+    ``1 - noisy``.
+    """
+    ok = schema.ok_mask(status)
+    sims = np.asarray(similarity, dtype=np.float32)
+    weight = np.zeros(len(keys), dtype=np.float32)
+    # reference-batch batches consecutive ok pairs, as the released code batches its loader.
+    weight[ok] = osa.apply_weighting(sims[ok], calibration.beta, calibration.weighting_params())
+    noisy = osa.noisy_flags(sims, calibration.beta)
+    p_clean = np.zeros(len(keys), dtype=np.float32)
+    p_clean[ok] = osa.apply_weighting(sims[ok], calibration.beta, calibration.p_clean_params())
+    columns: dict[str, Any] = {
+        schema.COL_KEY: keys,
+        schema.COL_SHARD: [shard] * len(keys),
+        schema.COL_IDX: idx,
+        schema.COL_STATUS: status,
+        schema.COL_ERROR: error,
+        schema.COL_SIMILARITY: sims,
+        schema.COL_WEIGHT: weight,
+        schema.COL_NOISY: noisy,
+        schema.COL_P_CLEAN: p_clean,
+    }
+    if uid is not None:
+        columns[schema.COL_UID] = uid
+    if url is not None:
+        columns[schema.COL_URL] = url
+    if members is not None:
+        columns.update((name, members[name]) for name in schema.MEMBER_COLUMNS)
+    table_schema = schema.scores_schema(uid is not None, url is not None, with_members=members is not None).with_metadata(metadata)
+    return pa.table(columns, schema=table_schema)
+
+
+def embeddings_table(keys: list[str], image_emb: NDArray[np.float32], text_emb: NDArray[np.float32], ok: NDArray[np.bool_], metadata: dict[bytes, bytes]) -> pa.Table:
+    """The float16 embedding sidecar; rows that are not ok hold nulls."""
+    dim = image_emb.shape[1]
+
+    def column(emb: NDArray[np.float32]) -> pa.Array:
+        flat = pa.array(emb.astype(np.float16).ravel(), type=pa.float16())
+        arr = pa.FixedSizeListArray.from_arrays(flat, dim)
+        mask = pa.array(~ok)
+        return pa.FixedSizeListArray.from_arrays(flat, dim, mask=mask) if (~ok).any() else arr
+
+    return pa.table(
+        {schema.COL_KEY: keys, schema.COL_IMAGE_EMB: column(image_emb), schema.COL_TEXT_EMB: column(text_emb)},
+        schema=schema.embeddings_schema(dim).with_metadata(metadata),
+    )
+
+
+def read_embeddings(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """(image, text) float32 embeddings of the ok rows of one sidecar table: (n, D) each."""
+    valid = pa.array(table.column(schema.COL_IMAGE_EMB).is_valid().to_numpy(zero_copy_only=False))
+    out = []
+    for name in (schema.COL_IMAGE_EMB, schema.COL_TEXT_EMB):
+        col = table.column(name).combine_chunks().filter(valid)
+        dim = col.type.list_size
+        out.append(col.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, dim))
+    return out[0], out[1]

@@ -1,0 +1,87 @@
+"""The job spec: everything that determines a job's outputs, and its digest.
+
+Two runs with equal specs write equal files; the digest is written into every data file
+as its owner (``pairclean.output.folder``) and a resumed job must match it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pairclean.errors import InputError
+from pairclean.uris import shard_stem
+
+__all__ = ["JobSpec", "spec_digest", "spec_diff"]
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything that determines a job's outputs. Two runs with equal specs write equal files.
+
+    Device and thread counts are deliberately absent: a job may resume elsewhere.
+    """
+
+    shards: tuple[str, ...]
+    model: str
+    checkpoint: str | None
+    pretrained: str | None
+    precision: str
+    beta_recipe: str
+    beta_k: int
+    weighting: str
+    seed: int
+    batch_size: int
+    max_pixels: int
+    caption_field: str | None
+    embeddings: bool
+    calibration_pairs: int
+    #: "cpu" (PIL) or "cuda" (batched nvJPEG): pixels differ slightly, so it is part of the spec.
+    decode_device: str = "cpu"
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (``shards`` as a list)."""
+        data = asdict(self)
+        data["shards"] = list(self.shards)
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> JobSpec:
+        """Inverse of ``to_json``; unknown keys are an error (a newer pairclean wrote it)."""
+        fields = dict(data)
+        fields["shards"] = tuple(fields["shards"])
+        return cls(**fields)
+
+    def stems(self) -> dict[str, str]:
+        """Shard URI -> output stem; raises ``InputError`` when two shards would collide."""
+        seen: dict[str, str] = {}
+        for uri in self.shards:
+            stem = shard_stem(uri)
+            if stem in seen:
+                raise InputError(
+                    f"shards {seen[stem]!r} and {uri!r} share the name {stem!r}: their outputs "
+                    "would collide in one folder; score them into separate output folders",
+                    uri=uri,
+                )
+            seen[stem] = uri
+        return {uri: stem for stem, uri in seen.items()}
+
+
+def spec_digest(spec: JobSpec) -> str:
+    """sha256 of the spec (deterministic): written into every data file as its owner."""
+    return hashlib.sha256(json.dumps(spec.to_json(), sort_keys=True).encode()).hexdigest()
+
+
+def spec_diff(old: JobSpec, new: JobSpec) -> str:
+    a, b = old.to_json(), new.to_json()
+    changed = [k for k in a if a[k] != b.get(k)]
+    parts = []
+    for key in changed[:4]:
+        if key == "shards":
+            parts.append(f"shards: {len(a[key])} before, {len(b[key])} now")
+        else:
+            parts.append(f"{key}: {a[key]!r} before, {b[key]!r} now")
+    return "; ".join(parts)

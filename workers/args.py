@@ -1,0 +1,71 @@
+"""The command-line flags every batch verb shares, spelled once.
+
+``score``, ``refine``, ``pseudo-pair`` (and the verbs that come later) take the same
+execution, lock, seed and storage flags; defining them here keeps their names, defaults and
+help text from drifting apart between verbs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from pairclean.errors import InputError
+
+__all__ = [
+    "add_storage_arg",
+    "storage_options",
+    "add_executor_args",
+    "add_threads_arg",
+    "add_lock_ttl_arg",
+    "add_seed_arg",
+]
+
+_Adder = argparse.ArgumentParser | argparse._ArgumentGroup
+
+
+def add_storage_arg(p: _Adder) -> None:
+    """``--storage-option KEY=VALUE`` (repeatable): fsspec options for remote shards and outputs."""
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="fsspec option for remote shards and outputs, e.g. endpoint_url=http://... (repeatable)")
+
+
+def storage_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` strings -> fsspec options; JSON values (lists, objects, true/false) are
+    parsed. Raises ``InputError`` (a one-line message) for a pair without ``=``."""
+    opts: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise InputError(f"--storage-option expects KEY=VALUE, got {pair!r}")
+        opts[key] = json.loads(value) if value[:1] in "[{" or value in ("true", "false") else value
+    return opts
+
+
+def add_executor_args(p: _Adder, actors: str, executor_note: str = "") -> None:
+    """``--executor ray|local``, ``--ray-address`` and ``--num-actors``; ``actors`` says what
+    the actors do and their default count (e.g. "scoring actors (default: one per GPU...)")."""
+    p.add_argument("--executor", choices=("ray", "local"), default="ray",
+                   help="ray (default: a local Ray, or --ray-address" + (f"; {executor_note}" if executor_note else "")
+                   + ") or local (this process only)")
+    p.add_argument("--ray-address", default=None, help="existing Ray cluster (default: $RAY_ADDRESS, else start one here)")
+    p.add_argument("--num-actors", type=int, default=None, help=actors)
+
+
+def add_threads_arg(p: _Adder, what: str) -> None:
+    """``--threads N``: ``what`` names the threads it sets and their default."""
+    p.add_argument("--threads", type=int, default=None, help=what)
+
+
+def add_lock_ttl_arg(p: _Adder) -> None:
+    """``--lock-ttl S``: when a crashed run's lock on the output folder is taken over."""
+    p.add_argument("--lock-ttl", type=float, default=None,
+                   help="seconds without a heartbeat after which a crashed run's lock on the output folder is taken "
+                        "over (default 60, or $PAIRCLEAN_LOCK_TTL_S)")
+
+
+def add_seed_arg(p: _Adder, default: int | None = 0, what: str = "random seed") -> None:
+    """``--seed N``; ``what`` says what it seeds."""
+    p.add_argument("--seed", type=int, default=default, help=what)
