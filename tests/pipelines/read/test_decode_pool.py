@@ -35,7 +35,7 @@ from pairclean.embed.shard import ScoreOptions, _prepared_batches, score_shard
 from pairclean.read.shards import iter_raw_samples
 
 TINY = "pairclean-tiny-test"
-DEMO = Path(__file__).resolve().parents[2] / "pipelines" / "data" / "sample" / "demo-000000.tar"
+DEMO = Path(__file__).resolve().parents[3] / "pipelines" / "data" / "sample" / "demo-000000.tar"
 
 
 @pytest.fixture(scope="module")
