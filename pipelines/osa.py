@@ -168,7 +168,8 @@ def _free_mixture(sims: NDArray[np.float64], seed: int) -> GmmFit:
 
 
 def _normal_pdf(x: NDArray[np.float64], mean: float, std: float) -> NDArray[np.float64]:
-    return np.exp(-0.5 * ((x - mean) / std) ** 2) / (std * np.sqrt(2 * np.pi))
+    density: NDArray[np.float64] = np.exp(-0.5 * ((x - mean) / std) ** 2) / (std * np.sqrt(2 * np.pi))
+    return density
 
 
 def _pinned_mixture(sims: NDArray[np.float64], noise: NDArray[np.float64], iters: int = 300) -> GmmFit:
@@ -255,7 +256,8 @@ def weight_paper(s: FloatArray, beta: float) -> FloatArray:
     """
     d = np.asarray(s, dtype=np.float64) - beta
     w = np.where(d > 0, 6.75 * d * d * (1.0 - d), 0.0)
-    return np.nan_to_num(np.clip(w, 0.0, 1.0), nan=0.0).astype(np.float32)
+    weights: NDArray[np.float32] = np.nan_to_num(np.clip(w, 0.0, 1.0), nan=0.0).astype(np.float32)
+    return weights
 
 
 def weight_reference(s: FloatArray, beta: float, d_ref: float) -> FloatArray:

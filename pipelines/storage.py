@@ -15,6 +15,8 @@ the new one, or none.
 
 from __future__ import annotations
 
+import builtins
+
 import contextlib
 import hashlib
 import io
@@ -176,7 +178,7 @@ class Store:
             return open(self.path(name), "rb")
         return self.fs.open(self.path(name), "rb")
 
-    def read_parquet(self, name: str, columns: list[str] | None = None) -> pa.Table:
+    def read_parquet(self, name: str, columns: builtins.list[str] | None = None) -> pa.Table:
         """Read the Parquet file ``name``."""
         with self.open_read(name) as fh:
             return pq.read_table(fh, columns=columns)

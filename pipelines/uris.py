@@ -194,7 +194,7 @@ def _expand_one(
 
     try:
         count = brace_count(spec)
-    except braceexpand.UnbalancedBracesError as exc:
+    except braceexpand.UnbalancedBracesError as exc:  # type: ignore[attr-defined]  # exported, not declared
         raise InputError(f"unbalanced braces in {spec!r}", uri=spec) from exc
     if budget.limit is not None and budget.used + count > budget.limit:
         budget.take(count, spec)  # raises before braceexpand materialises anything
@@ -246,7 +246,7 @@ def brace_count(pattern: str) -> int:
                 total *= brace_count(expr) if n is None else n
         pos += 1
     if depth != 0:
-        raise braceexpand.UnbalancedBracesError(f"Unbalanced braces: {pattern!r}")
+        raise braceexpand.UnbalancedBracesError(f"Unbalanced braces: {pattern!r}")  # type: ignore[attr-defined]
     return total
 
 

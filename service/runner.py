@@ -198,10 +198,10 @@ def _tail(path: Path, limit: int = 2000) -> str:
         text = path.read_text(errors="replace")
     except OSError:
         return "job process failed"
-    lines = [l for l in text.splitlines() if l.strip()]
-    if any(l.startswith("Traceback (most recent call last)") for l in lines):
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if any(ln.startswith("Traceback (most recent call last)") for ln in lines):
         # A crash: users get the exception's one line, never the stack (it stays in the log).
-        last = next((l for l in reversed(lines) if not l.startswith(" ")), "")
+        last = next((ln for ln in reversed(lines) if not ln.startswith(" ")), "")
         return f"job process failed: {last}"[:limit]
     return "\n".join(lines[-5:])[-limit:] or "job process failed"
 

@@ -22,7 +22,7 @@ def test_readme_gives_exactly_two_commands_and_ci_runs_the_test_one() -> None:
     assert len(blocks) == 2 and all("\n" not in b for b in blocks)
     demo, tests = blocks
     assert "pairclean demo" in demo and "pytest" in tests
-    ci_lines = [l for l in (REPO / ".ci" / "run").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    ci_lines = [ln for ln in (REPO / ".ci" / "run").read_text().splitlines() if ln.strip() and not ln.startswith("#")]
     assert ci_lines[-1] == tests  # the last thing CI does is the README's test command
 
 

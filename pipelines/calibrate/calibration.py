@@ -12,7 +12,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,7 +86,7 @@ def cache_dir() -> Path:
     return Path(base) / "pairclean"
 
 
-def cached_random_beta(identity: dict[str, object], compute: RandomBeta) -> float:
+def cached_random_beta(identity: Mapping[str, object], compute: RandomBeta) -> float:
     """beta of the random-inputs recipe, computed once per ``identity`` and cached on disk.
 
     ``identity`` must hold everything beta depends on (model id, checkpoint sha256,

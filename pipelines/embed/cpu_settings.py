@@ -99,7 +99,7 @@ def keep_heap_memory() -> bool:
         log.debug("malloc tuning unavailable: %s", exc)
         return False
     _heap_done = ok
-    return ok
+    return bool(ok)
 
 
 def _is_glibc() -> bool:

@@ -228,6 +228,7 @@ def _prepare_batch(rows: list[PairSample], outcomes: list[_Outcome], image_size:
                 status, error = outcome.status, outcome.error
             else:
                 tensors.append(outcome)
+                assert row.text is not None  # an ok row has its caption
                 texts.append(row.text)
                 ok_positions.append(pos)
         statuses.append(status)

@@ -248,6 +248,7 @@ def _run(spec: JobSpec, out: OutputDir, stems: dict[str, str], make_source: Call
         todo = todo[len(phase.outcomes):]
         if phase.calibration is None:
             return report  # every shard failed: nothing to calibrate on
+    assert report.calibration is not None  # set by the calibration phase above, or the early return
     _score_phase(source, todo, report.calibration, recorder, report)
     return report
 

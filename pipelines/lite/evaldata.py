@@ -135,6 +135,8 @@ def write_pair_shards(folder: str | os.PathLike[str], pairs: Sequence[tuple[str,
     """Write ``(key, image path, caption)`` pairs as ``<prefix>-NNNNN.tar`` shards of ``per_shard``."""
     paths = []
     for start in range(0, len(pairs), per_shard):
-        samples = [{"__key__": key, "jpg": path.read_bytes(), "txt": caption} for key, path, caption in pairs[start : start + per_shard]]
+        samples: list[dict[str, bytes | str | dict[str, object]]] = [
+            {"__key__": key, "jpg": path.read_bytes(), "txt": caption} for key, path, caption in pairs[start : start + per_shard]
+        ]
         paths.append(str(write_shard(Path(folder) / f"{prefix}-{start // per_shard:05d}.tar", samples)))
     return paths

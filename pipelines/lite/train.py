@@ -77,7 +77,7 @@ def lite_config(recipe: HeadRecipe) -> dict[str, Any]:
     cfg["embed_dim"] = recipe.embed_dim
     cfg["vision_cfg"]["timm_proj"] = recipe.proj
     cfg["text_cfg"]["hf_proj_type"] = recipe.proj
-    return cfg
+    return dict(cfg)
 
 
 def _batched_image_features(model: Any, preprocess: Any, paths: list[Path], batch: int) -> NDArray[np.float32]:
@@ -122,7 +122,7 @@ def extract_features(root: Path, cache: Path, batch: int = 64) -> dict[str, Feat
     from pairclean.embed.estimators.lite import TrimmedTokenizer, build_lite_model, tower_paths
 
     image_path, text_dir = tower_paths()
-    tag = hashlib.sha256(f"{file_sha256(image_path)}:{file_sha256(Path(text_dir) / 'model.safetensors')}".encode()).hexdigest()[:12]
+    tag = hashlib.sha256(f"{file_sha256(str(image_path))}:{file_sha256(str(Path(text_dir) / 'model.safetensors'))}".encode()).hexdigest()[:12]
     cache.mkdir(parents=True, exist_ok=True)
     result: dict[str, Features] = {}
     model = tokenizer = preprocess = None
@@ -209,7 +209,7 @@ def train_heads(train: Features, recipe: HeadRecipe, weights: NDArray[np.float32
             per_pair = F.cross_entropy(logits, target, reduction="none") + F.cross_entropy(logits.T, target, reduction="none")
             loss = (w_all[idx] * per_pair).sum() / (2 * len(idx))
             opt.zero_grad()
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
             sched.step()
     state = {f"visual.head.{k}": v.detach().clone().contiguous() for k, v in vhead.state_dict().items()}

@@ -250,7 +250,7 @@ class OutputDir:
         if digest is None:
             return True
         with_job = json.loads(meta[schema.META_KEY]).get("job")
-        return with_job == digest
+        return bool(with_job == digest)
 
     # -- calibration ----------------------------------------------------------------------
     def read_calibration(self) -> Calibration | None:

@@ -180,18 +180,18 @@ def build_index(plan: IndexPlan, vectors: NDArray[Any], chunk: int = DEFAULT_CHU
         quantizer = faiss.IndexFlatIP(dim)
         assert plan.nlist is not None
         if plan.kind == "ivf":
-            index = faiss.IndexIVFFlat(quantizer, dim, plan.nlist, faiss.METRIC_INNER_PRODUCT)
+            index = faiss.IndexIVFFlat(quantizer, dim, plan.nlist, faiss.METRIC_INNER_PRODUCT)  # type: ignore[assignment]  # faiss's index classes share no typed base
         else:
             assert plan.pq_m is not None and plan.pq_bits == 4
-            index = faiss.IndexIVFPQFastScan(quantizer, dim, plan.nlist, plan.pq_m, 4, faiss.METRIC_INNER_PRODUCT)
-        index.cp.seed = plan.seed  # k-means initialisation: the same lists for the same seed
+            index = faiss.IndexIVFPQFastScan(quantizer, dim, plan.nlist, plan.pq_m, 4, faiss.METRIC_INNER_PRODUCT)  # type: ignore[assignment]  # faiss's index classes share no typed base
+        index.cp.seed = plan.seed  # type: ignore[attr-defined]  # k-means initialisation: the same lists for the same seed
         t0 = time.perf_counter()
         index.train(_train_sample(vectors, plan.train_size or n, plan.seed))
         timings["train_s"] = time.perf_counter() - t0
-        index.nprobe = plan.nprobe
+        index.nprobe = plan.nprobe  # type: ignore[attr-defined]
     gpus = gpu_count() if use_gpu is None else (gpu_count() if use_gpu else 0)
     if gpus > 0:
-        index = faiss.index_cpu_to_all_gpus(index)
+        index = faiss.index_cpu_to_all_gpus(index)  # type: ignore[assignment]
         plan = replace(plan, device="gpu")
     t0 = time.perf_counter()
     for start in range(0, n, chunk):

@@ -178,7 +178,8 @@ def _pool_rows(table: pa.Table, pool: str) -> NDArray[np.int64]:
 def _fixed_list_rows(col: pa.ChunkedArray, rows: NDArray[np.int64]) -> NDArray[np.float16]:
     taken = col.combine_chunks().take(pa.array(rows, type=pa.int64()))
     dim = taken.type.list_size
-    return taken.flatten().to_numpy(zero_copy_only=False).astype(np.float16, copy=False).reshape(-1, dim)
+    rows16: NDArray[np.float16] = taken.flatten().to_numpy(zero_copy_only=False).astype(np.float16, copy=False).reshape(-1, dim)
+    return rows16
 
 
 def load_pool(out: OutputDir, pool: str, workdir: str | os.PathLike[str]) -> Pool:
@@ -312,7 +313,8 @@ def nearest_pairs(image: NDArray[Any], text: NDArray[Any], opts: PseudoOptions, 
     top_i2t, top_t2i = i2t[:, 0], t2i[:, 0]
 
     def is_mutual(img: NDArray[np.int64], cap: NDArray[np.int64]) -> NDArray[np.bool_]:
-        return (img >= 0) & (cap >= 0) & (top_i2t[img.clip(0)] == cap) & (top_t2i[cap.clip(0)] == img)
+        mutual: NDArray[np.bool_] = (img >= 0) & (cap >= 0) & (top_i2t[img.clip(0)] == cap) & (top_t2i[cap.clip(0)] == img)
+        return mutual
 
     ranks = np.broadcast_to(np.arange(k, dtype=np.int32), (n, k))
     q = np.repeat(np.arange(n, dtype=np.int64), k)

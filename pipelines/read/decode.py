@@ -77,9 +77,9 @@ def decode_image(
                 )
             if draft_size is not None and img.format == "JPEG":
                 img.draft("RGB", _draft_target(width, height, draft_size))
-            img = _to_rgb(img)
-            img.load()
-            return img
+            rgb = _to_rgb(img)
+            rgb.load()
+            return rgb
     except Image.DecompressionBombError as exc:
         return DecodeFailure(schema.STATUS_TOO_LARGE, str(exc))
     except Exception as exc:  # noqa: BLE001 - any decoder failure is a per-sample status
@@ -233,7 +233,8 @@ class TensorPreprocess:
         # so the float values match the CPU path's ToTensor of a resized PIL image.
         crops = [F.center_crop(F.resize(img, [size], interpolation=mode, antialias=True), [size, size]) for img in images]
         batch = torch.stack(crops).float().div_(255.0)
-        return F.normalize(batch, list(self.mean), list(self.std))
+        normalised: torch.Tensor = F.normalize(batch, list(self.mean), list(self.std))
+        return normalised
 
 
 def tensor_preprocess_of(preprocess: Any) -> TensorPreprocess | None:
@@ -258,7 +259,7 @@ def tensor_preprocess_of(preprocess: Any) -> TensorPreprocess | None:
     interpolation = getattr(getattr(resize, "interpolation", None), "value", None)
     if interpolation not in ("bicubic", "bilinear"):
         return None
-    return TensorPreprocess(size, mean, std, interpolation)  # type: ignore[arg-type]
+    return TensorPreprocess(size, mean, std, interpolation)
 
 
 def _square_resize_size(step: Any) -> int | None:
@@ -277,7 +278,7 @@ def _crop_size(step: Any) -> tuple[int, int] | None:
     if type(step).__name__ != "CenterCrop":
         return None
     size = step.size
-    return (size, size) if isinstance(size, int) else tuple(size)  # type: ignore[return-value]
+    return (size, size) if isinstance(size, int) else tuple(size)
 
 
 def _is_conversion(step: Any) -> bool:

@@ -85,7 +85,7 @@ NOISE_PAIRS = 65_536
 def fit(method: str, img: Any, txt: Any, seed: int, overrides: dict[str, Any] | None = None) -> Heads:
     """Fit ``method`` on (N, D) embeddings (N >= 2), then its ``p_clean`` mixture (see the
     module docstring); deterministic given ``seed``."""
-    heads = METHOD_MODULES[method].fit(img, txt, seed, settings_for(method, overrides))
+    heads: Heads = METHOD_MODULES[method].fit(img, txt, seed, settings_for(method, overrides))
     heads.doc["p_clean"] = p_clean_curve(heads, img, txt, seed)
     return heads
 

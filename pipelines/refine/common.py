@@ -112,7 +112,7 @@ class Mixture1D:
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Mixture1D:
-        return cls(tuple(doc["means"]), tuple(doc["variances"]), tuple(doc["weights"]), doc["clean"])  # type: ignore[arg-type]
+        return cls(tuple(doc["means"]), tuple(doc["variances"]), tuple(doc["weights"]), doc["clean"])
 
     def posterior_clean(self, x: FloatArray) -> FloatArray:
         """P(clean | x) for (N,) scores -> (N,) float32 in [0, 1], monotone in x.

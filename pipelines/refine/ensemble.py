@@ -31,9 +31,11 @@ def _member_raw(name: str, heads: Heads | None, img: FloatArray, txt: FloatArray
     from pairclean.refine import METHOD_MODULES
 
     if name == "osa":
-        return (np.asarray(img, np.float32) * np.asarray(txt, np.float32)).sum(1).astype(np.float32)
+        cosine: FloatArray = (np.asarray(img, np.float32) * np.asarray(txt, np.float32)).sum(1).astype(np.float32)
+        return cosine
     assert heads is not None
-    return METHOD_MODULES[name].apply(heads, img, txt)[0]
+    raw: FloatArray = METHOD_MODULES[name].apply(heads, img, txt)[0]
+    return raw
 
 
 def _separation(z: FloatArray, seed: int) -> float:

@@ -215,9 +215,9 @@ def _obtain_heads(out: OutputDir, view: JobView, opts: RefineOptions) -> tuple[H
     known = out.store.get(fit_record)
     if known is not None:
         entry = json.loads(known)
-        data = out.store.get(entry["heads"])
-        if data is not None and hashlib.sha256(data).hexdigest() == entry["sha256"]:
-            return heads_from_bytes(data), data, False, 0.0
+        stored = out.store.get(entry["heads"])
+        if stored is not None and hashlib.sha256(stored).hexdigest() == entry["sha256"]:
+            return heads_from_bytes(stored), stored, False, 0.0
     t0 = time.perf_counter()
     img, txt = draw_sample(out, view, opts.sample_pairs, opts.seed)
     heads = fit(method, img, txt, opts.seed, opts.overrides)

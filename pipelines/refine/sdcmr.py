@@ -83,7 +83,7 @@ def pseudo_labels(img: FloatArray, k: int, seed: int, max_fit: int = 50_000) -> 
     rng = np.random.default_rng(seed)
     fit_rows = x if len(x) <= max_fit else x[np.sort(rng.choice(len(x), max_fit, replace=False))]
     km = KMeans(n_clusters=k, n_init=1, random_state=seed, max_iter=100).fit(fit_rows)
-    return km.predict(x).astype(np.int64)
+    return np.asarray(km.predict(x), dtype=np.int64)
 
 
 def _modules(dim: int, s: SdcmrSettings, k: int, seed: int) -> Any:

@@ -101,14 +101,14 @@ class Estimator:
         x = pixels.to(self._device, self._dtype).contiguous(memory_format=torch.channels_last)
         if self.image_runner is not None:
             return _normalised(self.image_runner(x))
-        return _normalised(self.model.encode_image(x))
+        return _normalised(self.model.encode_image(x))  # type: ignore[operator]  # open_clip's model is untyped
 
     @torch.inference_mode()
     def encode_token_ids(self, tokens: torch.Tensor) -> NDArray[np.float32]:
         """(N, L) token ids -> (N, D) float32 L2-normalised embeddings."""
         if tokens.shape[0] == 0:
             return np.zeros((0, self.info.embed_dim), dtype=np.float32)
-        return _normalised(self.model.encode_text(tokens.to(self._device)))
+        return _normalised(self.model.encode_text(tokens.to(self._device)))  # type: ignore[operator]
 
     def encode_texts(self, texts: Sequence[str]) -> NDArray[np.float32]:
         """N captions -> (N, D) float32 L2-normalised embeddings (truncated to the context)."""

@@ -55,7 +55,8 @@ def onnx_image_runner(visual: Any, image_size: int, threads: int) -> tuple[Calla
             warnings.simplefilter("ignore")  # exporter deprecation and tracing notes
             # The TorchScript-based exporter: the dynamo one needs onnxscript besides.
             torch.onnx.export(
-                tower, (torch.zeros((2, image_size, image_size, 3)),), buffer, input_names=["pixels_nhwc"],
+                tower, (torch.zeros((2, image_size, image_size, 3)),), buffer,  # type: ignore[arg-type]  # a file object is accepted
+                input_names=["pixels_nhwc"],
                 output_names=["embedding"], dynamic_axes={"pixels_nhwc": {0: "batch"}, "embedding": {0: "batch"}}, dynamo=False,
             )
     except Exception as exc:  # noqa: BLE001 - any export failure means: stay on PyTorch
@@ -85,4 +86,5 @@ class _ChannelsLast(torch.nn.Module):
         self.visual = visual
 
     def forward(self, pixels_nhwc: torch.Tensor) -> torch.Tensor:
-        return self.visual(pixels_nhwc.permute(0, 3, 1, 2))
+        out: torch.Tensor = self.visual(pixels_nhwc.permute(0, 3, 1, 2))
+        return out
