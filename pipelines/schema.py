@@ -56,6 +56,9 @@ __all__ = [
     "LOCK_FILE",
     "EXPORTS_FILE",
     "EXPORT_DIR",
+    "HEADS_DIR",
+    "REFINE_DIR",
+    "PSEUDO_DIR",
 ]
 
 #: A shard of a job is committed (its completion record exists), quarantined (kept
@@ -131,6 +134,11 @@ COMPLETIONS_DIR: Final = f"{STATE_DIR}/completions"
 FAILED_DIR: Final = f"{STATE_DIR}/failed"
 LOCK_FILE: Final = f"{STATE_DIR}/lock.json"
 EXPORTS_FILE: Final = f"{STATE_DIR}/exports.json"
+#: ``pairclean refine``'s heads files and its run records.
+HEADS_DIR: Final = f"{STATE_DIR}/heads"
+REFINE_DIR: Final = f"{STATE_DIR}/refine"
+#: ``pairclean pseudo-pair``'s tables (``<image shard stem>.parquet``) and completion record.
+PSEUDO_DIR: Final = "_pseudo"
 
 
 def scores_schema(with_uid: bool, with_url: bool, extra_scores: tuple[str, ...] = (), with_members: bool = False) -> pa.Schema:

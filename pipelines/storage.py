@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairclean.errors import InputError, UnsupportedSchemeError
+from pairclean.uris import raw_scheme
 
 __all__ = ["OUTPUT_SCHEMES", "Store", "WriteInfo", "parquet_bytes", "write_file_atomic", "sha256_file"]
 
@@ -59,8 +60,7 @@ def parquet_bytes(table: pa.Table) -> bytes:
 
 
 def _scheme(uri: str) -> str:
-    scheme = urlparse(uri).scheme.lower()
-    return scheme if len(scheme) > 1 else ""  # one letter: a Windows drive
+    return raw_scheme(uri)
 
 
 class Store:

@@ -26,6 +26,7 @@ __all__ = [
     "LOCAL_SCHEMES",
     "REMOTE_SCHEMES",
     "scheme_of",
+    "raw_scheme",
     "expand_shards",
     "shard_stem",
     "shard_stems",
@@ -52,11 +53,18 @@ _GLOB_CHARS = frozenset("*?[")
 _SHARD_SUFFIXES = (".tar.gz", ".tgz", ".tar")
 
 
+def raw_scheme(uri: str) -> str:
+    """The lower-case scheme of ``uri`` as written ('' for a plain path), supported or not.
+
+    The one home of the drive-letter rule: a one-letter "scheme" (``C:\\data``) is a
+    Windows drive, i.e. a plain path."""
+    scheme = urlparse(uri).scheme
+    return scheme.lower() if len(scheme) > 1 else ""
+
+
 def scheme_of(uri: str) -> str:
     """The lower-case scheme of ``uri`` ('' for a plain path); raises for unsupported ones."""
-    parsed = urlparse(uri)
-    # A one-letter "scheme" is a Windows drive letter, i.e. a plain path.
-    scheme = parsed.scheme.lower() if len(parsed.scheme) > 1 else ""
+    scheme = raw_scheme(uri)
     if scheme in LOCAL_SCHEMES or scheme in REMOTE_SCHEMES:
         return scheme
     raise UnsupportedSchemeError(
@@ -116,7 +124,7 @@ def _pipe_target(uri: str) -> str:
     except ValueError:
         args = command.split()
     for arg in reversed(args):
-        path = urlparse(arg).path if len(urlparse(arg).scheme) > 1 else arg
+        path = urlparse(arg).path if raw_scheme(arg) else arg
         if path.endswith(_SHARD_SUFFIXES):
             return arg
     raise InputError(f"cannot tell which shard {uri!r} reads: no argument ends with .tar, .tar.gz or .tgz", uri=uri)

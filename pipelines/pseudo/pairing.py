@@ -50,6 +50,8 @@ import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
+from pairclean import schema
+
 if TYPE_CHECKING:
     from pairclean.pseudo.ann import IndexPlan, RawSearch
     from pairclean.calibrate.calibration import Calibration
@@ -75,7 +77,7 @@ __all__ = [
 
 POOLS: Final = ("noisy", "all")
 #: Folder of the output, under OUT (the "_" keeps it out of dataset discovery).
-PSEUDO_DIR: Final = "_pseudo"
+PSEUDO_DIR: Final = schema.PSEUDO_DIR
 #: The completion record of the last run, written after every file: a set of files without
 #: it is an unfinished run (readers refuse it). The "_" keeps it out of dataset discovery.
 RECORD: Final = f"{PSEUDO_DIR}/_run.json"

@@ -60,8 +60,8 @@ log = logging.getLogger(__name__)
 #: on a few hundred pairs or fewer mean little; the bundled 10-pair demo still refines.)
 MIN_FIT_PAIRS = 8
 DEFAULT_SAMPLE_PAIRS = 500_000
-REFINE_DIR = f"{schema.STATE_DIR}/refine"
-HEADS_DIR = f"{schema.STATE_DIR}/heads"
+REFINE_DIR = schema.REFINE_DIR
+HEADS_DIR = schema.HEADS_DIR
 FITS_DIR = f"{REFINE_DIR}/fits"
 #: The columns kept from the scored table; everything else is recomputed.
 BASE_COLUMNS = (schema.COL_KEY, schema.COL_SHARD, schema.COL_IDX, schema.COL_STATUS, schema.COL_ERROR, schema.COL_SIMILARITY)
