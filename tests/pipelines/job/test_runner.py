@@ -93,7 +93,7 @@ def _stem(uri: str) -> str:
     return Path(uri).name[: -len(".tar")]
 
 
-def test_a_job_commits_every_shard_with_the_calibration_it_froze(job, make_spec, write_shards) -> None:  # type: ignore[no-untyped-def]
+def test_a_job_commits_every_shard_with_the_calibration_it_froze(job, make_spec, write_shards) -> None:
     shards = write_shards([4, 4, 4, 4, 4])
     # a corpus recipe: the calibration phase scores shards in order until 6 ok pairs
     run = job(make_spec(shards, beta_recipe="shuffled", weighting="reference", calibration_pairs=6, embeddings=True))
@@ -133,7 +133,7 @@ def test_a_job_commits_every_shard_with_the_calibration_it_froze(job, make_spec,
     assert all(e[0] == "done" and e[2] == 4 for e in events.events[1:])
 
 
-def test_a_recipe_that_needs_no_corpus_scores_every_shard_in_the_scoring_phase(job, make_spec, write_shards) -> None:  # type: ignore[no-untyped-def]
+def test_a_recipe_that_needs_no_corpus_scores_every_shard_in_the_scoring_phase(job, make_spec, write_shards) -> None:
     shards = write_shards([3, 3])
     run = job(make_spec(shards, beta_recipe="random-inputs", weighting="paper"))
     report = run.run()
@@ -144,7 +144,7 @@ def test_a_recipe_that_needs_no_corpus_scores_every_shard_in_the_scoring_phase(j
     assert run.out.read_calibration() == report.calibration
 
 
-def test_a_truncated_shard_is_quarantined_while_the_others_commit_and_a_rerun_resumes(job, make_spec, write_shards, corrupt) -> None:  # type: ignore[no-untyped-def]
+def test_a_truncated_shard_is_quarantined_while_the_others_commit_and_a_rerun_resumes(job, make_spec, write_shards, corrupt) -> None:
     shards = write_shards([3, 3, 3, 3, 3])
     whole = corrupt(shards[3])  # a shard of the scoring phase
     run = job(make_spec(shards, beta_recipe="gmm", weighting="p-clean", calibration_pairs=5))
@@ -184,7 +184,7 @@ def test_a_truncated_shard_is_quarantined_while_the_others_commit_and_a_rerun_re
     assert done.calibration == frozen
 
 
-def test_a_failed_fraction_within_the_allowance_ends_partial(job, make_spec, write_shards, corrupt) -> None:  # type: ignore[no-untyped-def]
+def test_a_failed_fraction_within_the_allowance_ends_partial(job, make_spec, write_shards, corrupt) -> None:
     shards = write_shards([2, 2, 2, 2])
     corrupt(shards[1])
     report = job(make_spec(shards)).run(max_failed_fraction=0.25)
@@ -193,7 +193,7 @@ def test_a_failed_fraction_within_the_allowance_ends_partial(job, make_spec, wri
     assert JobReport(total_shards=4, failed=[("a", "e"), ("b", "e")], max_failed_fraction=0.25).state == FAILED
 
 
-def test_a_shard_failing_in_the_calibration_phase_is_skipped_for_the_next(job, make_spec, write_shards, corrupt) -> None:  # type: ignore[no-untyped-def]
+def test_a_shard_failing_in_the_calibration_phase_is_skipped_for_the_next(job, make_spec, write_shards, corrupt) -> None:
     shards = write_shards([3, 3, 3])
     corrupt(shards[0], keep=0.3)
     run = job(make_spec(shards, beta_recipe="gmm", weighting="paper", calibration_pairs=3))
@@ -207,7 +207,7 @@ def test_a_shard_failing_in_the_calibration_phase_is_skipped_for_the_next(job, m
     assert list(run.out.quarantined()) == [_stem(shards[0])]
 
 
-def test_when_every_shard_fails_nothing_is_calibrated(job, make_spec, write_shards, corrupt) -> None:  # type: ignore[no-untyped-def]
+def test_when_every_shard_fails_nothing_is_calibrated(job, make_spec, write_shards, corrupt) -> None:
     shards = write_shards([2, 2])
     for uri in shards:
         corrupt(uri)
@@ -219,7 +219,7 @@ def test_when_every_shard_fails_nothing_is_calibrated(job, make_spec, write_shar
     assert sorted(run.out.quarantined()) == [_stem(u) for u in shards]
 
 
-def test_a_folder_held_by_a_live_run_is_refused_untouched(job, make_spec, write_shards, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_folder_held_by_a_live_run_is_refused_untouched(job, make_spec, write_shards, tmp_path: Path) -> None:
     run = job(make_spec(write_shards([2])))
     holder = {"run_id": "h" * 32, "host": "another-host", "pid": 1, "heartbeat": time.time(), "ttl_s": 60}
     run.out.store.put(schema.LOCK_FILE, json.dumps(holder).encode())
@@ -229,7 +229,7 @@ def test_a_folder_held_by_a_live_run_is_refused_untouched(job, make_spec, write_
     assert sorted(p.relative_to(run.path).as_posix() for p in run.path.rglob("*") if p.is_file()) == [schema.LOCK_FILE]
 
 
-def test_a_folder_of_other_files_is_refused_without_writing(job, make_spec, write_shards) -> None:  # type: ignore[no-untyped-def]
+def test_a_folder_of_other_files_is_refused_without_writing(job, make_spec, write_shards) -> None:
     run = job(make_spec(write_shards([2])))
     run.path.mkdir()
     (run.path / "mine.txt").write_text("user data")
@@ -238,7 +238,7 @@ def test_a_folder_of_other_files_is_refused_without_writing(job, make_spec, writ
     assert [p.name for p in run.path.iterdir()] == ["mine.txt"] and run.sources == []
 
 
-def test_a_different_spec_is_refused_and_overwrite_starts_over(job, make_spec, write_shards) -> None:  # type: ignore[no-untyped-def]
+def test_a_different_spec_is_refused_and_overwrite_starts_over(job, make_spec, write_shards) -> None:
     shards = write_shards([2, 2])
     first = job(make_spec(shards))
     assert first.run().committed == 2

@@ -51,7 +51,7 @@ def _files(folder: Path) -> list[str]:
 
 
 def test_calibration_phase_uses_the_first_ok_pairs_in_shard_order_and_writes_those_shards(
-    tiny_estimator: Estimator, make_spec, write_shards, tmp_path: Path  # type: ignore[no-untyped-def]
+    tiny_estimator: Estimator, make_spec, write_shards, tmp_path: Path
 ) -> None:
     shards = write_shards([3, 3, 3, 3], bad={1: NOT_AN_IMAGE})  # shard 0: 2 ok pairs
     spec = make_spec(shards, beta_recipe="shuffled", weighting="paper", calibration_pairs=5, embeddings=True)
@@ -80,7 +80,7 @@ def test_calibration_phase_uses_the_first_ok_pairs_in_shard_order_and_writes_tho
 
 
 def test_calibration_phase_reports_unreadable_shards_and_calibrates_on_the_rest(
-    tiny_estimator: Estimator, make_spec, write_shards, corrupt, tmp_path: Path  # type: ignore[no-untyped-def]
+    tiny_estimator: Estimator, make_spec, write_shards, corrupt, tmp_path: Path
 ) -> None:
     shards = write_shards([2, 2])
     corrupt(shards[0])
@@ -98,7 +98,7 @@ def test_calibration_phase_reports_unreadable_shards_and_calibrates_on_the_rest(
 
 
 def test_a_recipe_needing_no_corpus_scores_nothing_and_caches_its_beta(
-    tiny_estimator: Estimator, make_spec, write_shards, tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+    tiny_estimator: Estimator, make_spec, write_shards, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PAIRCLEAN_CACHE_DIR", str(tmp_path / "cache"))
     shards = write_shards([2])
@@ -122,7 +122,7 @@ def test_a_recipe_needing_no_corpus_scores_nothing_and_caches_its_beta(
 
 
 def test_score_writes_a_table_weighted_with_the_frozen_calibration(
-    tiny_estimator: Estimator, make_spec, write_shards, tmp_path: Path  # type: ignore[no-untyped-def]
+    tiny_estimator: Estimator, make_spec, write_shards, tmp_path: Path
 ) -> None:
     (shard,) = write_shards([5], bad={1: NOT_AN_IMAGE, 3: {"txt": b"   "}})
     spec = make_spec([shard], weighting="paper")
@@ -153,7 +153,7 @@ def test_score_writes_a_table_weighted_with_the_frozen_calibration(
 
 
 def test_scoring_an_unreadable_shard_raises_and_writes_nothing(
-    tiny_estimator: Estimator, make_spec, write_shards, corrupt, tmp_path: Path  # type: ignore[no-untyped-def]
+    tiny_estimator: Estimator, make_spec, write_shards, corrupt, tmp_path: Path
 ) -> None:
     (shard,) = write_shards([3])
     corrupt(shard)
@@ -164,7 +164,7 @@ def test_scoring_an_unreadable_shard_raises_and_writes_nothing(
 
 
 def test_writing_never_replaces_a_file_pairclean_did_not_write(
-    tiny_estimator: Estimator, make_spec, write_shards, tmp_path: Path  # type: ignore[no-untyped-def]
+    tiny_estimator: Estimator, make_spec, write_shards, tmp_path: Path
 ) -> None:
     (shard,) = write_shards([2])
     spec = make_spec([shard], embeddings=True)
@@ -187,7 +187,7 @@ def test_writing_never_replaces_a_file_pairclean_did_not_write(
     assert record.emb_output == f"{schema.EMB_DIR}/part-00000.parquet"
 
 
-def test_a_recipe_that_cannot_calibrate_on_the_job_is_an_input_error(make_spec) -> None:  # type: ignore[no-untyped-def]
+def test_a_recipe_that_cannot_calibrate_on_the_job_is_an_input_error(make_spec) -> None:
     spec = make_spec(["/x/part-00000.tar"], beta_recipe="shuffled")
     with pytest.raises(InputError, match="cannot calibrate beta recipe 'shuffled' on this job"):
         calibrate_on([], spec, lambda: 0.0, 32)

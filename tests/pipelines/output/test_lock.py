@@ -44,7 +44,7 @@ def _plant(store: Store, **fields: object) -> dict:
 
 
 @pytest.fixture
-def holder(tmp_path: Path):  # type: ignore[no-untyped-def]
+def holder(tmp_path: Path):
     """A real process on this host holding the lock of ``tmp_path``: (process, run id)."""
     proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
@@ -74,7 +74,7 @@ def test_a_lock_is_a_document_naming_its_holder_and_release_deletes_it(tmp_path:
         pass
 
 
-def test_a_second_lock_is_refused_naming_the_live_holder(tmp_path: Path, holder) -> None:  # type: ignore[no-untyped-def]
+def test_a_second_lock_is_refused_naming_the_live_holder(tmp_path: Path, holder) -> None:
     proc, run_id = holder
     with pytest.raises(OutputBusyError) as err:
         RunLock(Store(str(tmp_path)), ttl_s=30).acquire()
@@ -85,7 +85,7 @@ def test_a_second_lock_is_refused_naming_the_live_holder(tmp_path: Path, holder)
     assert _doc(tmp_path)["run_id"] == run_id  # the refused run wrote nothing
 
 
-def test_same_host_holder_whose_process_died_is_taken_over_at_once(tmp_path: Path, holder) -> None:  # type: ignore[no-untyped-def]
+def test_same_host_holder_whose_process_died_is_taken_over_at_once(tmp_path: Path, holder) -> None:
     proc, run_id = holder
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
