@@ -1,5 +1,5 @@
 """The ``pairclean`` command's batch verbs: score, rescore, inspect, export, demo, train-lite,
-pseudo-pair, refine (the console script, ``pairclean_service.cli``, adds the service's verbs).
+pseudo-pair, refine, audit (the console script, ``pairclean_service.cli``, adds the service's verbs).
 
 Exit codes (the end states' codes live in ``pairclean.job.lifecycle.EXIT_CODES``): 0 SUCCEEDED
 (every shard committed); 1 a job-level error (bad input, spec mismatch, model that cannot
@@ -128,6 +128,9 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     from pairclean_workers.refine_cli import add_refine_parser
 
     add_refine_parser(sub)
+    from pairclean_workers.audit_cli import add_audit_parser
+
+    add_audit_parser(sub)
     if extend is not None:
         extend(sub)
     return parser
@@ -360,11 +363,12 @@ def main(argv: Sequence[str] | None = None, extend: Callable[[Any], None] | None
     parser = build_parser(extend)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from pairclean_workers.audit_cli import cmd_audit
     from pairclean_workers.pseudo_cli import cmd_pseudo_pair
     from pairclean_workers.refine_cli import cmd_refine
     from pairclean_workers.train_cli import cmd_train_lite
 
-    handler = {**COMMANDS, "train-lite": cmd_train_lite, "pseudo-pair": cmd_pseudo_pair, "refine": cmd_refine, **(handlers or {})}[args.command]
+    handler = {**COMMANDS, "train-lite": cmd_train_lite, "pseudo-pair": cmd_pseudo_pair, "refine": cmd_refine, "audit": cmd_audit, **(handlers or {})}[args.command]
     try:
         return handler(args)
     except PaircleanError as exc:

@@ -1,0 +1,476 @@
+"""``audit`` on a job's output folder: draw the queue, read labels, estimate, recalibrate.
+
+- ``population(out)``: the job's ok pairs (shard, key, row, similarity, flag, model
+  ``p_clean``) from its committed score tables (a few columns each, nothing decoded).
+- ``make_queue(out, n, seed)``: a stratified sample (``design.draw_design``), saved with
+  its design in ``OUT/_pairclean/audit/design.json`` so the estimate can use its strata
+  and inclusion probabilities; the queue itself is returned (the CLI writes it as CSV).
+- ``read_labels(path)``: a labels file (``key,label`` [``,shard,who,labelled_at``]), CSV
+  or Parquet, bounded and checked line by line.
+- ``audit_report(design_doc, labels, ...)``: every figure (``stats``) as one JSON document.
+- ``apply_recalibration(out, knots, doc)``: the recalibrated ``p_clean`` written into every
+  score table (the model's value kept as ``p_clean_model``), shard by shard, atomically
+  (``OutputDir.write_table``) and resumably: each rewritten shard gets a record
+  ``_pairclean/audit/applied/<map sha12>/<stem>.json`` as refine does, and the job's
+  completion records get the new sha256 at the end. Nothing is re-embedded.
+
+``p_clean_model`` is what the sample is stratified on and what the map is fitted on, so a
+second audit of a recalibrated job starts from the model's values, never from a previous map.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pairclean import schema
+from pairclean.errors import InputError
+from pairclean.output.folder import OutputDir, ShardRecord
+from pairclean.output.lock import RunLock
+
+from . import stats
+from .design import EDGES, draw_design
+
+__all__ = [
+    "COL_P_CLEAN_MODEL", "LABELS", "AUDIT_DIR", "DESIGN_FILE", "REPORT_FILE", "Population", "Label", "population",
+    "make_queue", "queue_rows", "read_labels", "parse_labels", "audit_report", "apply_recalibration", "read_design",
+    "MAX_LABEL_BYTES", "MAX_LABEL_ROWS",
+]
+
+#: The model's own ``p_clean``, kept beside the recalibrated one.
+COL_P_CLEAN_MODEL = "p_clean_model"
+LABELS = ("clean", "noisy", "unsure")
+AUDIT_DIR = f"{schema.STATE_DIR}/audit"
+DESIGN_FILE = f"{AUDIT_DIR}/design.json"
+APPLIED_DIR = f"{AUDIT_DIR}/applied"
+REPORT_FILE = f"{schema.STATE_DIR}/audit.json"
+#: A labels file is read up to this many bytes and rows (a few hundred labels is the use).
+MAX_LABEL_BYTES = 64 * 2**20
+MAX_LABEL_ROWS = 1_000_000
+QUEUE_COLUMNS = ("key", "shard", "similarity", "p_clean", "stratum", "inclusion_probability", "label")
+
+
+@dataclass(frozen=True)
+class Population:
+    """The ok pairs of a job, in shard order: parallel arrays."""
+
+    stems: list[str]
+    shards: list[str]
+    keys: list[str]
+    rows: np.ndarray
+    similarity: np.ndarray
+    noisy: np.ndarray
+    p_model: np.ndarray
+    truncated: bool = False
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def _model_column(names: Sequence[str]) -> str:
+    return COL_P_CLEAN_MODEL if COL_P_CLEAN_MODEL in names else schema.COL_P_CLEAN
+
+
+def population(out: OutputDir, max_rows: int | None = None, records: list[ShardRecord] | None = None) -> Population:
+    """The job's ok pairs (all committed shards, or ``records``; at most ``max_rows`` score
+    rows read, in shard order: ``truncated`` says when it stopped early)."""
+    records = list(out.iter_committed()) if records is None else records
+    if not records:
+        raise InputError(f"{out.uri} holds no committed shard: score it first", uri=out.uri)
+    stems, shards, keys, rows, sims, flags, ps = [], [], [], [], [], [], []
+    seen = 0
+    truncated = False
+    for record in records:
+        if max_rows is not None and seen >= max_rows:
+            truncated = True
+            break
+        table = out.read_scores(record)
+        cols = [schema.COL_KEY, schema.COL_SHARD, schema.COL_STATUS, schema.COL_SIMILARITY, schema.COL_NOISY, _model_column(table.column_names)]
+        table = table.select(cols)
+        seen += table.num_rows
+        ok = np.asarray(table.column(schema.COL_STATUS).to_pylist(), dtype=object) == schema.STATUS_OK
+        idx = np.flatnonzero(ok)
+        if not len(idx):
+            continue
+        key_col = table.column(schema.COL_KEY).to_pylist()
+        shard_col = table.column(schema.COL_SHARD).to_pylist()
+        stems += [record.stem] * len(idx)
+        shards += [shard_col[i] for i in idx]
+        keys += [key_col[i] for i in idx]
+        rows.append(idx)
+        sims.append(table.column(schema.COL_SIMILARITY).to_numpy(zero_copy_only=False)[idx].astype(np.float64))
+        flags.append(table.column(schema.COL_NOISY).to_numpy(zero_copy_only=False)[idx].astype(bool))
+        ps.append(table.column(cols[-1]).to_numpy(zero_copy_only=False)[idx].astype(np.float64))
+    if not keys:
+        raise InputError(f"{out.uri} has no ok pair to audit", uri=out.uri)
+    return Population(stems, shards, keys, np.concatenate(rows), np.concatenate(sims), np.concatenate(flags), np.concatenate(ps),
+                      truncated)
+
+
+def queue_rows(pop: Population, n: int, seed: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(the design document, the queue as rows in labelling order) for ``n`` pairs of ``pop``."""
+    design = draw_design(pop.p_model, n, seed)
+    queue = []
+    for i, row in enumerate(design.rows):
+        r = int(row)
+        queue.append({"position": i, "key": pop.keys[r], "shard": pop.shards[r], "stem": pop.stems[r], "row": int(pop.rows[r]),
+                      "similarity": round(float(pop.similarity[r]), 6), "p_clean": round(float(pop.p_model[r]), 6),
+                      "noisy": bool(pop.noisy[r]), "stratum": int(design.strata[i]),
+                      "inclusion_probability": round(float(design.inclusion[i]), 9)})
+    doc = design.to_json() | {"flagged_share": round(float(pop.noisy.mean()), 6), "truncated": pop.truncated,
+                              "score_column": "p_clean (the model's: p_clean_model once recalibrated)"}
+    return doc, queue
+
+
+def make_queue(out: OutputDir, n: int, seed: int) -> list[dict[str, Any]]:
+    """Draw the queue and save it with its design (``DESIGN_FILE``); returns the queue."""
+    if n < 1:
+        raise InputError("--sample must be at least 1")
+    out.check_owned()
+    if out.read_spec() is None:
+        raise InputError(f"{out.uri} is not a pairclean output folder (no {schema.JOB_FILE})", uri=out.uri)
+    doc, queue = queue_rows(population(out), n, seed)
+    out.store.put(DESIGN_FILE, json.dumps({"design": doc, "queue": queue}, indent=1).encode())
+    return queue
+
+
+def read_design(out: OutputDir) -> dict[str, Any]:
+    """The saved design and queue; ``InputError`` when the job has none."""
+    data = out.store.get(DESIGN_FILE)
+    if data is None:
+        raise InputError(f"{out.uri} has no audit sample yet: run `pairclean audit {out.uri} --sample N --out queue.csv`, "
+                         "label the pairs, then pass the file with --labels", uri=out.uri)
+    return json.loads(data)  # type: ignore[no-any-return]
+
+
+def queue_csv(queue: list[dict[str, Any]]) -> bytes:
+    """The queue as the CSV a person fills in (an empty ``label`` column)."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=QUEUE_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for item in queue:
+        writer.writerow(item | {"label": ""})
+    return buf.getvalue().encode()
+
+
+# -- labels ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Label:
+    """One label as given: the pair (``key``, optionally its ``shard``), the label, who gave it, when."""
+
+    key: str
+    label: str
+    shard: str | None = None
+    who: str = ""
+    labelled_at: str = ""
+
+
+def parse_labels(rows: Sequence[dict[str, Any]], where: str = "labels") -> list[Label]:
+    """Check and convert label rows: ``key`` and ``label`` required, ``label`` one of
+    ``LABELS`` (case and spaces ignored); rows with an empty label are skipped (an unfilled
+    queue row). ``InputError`` names the first bad line."""
+    out = []
+    for line, row in enumerate(rows, start=2):
+        key = str(row.get("key") or "").strip()
+        label = str(row.get("label") or "").strip().lower()
+        if not label:
+            continue
+        if not key:
+            raise InputError(f"{where}, line {line}: no key")
+        if label not in LABELS:
+            raise InputError(f"{where}, line {line}: label must be one of {', '.join(LABELS)}")
+        shard = str(row.get("shard") or "").strip() or None
+        out.append(Label(key, label, shard, str(row.get("who") or "").strip(), str(row.get("labelled_at") or "").strip()))
+    return out
+
+
+def read_labels(path: str, storage_options: dict[str, Any] | None = None) -> list[Label]:
+    """A labels file, CSV (``.csv``) or Parquet (``.parquet``), at most ``MAX_LABEL_BYTES``
+    and ``MAX_LABEL_ROWS`` rows."""
+    import fsspec
+
+    try:
+        with fsspec.open(path, "rb", **(storage_options or {})) as fh:
+            data = fh.read(MAX_LABEL_BYTES + 1)
+    except (FileNotFoundError, OSError) as exc:
+        raise InputError(f"--labels {path}: {exc.strerror or exc}") from exc
+    if len(data) > MAX_LABEL_BYTES:
+        raise InputError(f"--labels {path} is over {MAX_LABEL_BYTES >> 20} MiB; a few hundred labels is what an audit needs")
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(io.BytesIO(data))
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise InputError(f"--labels {path} is not a readable Parquet file") from exc
+        rows: list[dict[str, Any]] = table.slice(0, MAX_LABEL_ROWS + 1).to_pylist()
+    else:
+        try:
+            text = data.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise InputError(f"--labels {path} is not UTF-8 text") from exc
+        reader = csv.DictReader(io.StringIO(text))
+        if reader.fieldnames is None or not {"key", "label"} <= {f.strip() for f in reader.fieldnames}:
+            raise InputError(f"--labels {path} needs a header with the columns key and label")
+        reader.fieldnames = [f.strip() for f in reader.fieldnames]
+        try:
+            rows = [r for _, r in zip(range(MAX_LABEL_ROWS + 1), reader)]
+        except csv.Error as exc:
+            raise InputError(f"--labels {path}: {exc}") from exc
+    if len(rows) > MAX_LABEL_ROWS:
+        raise InputError(f"--labels {path} has more than {MAX_LABEL_ROWS:,} rows")
+    return parse_labels(rows, f"--labels {path}")
+
+
+# -- the report -----------------------------------------------------------------------------
+
+@dataclass
+class _Units:
+    """The labelled units of the queue: position in the queue, resolution, counts."""
+
+    positions: np.ndarray
+    noisy: np.ndarray
+    conflict: np.ndarray
+    unsure_only: list[int]
+    repeats_first: list[str]
+    repeats_again: list[str]
+    outside: int
+    ambiguous: int
+    rows: int
+    counts: dict[str, int]
+
+
+def _match(queue: list[dict[str, Any]], labels: list[Label]) -> _Units:
+    by_key: dict[str, list[int]] = {}
+    by_pair: dict[tuple[str, str], int] = {}
+    for i, item in enumerate(queue):
+        by_key.setdefault(item["key"], []).append(i)
+        by_pair[(item["shard"], item["key"])] = i
+        by_pair[(item["stem"], item["key"])] = i
+    given: dict[int, list[Label]] = {}
+    outside = ambiguous = 0
+    for lab in labels:
+        if lab.shard is not None:
+            pos = by_pair.get((lab.shard, lab.key))
+        else:
+            hits = by_key.get(lab.key, [])
+            if len(hits) > 1:
+                ambiguous += 1
+                continue
+            pos = hits[0] if hits else None
+        if pos is None:
+            outside += 1
+            continue
+        given.setdefault(pos, []).append(lab)
+    positions, noisy, conflict, unsure_only = [], [], [], []
+    first, again = [], []
+    counts = {name: 0 for name in LABELS}
+    for pos in sorted(given):
+        labs = given[pos]
+        for lab in labs:
+            counts[lab.label] += 1
+        decisive = {lab.label for lab in labs if lab.label != "unsure"}
+        # blind repeats: the same labeller's first and second label of one pair
+        by_who: dict[str, list[Label]] = {}
+        for lab in sorted(labs, key=lambda lab: lab.labelled_at):  # stable: file order where times tie
+            by_who.setdefault(lab.who, []).append(lab)
+        for own in by_who.values():
+            if len(own) >= 2:
+                first.append(own[0].label)
+                again.append(own[1].label)
+        if not decisive:
+            unsure_only.append(pos)
+            continue
+        positions.append(pos)
+        noisy.append(1.0 if "noisy" in decisive else 0.0)
+        conflict.append(len(decisive) > 1)
+    return _Units(np.asarray(positions, dtype=np.int64), np.asarray(noisy), np.asarray(conflict, dtype=bool), unsure_only,
+                  first, again, outside, ambiguous, len(labels), counts)
+
+
+def _weights(sizes: np.ndarray, strata: np.ndarray) -> np.ndarray:
+    m = np.bincount(strata, minlength=len(sizes)).astype(np.float64)
+    return np.asarray(sizes, dtype=np.float64)[strata] / np.maximum(m[strata], 1)
+
+
+def audit_report(design_doc: dict[str, Any], labels: list[Label], threshold: float | None = None,
+                 target: tuple[str, float] | None = None) -> dict[str, Any]:
+    """Every figure of an audit as one JSON-ready document (see ``stats``)."""
+    design, queue = design_doc["design"], design_doc["queue"]
+    sizes = np.asarray(design["sizes"], dtype=np.int64)
+    drawn = np.asarray(design["drawn"], dtype=np.int64)
+    units = _match(queue, labels)
+    strata = np.asarray([queue[p]["stratum"] for p in units.positions], dtype=np.int64)
+    p_model = np.asarray([queue[p]["p_clean"] for p in units.positions], dtype=np.float64)
+    flagged = np.asarray([queue[p]["noisy"] for p in units.positions], dtype=bool)
+    needed = stats.labels_needed(drawn, strata)
+    report: dict[str, Any] = {
+        "labels": {"rows": units.rows, **units.counts, "pairs_labelled": int(len(units.positions) + len(units.unsure_only)),
+                   "decisive_pairs": int(len(units.positions)), "unsure_pairs": len(units.unsure_only),
+                   "conflicting_pairs": int(units.conflict.sum()), "outside_sample": units.outside,
+                   "ambiguous_keys": units.ambiguous},
+        "design": design,
+        "self_agreement": stats.self_agreement(units.repeats_first, units.repeats_again),
+        "labels_needed": needed,
+        "status": "ok" if needed == 0 else "too_few_labels",
+    }
+    if needed:
+        return report
+    conflict = units.conflict
+    rate = stats.noise_rate(sizes, strata, units.noisy, conflict)
+    report["noise_rate"] = rate.to_json()
+    report["model_flagged_share"] = design.get("flagged_share")
+    if units.unsure_only:
+        # what the unsure pairs could move: all of them noisy, or all clean (reported, not counted)
+        u_strata = np.asarray([queue[p]["stratum"] for p in units.unsure_only], dtype=np.int64)
+        all_strata = np.concatenate([strata, u_strata])
+        report["noise_rate_if_unsure"] = {
+            "noisy": stats.noise_rate(sizes, all_strata, np.concatenate([units.noisy, np.ones(len(u_strata))]),
+                                      np.concatenate([conflict, np.zeros(len(u_strata), bool)])).to_json(),
+            "clean": stats.noise_rate(sizes, all_strata, np.concatenate([units.noisy, np.zeros(len(u_strata))]),
+                                      np.concatenate([conflict, np.zeros(len(u_strata), bool)])).to_json()}
+    report["noisy_flag"] = {k: v.to_json() if v else None
+                            for k, v in stats.flag_quality(sizes, strata, units.noisy, flagged, conflict).items()}
+    if threshold is not None:
+        q = stats.flag_quality(sizes, strata, units.noisy, p_model < threshold, conflict)
+        report["threshold"] = {"threshold": threshold, "rule": "noisy when p_clean (the model's) < threshold",
+                               **{k: v.to_json() if v else None for k, v in q.items()}}
+    if target is not None:
+        metric, value = target
+        found = stats.threshold_for(sizes, strata, units.noisy, p_model, metric, value, conflict)
+        report["target"] = {"metric": metric, "value": value, "reached": found is not None, **(found or {})}
+    weight = _weights(sizes, strata)
+    clean = np.where(conflict, 0.5, 1.0 - units.noisy)
+    report["reliability"] = stats.reliability(p_model, clean, weight)
+    report["ece_model"] = round(stats.ece(p_model, clean, weight), 6)
+    try:
+        knots = stats.fit_recalibration(p_model, clean, weight)
+    except ImportError:  # a service-only install has no scikit-learn: the CLI fits the map
+        knots = None
+    if knots is not None:
+        p_new = stats.apply_recalibration(knots, p_model)
+        report["recalibration"] = {**knots, "labels": int(len(p_model)), "method": "isotonic regression, design-weighted",
+                                   "sha256": hashlib.sha256(json.dumps(knots, sort_keys=True).encode()).hexdigest()}
+        report["reliability_recalibrated"] = stats.reliability(p_new, clean, weight)
+        # in-sample: an optimistic figure (the benchmark measures it on all pairs)
+        report["ece_recalibrated_in_sample"] = round(stats.ece(p_new, clean, weight), 6)
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as the CLI prints it."""
+    lab = report["labels"]
+    lines = [f"labels: {lab['rows']} ({lab['clean']} clean, {lab['noisy']} noisy, {lab['unsure']} unsure) on "
+             f"{lab['pairs_labelled']} pairs; {lab['conflicting_pairs']} pairs with conflicting labels, "
+             f"{lab['unsure_pairs']} only unsure (reported, not counted)"]
+    if lab["outside_sample"] or lab["ambiguous_keys"]:
+        lines.append(f"ignored: {lab['outside_sample']} labels of pairs outside the audit sample, "
+                     f"{lab['ambiguous_keys']} with a key found in several shards (add a shard column)")
+    agree = report["self_agreement"]
+    if agree["repeats"]:
+        lines.append(f"self-agreement on {agree['repeats']} blind repeats: {100 * agree['agreement']:.1f}% "
+                     f"[{100 * agree['lower']:.1f}, {100 * agree['upper']:.1f}], kappa {agree['kappa']}")
+    if report["status"] != "ok":
+        lines.append(f"too few labels for an estimate: label {report['labels_needed']} more pairs (the next ones in the queue)")
+        return "\n".join(lines)
+
+    def pct(iv: dict[str, float] | None) -> str:
+        if iv is None:
+            return "n/a"
+        return f"{100 * iv['estimate']:.1f}% [{100 * iv['lower']:.1f}, {100 * iv['upper']:.1f}]"
+
+    nr = report["noise_rate"]
+    lines.append(f"noise rate: {pct(nr)} (95% interval, +-{100 * nr['half_width']:.1f} points); "
+                 f"the model flags {100 * (report.get('model_flagged_share') or 0):.1f}%")
+    if "noise_rate_if_unsure" in report:
+        u = report["noise_rate_if_unsure"]
+        lines.append(f"  if the unsure pairs were all noisy: {pct(u['noisy'])}; all clean: {pct(u['clean'])}")
+    flag = report["noisy_flag"]
+    lines.append(f"noisy flag: precision {pct(flag['precision'])}, recall {pct(flag['recall'])}, F1 {pct(flag['f1'])}")
+    if "threshold" in report:
+        t = report["threshold"]
+        lines.append(f"p_clean < {t['threshold']:g}: precision {pct(t['precision'])}, recall {pct(t['recall'])}, F1 {pct(t['f1'])}")
+    if "target" in report:
+        t = report["target"]
+        if t["reached"]:
+            lines.append(f"{t['metric']} >= {t['value']:g}: threshold p_clean < {t['threshold']:.4f} (precision "
+                         f"{pct(t['precision'])}, recall {pct(t['recall'])})")
+        else:
+            lines.append(f"{t['metric']} >= {t['value']:g}: no threshold reaches it on these labels")
+    lines.append(f"calibration error (ECE) of the model's p_clean on the labels: {report['ece_model']:.3f}")
+    return "\n".join(lines)
+
+
+# -- writing the recalibrated p_clean -----------------------------------------------------------
+
+def recalibrated_table(table: pa.Table, knots: dict[str, list[float]], doc: dict[str, Any]) -> pa.Table:
+    """The score table with ``p_clean`` recalibrated and ``p_clean_model`` (the model's
+    value) right after it; other columns untouched. Rows that are not ok keep ``p_clean`` 0."""
+    names = table.column_names
+    model = table.column(_model_column(names)).combine_chunks()
+    ok = np.asarray(table.column(schema.COL_STATUS).to_pylist(), dtype=object) == schema.STATUS_OK
+    p_model = model.to_numpy(zero_copy_only=False).astype(np.float64)
+    new = np.where(ok, stats.apply_recalibration(knots, p_model), 0.0).astype(np.float32)
+    meta = json.loads((table.schema.metadata or {}).get(schema.META_KEY, b"{}"))
+    meta["audit"] = doc
+    fields, columns = [], []
+    for f in table.schema:
+        if f.name == COL_P_CLEAN_MODEL:
+            continue
+        if f.name == schema.COL_P_CLEAN:
+            fields += [f, pa.field(COL_P_CLEAN_MODEL, pa.float32(), nullable=False)]
+            columns += [pa.array(new, pa.float32()), model.cast(pa.float32())]
+        else:
+            fields.append(f)
+            columns.append(table.column(f.name))
+    out_schema = pa.schema(fields).with_metadata({schema.META_KEY: json.dumps(meta, sort_keys=True).encode()})
+    return pa.table(columns, schema=out_schema)
+
+
+def _applied_name(doc: dict[str, Any], stem: str) -> str:
+    return f"{APPLIED_DIR}/{doc['map_sha256'][:12]}/{stem}.json"
+
+
+def apply_recalibration(out: OutputDir, knots: dict[str, list[float]], labels: int, lock_ttl_s: float | None = None) -> dict[str, int]:
+    """Rewrite every committed score table with the recalibrated ``p_clean`` (resumable:
+    shards already rewritten with this map are skipped). Returns rewritten / skipped counts."""
+    sha = hashlib.sha256(json.dumps(knots, sort_keys=True).encode()).hexdigest()
+    doc = {"map_sha256": sha, "labels": labels, "method": "isotonic regression of the model's p_clean on human labels, design-weighted",
+           "knots": knots, "model_column": COL_P_CLEAN_MODEL}
+    out.check_owned()
+    lock = RunLock(out.store, ttl_s=lock_ttl_s)
+    lock.acquire()
+    try:
+        records = list(out.iter_committed())
+        done: dict[str, tuple[str, int]] = {}
+        rewritten = 0
+        for record in records:
+            known = out.store.get(_applied_name(doc, record.stem))
+            if known is not None:
+                entry = json.loads(known)
+                body = out.store.get(record.output) if record.sha256 != entry["sha256"] else None
+                if record.sha256 == entry["sha256"] or (body is not None and hashlib.sha256(body).hexdigest() == entry["sha256"]):
+                    done[record.stem] = (entry["sha256"], entry["bytes"])
+                    continue
+            info = out.write_table(record.output, recalibrated_table(out.read_scores(record), knots, doc))
+            lock.check()  # a run that lost its lock must not commit
+            out.store.put(_applied_name(doc, record.stem), json.dumps({"sha256": info.sha256, "bytes": info.bytes}).encode())
+            done[record.stem] = (info.sha256, info.bytes)
+            rewritten += 1
+        if any(r.sha256 != done[r.stem][0] for r in records):
+            out.replace_records([replace(r, sha256=done[r.stem][0], bytes=done[r.stem][1]) for r in records])
+    finally:
+        lock.release()
+    return {"rewritten": rewritten, "skipped": len(records) - rewritten}
+
+
+__all__ += ["queue_csv", "format_report", "recalibrated_table", "EDGES"]

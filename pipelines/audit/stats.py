@@ -1,0 +1,294 @@
+"""What human labels of a stratified sample say about a whole job: pure functions.
+
+Conventions. A *unit* is one sampled pair; ``strata[i]`` is its stratum and ``sizes[h]``
+the number of ok pairs in stratum ``h`` (``pairclean.audit.design``). A unit's label is
+``noisy`` (1) or ``clean`` (0); ``unsure`` labels are counted and reported by the caller,
+never turned into either. A unit labelled twice with different decisive labels (a blind
+repeat that disagrees) is a *conflict*: every figure is computed with all conflicts
+resolved as clean and again as noisy, and the interval reported is the union of the two
+(the point is their mean). So a disagreement can only widen an interval, never shrink it.
+
+Estimators are design-weighted: each labelled unit of stratum ``h`` stands for
+``N_h / m_h`` pairs, ``m_h`` being the units of ``h`` actually labelled (a prefix of the
+queue is still a stratified random sample). That is the stratified Horvitz-Thompson
+(Hajek within strata) estimator; its variance has the finite-population correction
+``1 - m_h / N_h``.
+
+Intervals (95% by default) are Wilson score intervals on an *effective* sample size
+``p(1 - p) / Var`` (Kish's design effect; Dean & Pagano 2015 found Wilson with the design
+effect the safest choice for survey proportions). With few labels the variance is taken
+from smoothed stratum rates ``(x_h + 0.5) / (m_h + 1)``: a stratum whose labels all agree
+still has spread, so two clean labels never claim a noise rate of exactly 0 +- 0.
+Strata without any label contribute their whole range ``[0, W_h]``. Ratios (precision,
+recall, F1) use the linearised variance of a ratio estimator, and their effective size is
+never more than the number of labelled units in the denominator.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "Z95", "MIN_LABELS", "Interval", "wilson", "noise_rate", "ratio", "flag_quality", "threshold_for",
+    "reliability", "fit_recalibration", "apply_recalibration", "self_agreement", "labels_needed", "ece",
+]
+
+Z95 = 1.959963984540054
+#: Fewer decisive labels than this (or than the population) and no estimate is given.
+MIN_LABELS = 20
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate with its interval; ``n_eff``: the effective sample size used."""
+
+    estimate: float
+    lower: float
+    upper: float
+    n_eff: float
+
+    @property
+    def half_width(self) -> float:
+        return (self.upper - self.lower) / 2
+
+    def to_json(self) -> dict[str, float]:
+        return {k: round(float(v), 6) for k, v in asdict(self).items()} | {"half_width": round(self.half_width, 6)}
+
+    def union(self, other: Interval) -> Interval:
+        """The interval covering both (the point: their mean)."""
+        return Interval((self.estimate + other.estimate) / 2, min(self.lower, other.lower), max(self.upper, other.upper),
+                        min(self.n_eff, other.n_eff))
+
+
+def wilson(p: float, n: float, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval of a proportion ``p`` observed on ``n`` (possibly effective,
+    non-integer) trials; ``n = inf`` gives ``(p, p)``, ``n <= 0`` gives ``(0, 1)``."""
+    if n <= 0 or math.isnan(p):
+        return 0.0, 1.0
+    if math.isinf(n):
+        return p, p
+    z2 = z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z / (1 + z2 / n) * math.sqrt(max(p * (1 - p) / n + z2 / (4 * n * n), 0.0))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _resolutions(noisy: np.ndarray, conflict: np.ndarray | None) -> list[np.ndarray]:
+    y = np.asarray(noisy, dtype=np.float64)
+    if conflict is None or not np.any(conflict):
+        return [y]
+    c = np.asarray(conflict, dtype=bool)
+    return [np.where(c, 0.0, y), np.where(c, 1.0, y)]
+
+
+def _noise_rate_once(sizes: np.ndarray, strata: np.ndarray, y: np.ndarray, z: float) -> Interval:
+    sizes = np.asarray(sizes, dtype=np.float64)
+    total = sizes.sum()
+    k = len(sizes)
+    m = np.bincount(strata, minlength=k).astype(np.float64)
+    x = np.bincount(strata, weights=y, minlength=k)
+    seen = (m > 0) & (sizes > 0)
+    unseen_share = float(sizes[~seen & (sizes > 0)].sum() / total)
+    w = sizes / total
+    p_h = np.where(seen, x / np.maximum(m, 1), 0.0)
+    smooth = np.where(seen, (x + 0.5) / (m + 1), 0.0)
+    fpc = np.where(seen, np.clip(1 - m / np.maximum(sizes, 1), 0.0, 1.0), 0.0)
+    w_seen = w[seen].sum()
+    if w_seen == 0:
+        return Interval(0.5, 0.0, 1.0, 0.0)
+    # The observed strata as a sub-population (weights renormalised), then the unseen ones added as [0, share].
+    ws = np.where(seen, w / w_seen, 0.0)
+    point = float((ws * p_h).sum())
+    var = float((ws**2 * smooth * (1 - smooth) / np.maximum(m, 1) * fpc).sum())
+    p_smooth = float((ws * smooth).sum())
+    n_eff = math.inf if var == 0 else p_smooth * (1 - p_smooth) / var
+    lo, hi = wilson(point, n_eff, z)
+    return Interval(w_seen * point + unseen_share / 2, w_seen * lo, w_seen * hi + unseen_share, n_eff)
+
+
+def noise_rate(sizes: np.ndarray, strata: np.ndarray, noisy: np.ndarray, conflict: np.ndarray | None = None,
+               z: float = Z95) -> Interval:
+    """The share of noisy pairs in the population, from labelled units (see the module doc).
+
+    ``sizes``: ``N_h``; ``strata``, ``noisy`` (0/1), ``conflict`` (bool): one entry per
+    labelled unit with a decisive label.
+    """
+    strata = np.asarray(strata, dtype=np.int64)
+    results = [_noise_rate_once(np.asarray(sizes), strata, y, z) for y in _resolutions(noisy, conflict)]
+    return results[0] if len(results) == 1 else results[0].union(results[1])
+
+
+def _ratio_once(sizes: np.ndarray, strata: np.ndarray, a: np.ndarray, b: np.ndarray, z: float) -> Interval | None:
+    k = len(sizes)
+    m = np.bincount(strata, minlength=k).astype(np.float64)
+    weight = np.asarray(sizes, dtype=np.float64)[strata] / m[strata]
+    denom = float((weight * b).sum())
+    n_den = int((b > 0).sum())
+    if denom <= 0 or n_den == 0:
+        return None
+    r = float((weight * a).sum() / denom)
+    e = a - r * b
+    var = 0.0
+    for h in range(k):
+        members = strata == h
+        mh = int(members.sum())
+        if mh < 2:
+            continue
+        fpc = max(0.0, 1 - mh / max(float(sizes[h]), 1.0))
+        var += float(sizes[h]) ** 2 * fpc * float(np.var(e[members], ddof=1)) / mh
+    var /= denom**2
+    r_smooth = (r * n_den + 0.5) / (n_den + 1)
+    n_eff = float(n_den) if var == 0 else min(float(n_den), r_smooth * (1 - r_smooth) / var)
+    lo, hi = wilson(r, n_eff, z)
+    return Interval(r, lo, hi, n_eff)
+
+
+def ratio(sizes: np.ndarray, strata: np.ndarray, a: np.ndarray, b: np.ndarray, z: float = Z95) -> Interval | None:
+    """The population ratio ``sum(a) / sum(b)`` (``0 <= a <= b``) from a stratified sample;
+    None when no labelled unit has ``b > 0``."""
+    return _ratio_once(np.asarray(sizes), np.asarray(strata, dtype=np.int64), np.asarray(a, dtype=np.float64),
+                       np.asarray(b, dtype=np.float64), z)
+
+
+def _union(parts: list[Interval | None]) -> Interval | None:
+    got = [p for p in parts if p is not None]
+    if not got:
+        return None
+    out = got[0]
+    for p in got[1:]:
+        out = out.union(p)
+    return out
+
+
+def flag_quality(sizes: np.ndarray, strata: np.ndarray, noisy: np.ndarray, flagged: np.ndarray,
+                 conflict: np.ndarray | None = None, z: float = Z95) -> dict[str, Interval | None]:
+    """Precision, recall and F1 of a noisy flag (``flagged``, bool per unit) against the
+    labels, as population estimates with intervals."""
+    f = np.asarray(flagged, dtype=np.float64)
+    out: dict[str, list[Interval | None]] = {"precision": [], "recall": [], "f1": []}
+    for y in _resolutions(noisy, conflict):
+        out["precision"].append(ratio(sizes, strata, f * y, f, z))
+        out["recall"].append(ratio(sizes, strata, f * y, y, z))
+        out["f1"].append(ratio(sizes, strata, 2 * f * y, f + y, z))
+    return {name: _union(parts) for name, parts in out.items()}
+
+
+def threshold_for(sizes: np.ndarray, strata: np.ndarray, noisy: np.ndarray, p_clean: np.ndarray, metric: str, target: float,
+                  conflict: np.ndarray | None = None) -> dict[str, Any] | None:
+    """The threshold ``T`` (pairs with ``p_clean < T`` flagged noisy) that reaches ``target``
+    for ``metric`` (``precision`` or ``recall``, point estimate) with the best other one:
+    for precision the highest recall, for recall the highest precision. Candidates are the
+    labelled units' scores (and just above the highest). None when no candidate reaches it."""
+    if metric not in ("precision", "recall"):
+        raise ValueError(f"metric must be precision or recall, not {metric!r}")
+    p = np.asarray(p_clean, dtype=np.float64)
+    candidates = np.unique(np.concatenate([p, [np.nextafter(p.max(), np.inf)]])) if len(p) else np.zeros(0)
+    other = "recall" if metric == "precision" else "precision"
+    best: tuple[float, float, dict[str, Any]] | None = None
+    for t in candidates:
+        q = flag_quality(sizes, strata, noisy, p < t, conflict)
+        got, alt = q[metric], q[other]
+        if got is None or got.estimate < target:
+            continue
+        score = alt.estimate if alt is not None else -1.0
+        if best is None or score > best[0] or (score == best[0] and t > best[1]):
+            best = (score, float(t), {"threshold": float(t), **{k: v.to_json() if v else None for k, v in q.items()}})
+    return best[2] if best else None
+
+
+def reliability(p_clean: np.ndarray, clean: np.ndarray, weight: np.ndarray, bins: int = 10) -> list[dict[str, Any]]:
+    """A reliability diagram of ``p_clean`` against labels (``clean``: 0/1, may be 0.5 for a
+    conflict), design-weighted: per equal-width bin, the labels in it, the weighted mean
+    ``p_clean`` and the weighted share labelled clean with a Wilson interval on the bin's count."""
+    p = np.clip(np.asarray(p_clean, dtype=np.float64), 0.0, 1.0)
+    y = np.asarray(clean, dtype=np.float64)
+    w = np.asarray(weight, dtype=np.float64)
+    idx = np.clip((p * bins).astype(np.int64), 0, bins - 1)
+    rows = []
+    for b in range(bins):
+        sel = idx == b
+        n = int(sel.sum())
+        if n == 0:
+            rows.append({"bin": [b / bins, (b + 1) / bins], "labels": 0, "predicted": None, "observed": None, "lower": None, "upper": None})
+            continue
+        ww = w[sel]
+        obs = float((ww * y[sel]).sum() / ww.sum())
+        lo, hi = wilson(obs, n)
+        rows.append({"bin": [b / bins, (b + 1) / bins], "labels": n, "predicted": round(float((ww * p[sel]).sum() / ww.sum()), 6),
+                     "observed": round(obs, 6), "lower": round(lo, 6), "upper": round(hi, 6), "weight": round(float(ww.sum()), 3)})
+    return rows
+
+
+def ece(p_clean: np.ndarray, clean: np.ndarray, weight: np.ndarray | None = None, bins: int = 15) -> float:
+    """Expected calibration error (equal-width bins, weighted by ``weight``)."""
+    p = np.clip(np.asarray(p_clean, dtype=np.float64), 0.0, 1.0)
+    y = np.asarray(clean, dtype=np.float64)
+    w = np.ones_like(p) if weight is None else np.asarray(weight, dtype=np.float64)
+    idx = np.clip((p * bins).astype(np.int64), 0, bins - 1)
+    total = w.sum()
+    if total <= 0:
+        return float("nan")
+    err = 0.0
+    for b in range(bins):
+        sel = idx == b
+        if sel.any():
+            wb = w[sel].sum()
+            err += wb / total * abs(float((w[sel] * p[sel]).sum() / wb - (w[sel] * y[sel]).sum() / wb))
+    return float(err)
+
+
+def fit_recalibration(p_clean: np.ndarray, clean: np.ndarray, weight: np.ndarray) -> dict[str, list[float]]:
+    """A monotone (non-decreasing) map of ``p_clean`` fitted on labels by design-weighted
+    isotonic regression (scikit-learn's ``IsotonicRegression``, the pool-adjacent-violators
+    algorithm). Returned as knots ``{"x": [...], "y": [...]}``: the map is the linear
+    interpolation between them, clipped at the ends (``apply_recalibration``), so applying
+    it needs only numpy and the knots fit in a JSON document."""
+    from sklearn.isotonic import IsotonicRegression
+
+    p = np.asarray(p_clean, dtype=np.float64)
+    if len(p) == 0:
+        raise ValueError("no labels to fit on")
+    iso = IsotonicRegression(y_min=0.0, y_max=1.0, increasing=True, out_of_bounds="clip")
+    iso.fit(p, np.asarray(clean, dtype=np.float64), sample_weight=np.asarray(weight, dtype=np.float64))
+    return {"x": [float(v) for v in iso.X_thresholds_], "y": [float(v) for v in iso.y_thresholds_]}
+
+
+def apply_recalibration(knots: dict[str, list[float]], p_clean: np.ndarray) -> np.ndarray:
+    """The recalibrated ``p_clean`` (float32): the knots' map, constant beyond the ends."""
+    x, y = np.asarray(knots["x"], dtype=np.float64), np.asarray(knots["y"], dtype=np.float64)
+    p = np.asarray(p_clean, dtype=np.float64)
+    if len(x) == 1:
+        return np.full(p.shape, y[0], dtype=np.float32)
+    return np.clip(np.interp(p, x, y), 0.0, 1.0).astype(np.float32)
+
+
+def self_agreement(first: list[str], repeat: list[str], z: float = Z95) -> dict[str, Any]:
+    """How often a labeller gave a blind repeat the label given the first time (any of
+    clean / noisy / unsure), with a Wilson interval; Cohen's kappa corrects for chance."""
+    n = len(first)
+    if n == 0:
+        return {"repeats": 0, "agreement": None, "lower": None, "upper": None, "kappa": None, "disagreements": 0}
+    a = np.asarray(first, dtype=object)
+    b = np.asarray(repeat, dtype=object)
+    agree = float((a == b).mean())
+    lo, hi = wilson(agree, n, z)
+    cats = sorted(set(a) | set(b))
+    chance = sum(float((a == c).mean()) * float((b == c).mean()) for c in cats)
+    kappa = None if chance >= 1 else (agree - chance) / (1 - chance)
+    return {"repeats": n, "agreement": round(agree, 6), "lower": round(lo, 6), "upper": round(hi, 6),
+            "kappa": None if kappa is None else round(kappa, 6), "disagreements": int((a != b).sum())}
+
+
+def labels_needed(drawn: np.ndarray, strata: np.ndarray, minimum: int = MIN_LABELS, per_stratum: int = 2) -> int:
+    """How many more decisive labels the estimate needs: at least ``min(minimum, queue
+    size)`` in all, and ``min(per_stratum, n_h)`` in every stratum the design drew from
+    (0 when enough)."""
+    drawn = np.asarray(drawn, dtype=np.int64)
+    m = np.bincount(np.asarray(strata, dtype=np.int64), minlength=len(drawn))
+    short = int(np.maximum(np.minimum(per_stratum, drawn) - m, 0).sum())
+    total = max(0, min(minimum, int(drawn.sum())) - int(m.sum()))
+    return max(short, total)
