@@ -74,7 +74,8 @@ def wilson(p: float, n: float, z: float = Z95) -> tuple[float, float]:
     z2 = z * z
     centre = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = z / (1 + z2 / n) * math.sqrt(max(p * (1 - p) / n + z2 / (4 * n * n), 0.0))
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # exact ends where the data sit on them (the formula leaves rounding dust there)
+    return (0.0 if p <= 0 else max(0.0, centre - half)), (1.0 if p >= 1 else min(1.0, centre + half))
 
 
 def _resolutions(noisy: np.ndarray, conflict: np.ndarray | None) -> list[np.ndarray]:

@@ -1,0 +1,137 @@
+"""``pairclean audit`` end to end on the demo job: queue, labels, report, recalibrated tables."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pairclean_workers.cli import _demo_truth, main
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def demo_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("audit") / "demo"
+    assert main(["demo", "--out", str(out), "--no-progress", "--executor", "local"]) == 0
+    return out
+
+
+@pytest.fixture
+def job(demo_job: Path, tmp_path: Path) -> Path:
+    """A fresh copy of the scored demo job for each test."""
+    return Path(shutil.copytree(demo_job, tmp_path / "job"))
+
+
+def _label(queue: Path, dest: Path, swapped: set[str], take: int | None = None, tweak: dict[str, str] | None = None,
+           extra: list[dict[str, str]] | None = None) -> Path:
+    rows = list(csv.DictReader(queue.open()))
+    for i, row in enumerate(rows):
+        if take is None or i < take:
+            row["label"] = (tweak or {}).get(row["key"], "noisy" if row["key"] in swapped else "clean")
+    rows += extra or []
+    with dest.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return dest
+
+
+def test_sample_label_estimate_and_recalibrate(job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    swapped, _ = _demo_truth(str(job))
+    queue = tmp_path / "queue.csv"
+    assert main(["audit", str(job), "--sample", "10", "--seed", "3", "--out", str(queue)]) == 0
+    rows = list(csv.DictReader(queue.open()))
+    assert list(rows[0]) == ["key", "shard", "similarity", "p_clean", "stratum", "inclusion_probability", "label"]
+    assert len({r["key"] for r in rows}) == 10 == len(rows)  # every ok pair once: a census
+    assert all(float(r["inclusion_probability"]) == 1.0 for r in rows)
+    first = queue.read_bytes()
+    assert main(["audit", str(job), "--sample", "10", "--seed", "3", "--out", str(queue)]) == 0
+    assert queue.read_bytes() == first  # reproducible from the seed
+    assert (job / "_pairclean" / "audit" / "design.json").is_file()
+    capsys.readouterr()
+
+    labels = _label(queue, tmp_path / "labels.csv", swapped)
+    assert main(["audit", str(job), "--labels", str(labels), "--threshold", "0.5", "--target", "precision=0.9"]) == 0
+    printed = capsys.readouterr().out
+    assert "noise rate: 40.0% [40.0, 40.0]" in printed  # 4 of 10 swapped, every pair labelled
+    report = json.loads((job / "_pairclean" / "audit.json").read_text())
+    assert report["status"] == "ok" and report["noise_rate"]["estimate"] == pytest.approx(0.4)
+    assert report["noisy_flag"]["precision"]["estimate"] == 1.0 and report["noisy_flag"]["recall"]["estimate"] == 1.0
+    assert report["target"]["reached"] and report["threshold"]["threshold"] == 0.5
+    assert report["recalibration"]["labels"] == 10 and report["recalibration"]["applied"]["rewritten"] == 1
+
+    table = pq.read_table(job / "demo-000000.parquet")
+    names = table.column_names
+    assert names.index("p_clean_model") == names.index("p_clean") + 1
+    meta = json.loads(table.schema.metadata[b"pairclean"])
+    assert meta["audit"]["labels"] == 10 and meta["audit"]["map_sha256"] == report["recalibration"]["sha256"]
+    by_key = {r["key"]: r for r in table.to_pylist()}
+    for key, row in by_key.items():  # the map is fitted on these very labels: noisy -> 0, clean -> 1
+        assert row["p_clean"] == (0.0 if key in swapped else 1.0)
+    # the job's completion records follow the rewritten table: inspect and the pages read it
+    digest = hashlib.sha256((job / "demo-000000.parquet").read_bytes()).hexdigest()
+    assert main(["inspect", str(job), "--json"]) == 0
+    capsys.readouterr()
+
+    # a rerun with the same labels rewrites nothing and leaves the table byte-identical
+    assert main(["audit", str(job), "--labels", str(labels)]) == 0
+    assert "0 rewritten, 1 already done" in capsys.readouterr().out
+    assert hashlib.sha256((job / "demo-000000.parquet").read_bytes()).hexdigest() == digest
+
+
+def test_too_few_labels_say_how_many_more(job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    swapped, _ = _demo_truth(str(job))
+    queue = tmp_path / "queue.csv"
+    assert main(["audit", str(job), "--sample", "10", "--out", str(queue)]) == 0
+    labels = _label(queue, tmp_path / "few.csv", swapped, take=6)
+    before = (job / "demo-000000.parquet").read_bytes()
+    assert main(["audit", str(job), "--labels", str(labels)]) == 1
+    printed = capsys.readouterr().out
+    assert "label 4 more pairs" in printed
+    assert (job / "demo-000000.parquet").read_bytes() == before  # nothing applied
+    assert json.loads((job / "_pairclean" / "audit.json").read_text())["labels_needed"] == 4
+
+
+def test_unsure_and_conflicting_labels_are_reported(job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    swapped, _ = _demo_truth(str(job))
+    queue = tmp_path / "queue.csv"
+    assert main(["audit", str(job), "--sample", "10", "--out", str(queue)]) == 0
+    rows = list(csv.DictReader(queue.open()))
+    clean_key = next(r["key"] for r in rows if r["key"] not in swapped)
+    unsure_key = next(r["key"] for r in rows if r["key"] not in swapped and r["key"] != clean_key)
+    repeat = {"key": clean_key, "shard": rows[0]["shard"], "label": "noisy"}  # a blind repeat that disagrees
+    labels = _label(queue, tmp_path / "labels.csv", swapped, tweak={unsure_key: "unsure"}, extra=[repeat])
+    code = main(["audit", str(job), "--labels", str(labels), "--no-apply"])
+    printed = capsys.readouterr().out
+    report = json.loads((job / "_pairclean" / "audit.json").read_text())
+    assert report["labels"]["unsure_pairs"] == 1 and report["labels"]["conflicting_pairs"] == 1
+    assert "1 only unsure (reported, not counted)" in printed
+    assert report["self_agreement"]["repeats"] == 1 and report["self_agreement"]["agreement"] == 0.0
+    # 9 decisive pairs out of a 10-pair queue: below the minimum (all of a queue this small)
+    assert code == 1 and report["labels_needed"] == 1
+    assert "p_clean_model" not in pq.read_table(job / "demo-000000.parquet").column_names
+
+
+def test_bad_input_is_one_line_and_touches_nothing(job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    queue = tmp_path / "queue.csv"
+    assert main(["audit", str(job), "--labels", str(queue)]) == 1  # no sample drawn yet
+    assert "no audit sample yet" in capsys.readouterr().err
+    assert main(["audit", str(job), "--sample", "5", "--out", str(queue)]) == 0
+    bad = tmp_path / "bad.csv"
+    bad.write_text("key,label\nskimage/coffee,maybe\n")
+    assert main(["audit", str(job), "--labels", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "line 2: label must be one of clean, noisy, unsure" in err and "maybe" not in err
+    mine = tmp_path / "mine.csv"
+    mine.write_text("my own notes\n")
+    assert main(["audit", str(job), "--sample", "5", "--out", str(mine)]) == 1
+    assert mine.read_text() == "my own notes\n"
+    assert main(["audit", str(job), "--labels", str(queue), "--target", "accuracy=2"]) == 1
+    assert "--target expects" in capsys.readouterr().err
