@@ -124,7 +124,7 @@ def evaluate(out: Path, truth: dict[str, bool], seeds: int, labels: int, labelle
         weight = design.sizes[strata] / np.bincount(strata, minlength=len(design.sizes))[strata]
         knots = stats.fit_recalibration(pop.p_model[rows], 1 - given, weight)
         eces.append(stats.ece(stats.apply_recalibration(knots, pop.p_model), 1 - y))
-    return {"pairs": len(pop), "true_rate": true_rate, "coverage": cover, "precision_coverage": prec_cover,
+    return {"pairs": len(pop), "true_rate": true_rate, "coverage": int(cover), "precision_coverage": int(prec_cover),
             "half_width_mean": float(np.mean(halves)), "half_width_max": float(np.max(halves)),
             "ece_model": stats.ece(pop.p_model, 1 - y), "ece_recalibrated_mean": float(np.mean(eces)),
             "ece_recalibrated_max": float(np.max(eces))}

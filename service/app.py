@@ -7,6 +7,7 @@ Laid out the way FastAPI projects are: ``schemas`` (request and response bodies)
 ``/shards``, ``/logs``, ``:cancel``, ``:retry``, all with ``Authorization: Bearer <key>``)
 and ``routers/health.py`` (the unauthenticated ``/healthz``, ``/readyz``, ``/metrics``);
 ``routers/pages.py`` adds the web pages under ``/ui`` (session login, HTML errors there);
+``routers/audit.py`` the audit loop's API and labelling page (``audit.py``);
 this module wires them together with the middleware and error handlers.
 """
 
@@ -26,7 +27,8 @@ from fastapi.responses import JSONResponse, Response
 from .dependencies import ValidationPool, output_key
 from .guards import BodyLimit, public_errors
 from .metrics import Metrics
-from .routers import health, jobs, pages
+from .audit import Auditor
+from .routers import audit, health, jobs, pages
 from .routers.jobs import read_log
 from .runner import JobRunner
 from .schemas import ERRORS, JobPublic, JobRequest
@@ -61,6 +63,8 @@ def create_app(settings: ServiceSettings | None = None, state_dir: str | Path = 
     _add_middleware(app, settings, metrics)
     _add_error_handlers(app)
     pages.install(app, settings)  # after the JSON error handlers, which it keeps outside /ui
+    app.state.auditor = Auditor(settings, store, app.state.browser, metrics)
+    app.include_router(audit.router)
     return app
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from markupsafe import Markup, escape
 
-__all__ = ["Series", "histogram_svg"]
+__all__ = ["Series", "histogram_svg", "reliability_svg"]
 
 _W, _H = 640, 230
 _LEFT, _RIGHT, _TOP, _BOTTOM = 52, 16, 18, 40
@@ -78,5 +78,42 @@ def histogram_svg(edges: Sequence[float], series: Sequence[Series], title: str, 
         parts.append(f'<line x1="{x:.1f}" y1="{_TOP:.1f}" x2="{x:.1f}" y2="{base:.1f}" stroke="#1f4e9c" stroke-width="2" '
                      f'stroke-dasharray="5 3"/><text x="{x + 4:.1f}" y="{_TOP + 10:.1f}" font-size="12" fill="#1f4e9c">'
                      f'{escape(marker_label)}</text>')
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+def reliability_svg(rows: Sequence[dict[str, object]], title: str = "Reliability of p_clean against the labels") -> Markup:
+    """A reliability diagram: per bin of ``p_clean`` with labels, the share labelled clean
+    (with its interval) against the mean ``p_clean``; the diagonal is perfect calibration.
+    ``rows``: ``pairclean.audit.stats.reliability``'s output."""
+    size, pad = 300, 40
+    inner = size - 2 * pad
+
+    def at(v: float) -> float:
+        return pad + v * inner
+
+    def up(v: float) -> float:
+        return size - pad - v * inner
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {size} {size}" class="chart reliability" role="img" '
+             f'aria-label="{escape(title)}"><title>{escape(title)}</title>',
+             f'<rect x="{pad}" y="{pad}" width="{inner}" height="{inner}" fill="#fff" stroke="#888"/>',
+             f'<line x1="{at(0)}" y1="{up(0)}" x2="{at(1)}" y2="{up(1)}" stroke="#aaa" stroke-dasharray="4 3"/>']
+    for k in range(0, 11, 5):
+        v = k / 10
+        parts.append(f'<text x="{at(v):.1f}" y="{size - pad + 16}" text-anchor="middle" font-size="11" fill="#444">{v:.1f}</text>'
+                     f'<text x="{pad - 6}" y="{up(v) + 4:.1f}" text-anchor="end" font-size="11" fill="#444">{v:.1f}</text>')
+    parts.append(f'<text x="{size / 2}" y="{size - 6}" text-anchor="middle" font-size="12" fill="#222">p_clean (model)</text>'
+                 f'<text x="12" y="{size / 2}" text-anchor="middle" font-size="12" fill="#222" '
+                 f'transform="rotate(-90 12 {size / 2})">labelled clean</text>')
+    for row in rows:
+        if not row.get("labels"):
+            continue
+        x, y = float(row["predicted"]), float(row["observed"])  # type: ignore[arg-type]
+        lo, hi = float(row["lower"]), float(row["upper"])  # type: ignore[arg-type]
+        r = min(3 + int(row["labels"]) ** 0.5, 10)  # type: ignore[operator]
+        parts.append(f'<line x1="{at(x):.1f}" y1="{up(lo):.1f}" x2="{at(x):.1f}" y2="{up(hi):.1f}" stroke="#1f4e9c"/>'
+                     f'<circle cx="{at(x):.1f}" cy="{up(y):.1f}" r="{r:.1f}" fill="#1f4e9c" fill-opacity="0.8">'
+                     f'<title>{int(row["labels"])} labels: p_clean {x:.2f}, clean {y:.2f} [{lo:.2f}, {hi:.2f}]</title></circle>')  # type: ignore[call-overload]
     parts.append("</svg>")
     return Markup("".join(parts))

@@ -34,6 +34,13 @@ class Metrics:
         self.retries = Counter("pairclean_shard_attempts_failed_total", "Shard attempts that failed and were retried or quarantined", registry=r)
         self.requests = Counter("pairclean_http_requests_total", "HTTP requests, by route group and status class", ["route", "code"], registry=r)
         self.latency = Histogram("pairclean_http_request_seconds", "HTTP request latency", ["route"], registry=r)
+        # The audit loop (issue 22): labels stored, and the latest audit estimate this replica
+        # computed (any job: a job id is never a label).
+        self.audit_labels = Counter("pairclean_audit_labels_total", "Human audit labels stored, by label", ["label"], registry=r)
+        self.audit_noise = Gauge("pairclean_audit_noise_rate", "Noise rate of the latest audit estimate, with its 95% interval",
+                                 ["bound"], registry=r)
+        self.audit_pairs = Gauge("pairclean_audit_labelled_pairs", "Pairs with a decisive label behind the latest audit estimate",
+                                 registry=r)
 
     def jobs_by_state(self, counts: dict[str, int]) -> None:
         for state, count in counts.items():
@@ -63,6 +70,12 @@ class Metrics:
             if keep and sim is not None and not math.isnan(sim):
                 self.similarities.observe(sim)
                 self.weights.observe(weight)
+
+    def audit_estimate(self, interval: dict[str, float], pairs: int) -> None:
+        """Export an audit's noise-rate estimate (``bound``: estimate, lower, upper)."""
+        for bound in ("estimate", "lower", "upper"):
+            self.audit_noise.labels(bound=bound).set(interval[bound])
+        self.audit_pairs.set(pairs)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

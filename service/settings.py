@@ -22,6 +22,8 @@ class ServiceSettings(BaseSettings):
     ``ui_*``: the web pages (``routers/pages.py``): how long a login lasts, the largest
     image member a thumbnail may read, the score rows one job page scans for its charts
     and galleries, and how often the pages poll for progress.
+    ``audit_sample`` / ``audit_seed``: the size and seed of each job's labelling queue (the
+    audit loop, ``audit.py``; ``pairclean audit OUT --sample N --seed S`` draws the same one).
     """
 
     model_config = SettingsConfigDict(env_prefix="PAIRCLEAN_", extra="ignore")
@@ -46,3 +48,5 @@ class ServiceSettings(BaseSettings):
     ui_thumbnail_max_bytes: int = 16 * 2**20
     ui_scan_max_rows: int = 2_000_000
     ui_poll_ms: int = 2000
+    audit_sample: int = Field(400, ge=1, le=5000)
+    audit_seed: int = 0

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import ColumnElement, Engine, Row, Select, create_engine, event, func, insert, literal, select, update
+from sqlalchemy import ColumnElement, Engine, Row, Select, create_engine, delete, event, func, insert, literal, select, update
 from sqlalchemy.exc import IntegrityError
 
 from pairclean.job.lifecycle import ACTIVE, QUEUED, STATES, TERMINAL, IllegalTransition, can_move
 
 from . import migrations
-from .tables import api_keys, jobs
+from .tables import AUDIT_LABELS, api_keys, audit_labels, audit_queues, jobs
 
 __all__ = ["STATES", "TERMINAL", "ACTIVE", "JobRow", "JobStore", "OutputInUse", "Principal"]
 
@@ -248,6 +248,61 @@ class JobStore:
         with self.engine.connect() as conn:
             rows = conn.execute(select(jobs.c.state, func.count()).group_by(jobs.c.state)).all()
         return {state: 0 for state in STATES} | {r[0]: int(r[1]) for r in rows}
+
+    # -- audit (issue 22) ---------------------------------------------------------------------
+    def audit_queue(self, job_id: str) -> dict[str, Any] | None:
+        """The job's frozen audit queue (``seed``, ``sample``, ``design`` as stored), or None."""
+        with self.engine.connect() as conn:
+            r = conn.execute(select(audit_queues.c.seed, audit_queues.c.sample, audit_queues.c.design)
+                             .where(audit_queues.c.job_id == job_id)).first()
+        return {"seed": int(r.seed), "sample": int(r.sample), "design": json.loads(r.design)} if r else None
+
+    def put_audit_queue(self, job_id: str, tenant: str | None, seed: int, sample: int, design: dict[str, Any]) -> dict[str, Any]:
+        """Freeze the job's queue; when another request froze one first, that one is kept and returned."""
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(insert(audit_queues).values(job_id=job_id, tenant=tenant, seed=seed, sample=sample,
+                                                         design=json.dumps(design), created_at=_now()))
+        except IntegrityError:
+            pass
+        got = self.audit_queue(job_id)
+        assert got is not None
+        return got
+
+    def add_labels(self, job_id: str, tenant: str | None, who: str, items: Sequence[tuple[int, str, str]]) -> int:
+        """Store labels ``(queue position, key, label)`` given by ``who`` on a tenant's job."""
+        if any(label not in AUDIT_LABELS for _, _, label in items):
+            raise ValueError("label must be one of " + ", ".join(AUDIT_LABELS))
+        now = _now()
+        rows = [{"job_id": job_id, "tenant": tenant, "position": pos, "key": key, "label": label, "who": who, "labelled_at": now}
+                for pos, key, label in items]
+        if rows:
+            with self.engine.begin() as conn:
+                conn.execute(insert(audit_labels), rows)
+        return len(rows)
+
+    def audit_labels(self, job_id: str, tenant: str | None) -> list[dict[str, Any]]:
+        """Every label of the job (of its tenant), oldest first."""
+        same = audit_labels.c.tenant.is_(None) if tenant is None else audit_labels.c.tenant == tenant
+        query = (select(audit_labels.c.id, audit_labels.c.position, audit_labels.c.key, audit_labels.c.label, audit_labels.c.who,
+                        audit_labels.c.labelled_at).where(audit_labels.c.job_id == job_id, same).order_by(audit_labels.c.id))
+        with self.engine.connect() as conn:
+            return [dict(r._mapping) for r in conn.execute(query)]
+
+    def count_labels(self, job_id: str) -> int:
+        with self.engine.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(audit_labels).where(audit_labels.c.job_id == job_id)).scalar() or 0)
+
+    def undo_label(self, job_id: str, who: str) -> dict[str, Any] | None:
+        """Remove ``who``'s latest label on the job; returns it (None when there is none)."""
+        with self.engine.begin() as conn:
+            r = conn.execute(select(audit_labels.c.id, audit_labels.c.position, audit_labels.c.key, audit_labels.c.label)
+                             .where(audit_labels.c.job_id == job_id, audit_labels.c.who == who)
+                             .order_by(audit_labels.c.id.desc()).limit(1)).first()
+            if r is None:
+                return None
+            conn.execute(delete(audit_labels).where(audit_labels.c.id == r.id))
+        return dict(r._mapping)
 
     def ping(self) -> bool:
         with self.engine.connect() as conn:

@@ -10,11 +10,11 @@ so databases created before Alembic adopt this schema without a table rewrite.
 
 from __future__ import annotations
 
-from sqlalchemy import Column, Double, Index, Integer, MetaData, String, Table, Text, text
+from sqlalchemy import CheckConstraint, Column, Double, ForeignKey, Index, Integer, MetaData, String, Table, Text, text
 
 from pairclean.job.lifecycle import ACTIVE
 
-__all__ = ["metadata", "jobs", "api_keys"]
+__all__ = ["metadata", "jobs", "api_keys", "audit_queues", "audit_labels", "AUDIT_LABELS"]
 
 metadata = MetaData()
 
@@ -60,3 +60,37 @@ api_keys = Table(
     Column("created_at", String(32), nullable=False),
     Column("admin", Integer, nullable=False, server_default=_ZERO),
 )
+
+#: The label values (an enum by CHECK constraint, the same on SQLite and PostgreSQL).
+AUDIT_LABELS = ("clean", "noisy", "unsure")
+
+# A job's audit queue (issue 22), frozen when first asked for: the design (strata sizes,
+# draws, seed) and the queued pairs as JSON. One row per job; bounded by the queue size.
+audit_queues = Table(
+    "audit_queues",
+    metadata,
+    Column("job_id", String(36), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True),
+    Column("tenant", String(100)),  # the job's owner
+    Column("seed", Integer, nullable=False),
+    Column("sample", Integer, nullable=False),
+    Column("design", Text, nullable=False),
+    Column("created_at", String(32), nullable=False),
+)
+
+# Human labels of queued pairs: who said what, when, for which tenant's job. ``position``
+# is the pair's place in the job's queue (the pair itself is in the queue's JSON).
+audit_labels = Table(
+    "audit_labels",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("job_id", String(36), ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False),
+    Column("tenant", String(100)),
+    Column("position", Integer, nullable=False),
+    Column("key", Text, nullable=False),
+    Column("label", String(8), CheckConstraint("label IN ('clean', 'noisy', 'unsure')", name="audit_label_value"), nullable=False),
+    Column("who", String(100), nullable=False),
+    Column("labelled_at", String(32), nullable=False),
+)
+
+Index("audit_labels_job", audit_labels.c.job_id, audit_labels.c.position)
+Index("audit_labels_who", audit_labels.c.job_id, audit_labels.c.who, audit_labels.c.id)

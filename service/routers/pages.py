@@ -34,7 +34,7 @@ from pairclean import schema
 from pairclean.job.lifecycle import TERMINAL, State
 
 from ..browse import GALLERY_MAX, PAGE_SIZE, Browser, JobOverview, RowFilter
-from ..charts import Series, histogram_svg
+from ..charts import Series, histogram_svg, reliability_svg
 from ..dependencies import JobId, Store, job_or_404
 from ..guards import public_errors
 from ..schemas import JobPublic
@@ -53,7 +53,8 @@ DEMO_IDEMPOTENCY_KEY = "pairclean-demo"
 #: Jobs on one page of the job list; shards on one page of a job's shard table.
 JOBS_PAGE = 50
 SHARDS_PAGE = 50
-_STATIC = {"pages.css": "text/css; charset=utf-8", "pages.js": "text/javascript; charset=utf-8", "favicon.svg": "image/svg+xml"}
+_STATIC = {"pages.css": "text/css; charset=utf-8", "pages.js": "text/javascript; charset=utf-8", "audit.js": "text/javascript; charset=utf-8",
+           "favicon.svg": "image/svg+xml"}
 _CSP = ("default-src 'none'; img-src 'self'; style-src 'self'; script-src 'self'; connect-src 'self'; "
         "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
 _COLOURS = {"clean": "#4c9a6a", "noisy": "#c8553d"}
@@ -346,7 +347,10 @@ def job_page(request: Request, job_id: JobId, who: Viewer, store: Store, pages: 
     row = job_or_404(store, job_id, who)
     job = public_job(row)
     view = pages.overview(row)
-    return _render(request, "job.html", who=who, job=job, fields=progress_fields(job), view=view, charts=_charts(view),
+    audit = request.app.state.auditor.report(row) if request.app.state.store.count_labels(row.id) else None
+    return _render(request, "job.html", who=who, job=job, fields=progress_fields(job), view=view, charts=_charts(view), audit=audit,
+                   reliability=reliability_svg(audit["reliability"]) if audit and "reliability" in audit else None,
+                   can_audit=job.state in TERMINAL and view.committed > 0,
                    why=_why(view), shards=view.scanned[shard_offset : shard_offset + SHARDS_PAGE], shard_offset=shard_offset,
                    shards_page=SHARDS_PAGE, model=view.meta.get("model") or {},
                    quarantined=sorted(view.quarantined.items())[:SHARDS_PAGE],

@@ -101,6 +101,18 @@ class DemoService:
             time.sleep(0.2)
         raise AssertionError(f"job {job_id} did not end in {timeout} s")
 
+    def audit_job(self, name: str, copies: int = 3) -> str:
+        """A finished job of ``copies`` copies of the demo shard (10 pairs each, the same 4
+        swapped keys in each) for the audit tests, which need a few tens of pairs."""
+        import shutil
+
+        folder = self.root / name
+        folder.mkdir()
+        shards = [str(shutil.copy(self.shard, folder / f"copy-{i:06d}.tar")) for i in range(copies)]
+        job = self.submit(shards, str(folder / "out"))
+        self.wait(job)
+        return job
+
     def close(self) -> None:
         self.live.__exit__(None, None, None)
 

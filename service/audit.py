@@ -1,0 +1,188 @@
+"""The audit loop in the service (issue 22): one labelling queue per job, labels in the job
+store, the figures computed from them with the library's estimators (``pairclean.audit``).
+
+- The queue is drawn once, when first asked for, from the job's committed score tables
+  (``pairclean.audit.run.queue_rows``: stratified by the model's ``p_clean``, seed
+  ``audit_seed``, ``audit_sample`` pairs, at most ``ui_scan_max_rows`` rows read), and
+  frozen in the store with its design: later labels always refer to the same sample and
+  inclusion probabilities. Only a job that has ended with committed shards has a queue.
+- ``next_item``: the first queued pair nobody has labelled; after every
+  ``REPEAT_EVERY - 1`` labels of one labeller, one of the pairs they labelled before is
+  shown again, blind (nothing in the reply says so), for their self-agreement. The queue
+  itself never holds a pair twice. The labeller sees the image and the caption, never the
+  model's score (it would bias the label).
+- Labels: an enum (clean, noisy, unsure), a queue position that must exist and whose key
+  must match, at most ``MAX_LABELS_PER_REQUEST`` per request and ``labels_cap`` per job.
+- ``report``: ``pairclean.audit.run.audit_report`` over the stored labels. The service
+  never writes into the job's folder and never loads a model: recalibrating the tables is
+  the CLI's ``pairclean audit OUT --labels FILE`` (the page's export is such a file).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+from typing import Any
+
+from fastapi import HTTPException
+
+from pairclean.lifecycle import FAILED, PARTIAL, SUCCEEDED
+
+from .browse import Browser
+from .metrics import Metrics
+from .settings import ServiceSettings
+from .store import JobRow, JobStore, Principal
+
+__all__ = ["Auditor", "REPEAT_EVERY", "MAX_LABELS_PER_REQUEST", "EXPORT_COLUMNS"]
+
+#: One label in this many is a blind repeat of an earlier one (when there is one to repeat).
+REPEAT_EVERY = 10
+MAX_LABELS_PER_REQUEST = 500
+EXPORT_COLUMNS = ("key", "shard", "label", "who", "labelled_at", "position", "stratum", "inclusion_probability")
+
+
+class Auditor:
+    """Queue, labels and figures of jobs' audits (one per app)."""
+
+    def __init__(self, settings: ServiceSettings, store: JobStore, browser: Browser, metrics: Metrics) -> None:
+        self.settings, self.store, self.browser, self.metrics = settings, store, browser, metrics
+
+    # -- the queue ----------------------------------------------------------------------------
+    def queue(self, job: JobRow, create: bool = True) -> dict[str, Any] | None:
+        """The job's frozen queue document (``design``, ``queue``); drawn on first use.
+
+        409 while the job has not ended with committed shards (its scores still change).
+        """
+        got = self.store.audit_queue(job.id)
+        if got is not None or not create:
+            return got["design"] if got else None
+        if job.state not in (SUCCEEDED, PARTIAL, FAILED):
+            raise HTTPException(409, f"the job is {job.state}: its audit queue is drawn once it has ended")
+        from pairclean.audit.run import population, queue_rows
+        from pairclean.errors import PaircleanError
+
+        holder = self.browser.output(job)
+        try:
+            with holder.lock:
+                pop = population(holder.out, max_rows=self.settings.ui_scan_max_rows)
+        except PaircleanError as exc:
+            raise HTTPException(409, f"nothing to audit: {exc}") from None
+        doc, queue = queue_rows(pop, self.settings.audit_sample, self.settings.audit_seed)
+        stored = self.store.put_audit_queue(job.id, job.owner, self.settings.audit_seed, self.settings.audit_sample,
+                                            {"design": doc, "queue": queue})
+        return stored["design"]  # type: ignore[no-any-return]
+
+    def labels_cap(self, queue: dict[str, Any]) -> int:
+        """The most labels one job may hold: every pair a few times over (several labellers, repeats, undos)."""
+        return 4 * len(queue["queue"]) + 100
+
+    # -- labelling ------------------------------------------------------------------------------
+    def next_item(self, job: JobRow, who: Principal) -> dict[str, Any]:
+        """The next pair for ``who`` to label (or ``done``), with progress and the estimate."""
+        doc = self.queue(job)
+        assert doc is not None
+        queue = doc["queue"]
+        labels = self.store.audit_labels(job.id, job.owner)
+        position = self._pick(job, queue, labels, who.name)
+        reply: dict[str, Any] = {"progress": self._progress(queue, labels), "summary": self.summary(job, doc, labels)}
+        if position is None:
+            return reply | {"done": True}
+        item = queue[position]
+        pair = self.browser.pairs(job, [(item["stem"], item["row"])])
+        caption = pair[0].caption if pair else None
+        return reply | {"done": False, "position": position, "key": item["key"], "shard": item["shard"], "stem": item["stem"],
+                        "row": item["row"], "caption": caption}
+
+    def _pick(self, job: JobRow, queue: list[dict[str, Any]], labels: list[dict[str, Any]], who: str) -> int | None:
+        mine = [lab for lab in labels if lab["who"] == who]
+        if len(mine) >= REPEAT_EVERY - 1 and len(mine) % REPEAT_EVERY == REPEAT_EVERY - 1:
+            counts: dict[int, int] = {}
+            for lab in mine:
+                counts[lab["position"]] = counts.get(lab["position"], 0) + 1
+            once = sorted(p for p, c in counts.items() if c == 1 and p != mine[-1]["position"])
+            if once:
+                # deterministic: the same state shows the same repeat (an undo brings it back)
+                h = int(hashlib.sha256(f"{job.id}:{who}:{len(mine)}".encode()).hexdigest()[:8], 16)
+                return once[h % len(once)]
+        done = {lab["position"] for lab in labels}
+        return next((i for i in range(len(queue)) if i not in done), None)
+
+    @staticmethod
+    def _progress(queue: list[dict[str, Any]], labels: list[dict[str, Any]]) -> dict[str, int]:
+        return {"labelled": len({lab["position"] for lab in labels}), "queue": len(queue), "labels": len(labels)}
+
+    def add(self, job: JobRow, who: Principal, items: list[dict[str, Any]]) -> dict[str, Any]:
+        """Store labels ``{"position": int, "key": str, "label": ...}``; 422 for a pair not
+        in the queue (or a key that does not match its position), 409 past the job's cap."""
+        doc = self.queue(job)
+        assert doc is not None
+        queue = doc["queue"]
+        rows = []
+        for i, item in enumerate(items):
+            pos = item["position"]
+            if not 0 <= pos < len(queue) or queue[pos]["key"] != item["key"]:
+                raise HTTPException(422, f"labels[{i}]: no such pair in this job's audit queue")
+            rows.append((pos, queue[pos]["key"], item["label"]))
+        if self.store.count_labels(job.id) + len(rows) > self.labels_cap(doc):
+            raise HTTPException(409, f"this job holds the most labels it may ({self.labels_cap(doc)})")
+        self.store.add_labels(job.id, job.owner, who.name, rows)
+        for _, _, label in rows:
+            self.metrics.audit_labels.labels(label=label).inc()
+        return {"stored": len(rows)}
+
+    def undo(self, job: JobRow, who: Principal) -> dict[str, Any] | None:
+        """Remove ``who``'s latest label on the job."""
+        return self.store.undo_label(job.id, who.name)
+
+    # -- figures ------------------------------------------------------------------------------
+    def report(self, job: JobRow, doc: dict[str, Any] | None = None, labels: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
+        """The audit report of the stored labels (None while the job has no queue)."""
+        from pairclean.audit.run import Label, audit_report
+
+        doc = doc if doc is not None else self.queue(job, create=False)
+        if doc is None:
+            return None
+        labels = labels if labels is not None else self.store.audit_labels(job.id, job.owner)
+        queue = doc["queue"]
+        given = [Label(lab["key"], lab["label"], queue[lab["position"]]["shard"], lab["who"], f"{lab['labelled_at']}#{lab['id']:012d}")
+                 for lab in labels]
+        report = audit_report(doc, given)
+        if report["status"] == "ok":
+            self.metrics.audit_estimate(report["noise_rate"], report["labels"]["decisive_pairs"])
+        return report
+
+    def summary(self, job: JobRow, doc: dict[str, Any], labels: list[dict[str, Any]]) -> str:
+        """One line: the estimate, or how many labels it still needs."""
+        report = self.report(job, doc, labels)
+        if report is None or not labels:
+            return "no labels yet"
+        if report["status"] != "ok":
+            return f"label {report['labels_needed']} more pairs for an estimate"
+        nr = report["noise_rate"]
+        return (f"noise rate {100 * nr['estimate']:.1f}% [{100 * nr['lower']:.1f}, {100 * nr['upper']:.1f}] "
+                f"(95%, {report['labels']['decisive_pairs']} pairs labelled)")
+
+    def export(self, job: JobRow, fmt: str) -> tuple[bytes, str]:
+        """The labels as CSV or Parquet (the file ``pairclean audit OUT --labels`` reads)."""
+        doc = self.queue(job, create=False)
+        labels = self.store.audit_labels(job.id, job.owner) if doc else []
+        queue = doc["queue"] if doc else []
+        rows = [{"key": lab["key"], "shard": queue[lab["position"]]["shard"], "label": lab["label"], "who": lab["who"],
+                 "labelled_at": lab["labelled_at"], "position": lab["position"], "stratum": queue[lab["position"]]["stratum"],
+                 "inclusion_probability": queue[lab["position"]]["inclusion_probability"]} for lab in labels]
+        if fmt == "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            schema = pa.schema([("key", pa.string()), ("shard", pa.string()), ("label", pa.string()), ("who", pa.string()),
+                                ("labelled_at", pa.string()), ("position", pa.int64()), ("stratum", pa.int64()),
+                                ("inclusion_probability", pa.float64())])
+            buf = io.BytesIO()
+            pq.write_table(pa.Table.from_pylist(rows, schema=schema), buf)
+            return buf.getvalue(), "application/vnd.apache.parquet"
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=EXPORT_COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        return text.getvalue().encode(), "text/csv; charset=utf-8"

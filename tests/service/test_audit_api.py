@@ -1,0 +1,124 @@
+"""The audit loop's JSON API over real HTTP against the real app, on a real scored job
+(three copies of the demo shard: 30 pairs, 12 of them swapped captions)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+
+import httpx
+
+HTTP = httpx.Client(timeout=120)  # a loaded CI machine: the first report imports scikit-learn
+import pyarrow.parquet as pq
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def job(demo_service) -> str:
+    return demo_service.audit_job("audit-api")
+
+
+def _h(demo_service, owner: str = "team-a") -> dict[str, str]:
+    return {"Authorization": f"Bearer {demo_service.keys[owner]}"}
+
+
+def _truth(demo_service, key: str) -> str:
+    return "noisy" if key in demo_service.swapped else "clean"
+
+
+def test_label_the_queue_over_http_and_get_the_figures(demo_service, job: str, tmp_path) -> None:
+    base, h = f"{demo_service.url}/v1/jobs/{job}/audit", _h(demo_service)
+    first = HTTP.get(f"{base}/next", headers=h).json()
+    assert first["done"] is False and first["position"] == 0 and first["progress"] == {"labelled": 0, "queue": 30, "labels": 0}
+    assert first["caption"] and "p_clean" not in first and "similarity" not in first  # the labeller never sees the model's view
+    assert first["summary"] == "no labels yet"
+    assert HTTP.get(base, headers=h).json()["status"] == "too_few_labels"
+
+    seen, repeats = [], 0
+    while True:
+        item = HTTP.get(f"{base}/next", headers=h).json()
+        if item["done"]:
+            break
+        if item["position"] in seen:
+            repeats += 1  # a blind repeat: nothing in the reply says so
+        seen.append(item["position"])
+        r = HTTP.post(f"{base}/labels", headers=h,
+                       json={"labels": [{"position": item["position"], "key": item["key"], "label": _truth(demo_service, item["key"])}]})
+        assert r.status_code == 201, r.text
+        assert len(seen) < 100
+    assert sorted(set(seen)) == list(range(30)) and repeats >= 2
+
+    report = HTTP.get(base, headers=h).json()
+    assert report["status"] == "ok"
+    assert report["labels"]["decisive_pairs"] == 30 and report["labels"]["conflicting_pairs"] == 0
+    assert report["noise_rate"]["estimate"] == pytest.approx(0.4)  # 12 of 30, every pair labelled
+    assert report["noisy_flag"]["recall"]["estimate"] == 1.0
+    assert report["self_agreement"]["repeats"] == repeats and report["self_agreement"]["agreement"] == 1.0
+
+    # /metrics: the estimate, with bounded labels (never a job id)
+    text = HTTP.get(f"{demo_service.url}/metrics").text
+    assert re.search(r'pairclean_audit_noise_rate\{bound="estimate"\} 0\.4\b', text)
+    assert re.search(r'pairclean_audit_labels_total\{label="noisy"\} \d', text)
+    assert job not in text
+
+    # the export is the file `pairclean audit OUT --labels` reads, CSV or Parquet
+    exported = HTTP.get(f"{base}/labels", headers=h)
+    assert exported.headers["content-type"].startswith("text/csv")
+    rows = list(csv.DictReader(io.StringIO(exported.text)))
+    assert len(rows) == 30 + repeats and {r["who"] for r in rows} == {"team-a"}
+    assert {r["label"] for r in rows} == {"clean", "noisy"}
+    table = pq.read_table(io.BytesIO(HTTP.get(f"{base}/labels?format=parquet", headers=h).content))
+    assert table.num_rows == len(rows) and table.column("key").to_pylist() == [r["key"] for r in rows]
+    labels = tmp_path / "labels.csv"
+    labels.write_text(exported.text)
+    from pairclean_workers.cli import main
+
+    out = str(demo_service.root / "audit-api" / "out")
+    assert main(["audit", out, "--sample", "400", "--seed", "0", "--out", str(tmp_path / "q.csv")]) == 0
+    assert main(["audit", out, "--labels", str(labels)]) == 0  # the service's queue is the CLI's with the same seed
+    assert pq.read_table(f"{out}/copy-000000.parquet").column_names.count("p_clean_model") == 1
+
+    # undo removes the caller's latest label
+    last = HTTP.post(f"{base}/labels:undo", headers=h).json()["removed"]
+    assert last is not None and last["key"] == rows[-1]["key"]
+
+
+def test_another_tenant_sees_nothing(demo_service, job: str) -> None:
+    base, h = f"{demo_service.url}/v1/jobs/{job}/audit", _h(demo_service, "team-b")
+    for method, path, body in [("GET", "", None), ("GET", "/next", None), ("GET", "/labels", None),
+                               ("POST", "/labels", {"labels": [{"position": 0, "key": "x", "label": "clean"}]}),
+                               ("POST", "/labels:undo", None)]:
+        r = HTTP.request(method, f"{base}{path}", headers=h, json=body)
+        assert r.status_code == 404, (path, r.text)
+    assert HTTP.get(f"{base}/next").status_code == 401
+
+
+def test_labels_are_an_enum_of_queued_pairs_and_bounded(demo_service, job: str) -> None:
+    base, h = f"{demo_service.url}/v1/jobs/{job}/audit", _h(demo_service)
+    item = HTTP.get(f"{base}/next", headers=h).json()
+    key = item.get("key") or HTTP.get(f"{base}/labels", headers=h).text.splitlines()[1].split(",")[0]
+    bad = HTTP.post(f"{base}/labels", headers=h, json={"labels": [{"position": 0, "key": key, "label": "<script>probably"}]})
+    assert bad.status_code == 422 and "<script>" not in bad.text
+    assert HTTP.post(f"{base}/labels", headers=h, json={"labels": [{"position": 0, "key": "not-queued", "label": "clean"}]}).status_code == 422
+    assert HTTP.post(f"{base}/labels", headers=h, json={"labels": [{"position": 10_000, "key": key, "label": "clean"}]}).status_code == 422
+    many = {"labels": [{"position": 0, "key": key, "label": "clean"}] * 501}
+    assert HTTP.post(f"{base}/labels", headers=h, json=many).status_code == 422
+    assert HTTP.get(f"{base}/labels?format=xlsx", headers=h).status_code == 422
+
+
+def test_page_posts_are_csrf_safe(demo_service, job: str) -> None:
+    with httpx.Client(base_url=demo_service.url, timeout=120) as client:
+        r = client.post("/ui/login", data={"api_key": demo_service.keys["team-a"], "next": "/ui/jobs"})
+        assert r.status_code == 303
+        url = f"/ui/jobs/{job}/audit/labels.json"
+        body = '{"position": 0, "key": "x", "label": "clean"}'
+        evil = client.post(url, content=body, headers={"Content-Type": "application/json", "Origin": "https://evil.example"})
+        assert evil.status_code == 403
+        form = client.post(url, content="position=0", headers={"Content-Type": "application/x-www-form-urlencoded"})
+        assert form.status_code == 415
+        page = client.get(f"/ui/jobs/{job}/audit")
+        assert page.status_code == 200 and "script-src 'self'" in page.headers["content-security-policy"]
+        assert "<script src=\"/ui/static/audit.js\">" in page.text
