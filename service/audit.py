@@ -27,7 +27,7 @@ from typing import Any
 
 from fastapi import HTTPException
 
-from pairclean.lifecycle import FAILED, PARTIAL, SUCCEEDED
+from pairclean.job.lifecycle import FAILED, PARTIAL, SUCCEEDED
 
 from .browse import Browser
 from .metrics import Metrics

@@ -26,8 +26,8 @@ from pydantic import BaseModel, Field
 from ..audit import MAX_LABELS_PER_REQUEST, Auditor
 from ..charts import reliability_svg
 from ..dependencies import Caller, JobId, Store, job_or_404
-from .jobs import _public
-from .pages import Viewer, ViewerApi, _render, _same_site
+from .jobs import public_job
+from .pages import Viewer, ViewerApi, render_page, same_site
 
 __all__ = ["router", "LabelIn", "LabelsIn"]
 
@@ -98,7 +98,7 @@ def audit_page(request: Request, job_id: JobId, who: Viewer, store: Store) -> Re
     doc = auditor.queue(job)
     assert doc is not None
     report = auditor.report(job, doc)
-    return _render(request, "audit.html", who=who, job=_public(job), design=doc["design"], report=report,
+    return render_page(request, "audit.html", who=who, job=public_job(job), design=doc["design"], report=report,
                    reliability=reliability_svg(report["reliability"]) if report and "reliability" in report else None)
 
 
@@ -108,7 +108,7 @@ def audit_page_next(request: Request, job_id: JobId, who: ViewerApi, store: Stor
 
 
 async def _json_post(request: Request) -> Any:
-    if not _same_site(request):
+    if not same_site(request):
         raise HTTPException(403, "cross-site request refused")
     if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
         raise HTTPException(415, "send JSON")

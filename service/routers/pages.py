@@ -44,7 +44,7 @@ from ..settings import ServiceSettings
 from ..store import Principal
 from .jobs import public_job
 
-__all__ = ["router", "install", "DEMO_IDEMPOTENCY_KEY"]
+__all__ = ["router", "install", "DEMO_IDEMPOTENCY_KEY", "render_page", "same_site"]
 
 router = APIRouter(include_in_schema=False)
 
@@ -170,6 +170,10 @@ def _same_site(request: Request) -> bool:
     return origin in (f"http://{host}", f"https://{host}")
 
 
+#: For the routers that add pages of their own (``routers/audit.py``).
+same_site = _same_site
+
+
 def _safe_next(value: str | None) -> str:
     """A local page to return to after logging in (never another site: no open redirect)."""
     path = (value or "").split("?")[0]
@@ -188,6 +192,9 @@ def _render(request: Request, name: str, status: int = 200, **context: Any) -> H
     html = request.app.state.templates.get_template(name).render(
         auth=settings.require_auth, poll_ms=settings.ui_poll_ms, fmt=_fmt, pct=_pct, quote=_q, **context)
     return HTMLResponse(html, status_code=status)
+
+
+render_page = _render
 
 
 def _q(value: str) -> str:
