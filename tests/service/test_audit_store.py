@@ -1,0 +1,69 @@
+"""The audit's tables (migration 0004) on a real SQLite file and, when one is given, a real
+PostgreSQL server (``PAIRCLEAN_TEST_POSTGRES_URL``, as test_store_postgres.py)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, insert
+from sqlalchemy.exc import IntegrityError
+
+from pairclean_service.store import JobStore
+from pairclean_service.tables import audit_labels
+
+PG = os.environ.get("PAIRCLEAN_TEST_POSTGRES_URL")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'jobs.db'}"
+        return
+    if not PG:
+        pytest.skip("no PostgreSQL server: set PAIRCLEAN_TEST_POSTGRES_URL (.ci/run starts one)")
+    from sqlalchemy.schema import CreateSchema, DropSchema
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    engine = create_engine(PG)
+    with engine.begin() as conn:
+        conn.execute(CreateSchema(schema))
+    yield f"{PG}{'&' if '?' in PG else '?'}options=-csearch_path%3D{schema}"
+    with engine.begin() as conn:
+        conn.execute(DropSchema(schema, cascade=True))
+    engine.dispose()
+
+
+def test_queue_labels_undo_and_tenancy(url: str) -> None:
+    store = JobStore(url)
+    job, _ = store.create({"shards": ["/d/a.tar"], "output": "/d/o"}, "team-a", None, 1)
+    assert store.audit_queue(job.id) is None
+    design = {"design": {"sizes": [3]}, "queue": [{"key": "k0"}, {"key": "k1"}]}
+    got = store.put_audit_queue(job.id, "team-a", 0, 2, design)
+    assert got == {"seed": 0, "sample": 2, "design": design}
+    # a second freeze (another replica, a race) keeps the first queue
+    assert store.put_audit_queue(job.id, "team-a", 5, 9, {"design": {}, "queue": []})["design"] == design
+
+    assert store.add_labels(job.id, "team-a", "alice", [(0, "k0", "clean"), (1, "k1", "unsure")]) == 2
+    store.add_labels(job.id, "team-a", "bob", [(0, "k0", "noisy")])
+    rows = store.audit_labels(job.id, "team-a")
+    assert [(r["position"], r["label"], r["who"]) for r in rows] == [(0, "clean", "alice"), (1, "unsure", "alice"), (0, "noisy", "bob")]
+    assert store.audit_labels(job.id, "team-b") == []  # labels are per tenant
+    assert store.count_labels(job.id) == 3
+    undone = store.undo_label(job.id, "alice")
+    assert undone is not None and undone["key"] == "k1" and undone["label"] == "unsure"
+    assert [r["who"] for r in store.audit_labels(job.id, "team-a")] == ["alice", "bob"]
+    assert store.undo_label(job.id, "carol") is None
+    with pytest.raises(ValueError):
+        store.add_labels(job.id, "team-a", "alice", [(0, "k0", "maybe")])
+
+
+def test_the_label_is_an_enum_in_the_database_itself(url: str) -> None:
+    store = JobStore(url)
+    job, _ = store.create({"shards": ["/d/a.tar"], "output": "/d/o"}, "team-a", None, 1)
+    with pytest.raises(IntegrityError), store.engine.begin() as conn:
+        conn.execute(insert(audit_labels).values(job_id=job.id, tenant="team-a", position=0, key="k", label="maybe",
+                                                 who="alice", labelled_at="2026-01-01T00:00:00+00:00"))
