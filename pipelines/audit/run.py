@@ -322,6 +322,8 @@ def audit_report(design_doc: dict[str, Any], labels: list[Label], threshold: flo
         "self_agreement": stats.self_agreement(units.repeats_first, units.repeats_again),
         "labels_needed": needed,
         "status": "ok" if needed == 0 else "too_few_labels",
+        # pairs of the queue nobody has labelled yet: when fewer than needed, draw a larger sample
+        "queue_left": len(queue) - int(len(units.positions) + len(units.unsure_only)),
     }
     if needed:
         return report
@@ -380,7 +382,10 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"self-agreement on {agree['repeats']} blind repeats: {100 * agree['agreement']:.1f}% "
                      f"[{100 * agree['lower']:.1f}, {100 * agree['upper']:.1f}], kappa {agree['kappa']}")
     if report["status"] != "ok":
-        lines.append(f"too few labels for an estimate: label {report['labels_needed']} more pairs (the next ones in the queue)")
+        left = report["queue_left"]
+        more = ("the next ones in the queue" if left >= report["labels_needed"] else
+                f"only {left} are left in the queue: draw a larger sample with --sample; labels carry over to the pairs it draws again")
+        lines.append(f"too few labels for an estimate: label {report['labels_needed']} more pairs ({more})")
         return "\n".join(lines)
 
     def pct(iv: dict[str, float] | None) -> str:

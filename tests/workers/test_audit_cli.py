@@ -116,6 +116,7 @@ def test_unsure_and_conflicting_labels_are_reported(job: Path, tmp_path: Path, c
     assert report["self_agreement"]["repeats"] == 1 and report["self_agreement"]["agreement"] == 0.0
     # 9 decisive pairs out of a 10-pair queue: below the minimum (all of a queue this small)
     assert code == 1 and report["labels_needed"] == 1
+    assert report["queue_left"] == 0 and "draw a larger sample" in printed
     assert "p_clean_model" not in pq.read_table(job / "demo-000000.parquet").column_names
 
 
