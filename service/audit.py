@@ -26,7 +26,6 @@ import io
 from typing import Any
 
 from fastapi import HTTPException
-
 from pairclean.job.lifecycle import FAILED, PARTIAL, SUCCEEDED
 
 from .browse import Browser
@@ -34,7 +33,7 @@ from .metrics import Metrics
 from .settings import ServiceSettings
 from .store import JobRow, JobStore, Principal
 
-__all__ = ["Auditor", "REPEAT_EVERY", "MAX_LABELS_PER_REQUEST", "EXPORT_COLUMNS"]
+__all__ = ["EXPORT_COLUMNS", "MAX_LABELS_PER_REQUEST", "REPEAT_EVERY", "Auditor"]
 
 #: One label in this many is a blind repeat of an earlier one (when there is one to repeat).
 REPEAT_EVERY = 10

@@ -103,7 +103,6 @@ def _write_new(path: str, data: bytes, storage: dict[str, Any]) -> None:
     import io
 
     import fsspec
-
     from pairclean.errors import InputError
 
     fs, _, (target,) = fsspec.get_fs_token_paths(path, storage_options=storage)

@@ -12,4 +12,4 @@ from __future__ import annotations
 from .design import Design, draw_design
 from .stats import Interval, noise_rate
 
-__all__ = ["Design", "draw_design", "Interval", "noise_rate"]
+__all__ = ["Design", "Interval", "draw_design", "noise_rate"]

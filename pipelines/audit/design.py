@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["EDGES", "S_FLOOR", "MIN_PER_STRATUM", "Design", "draw_design", "stratum_of", "allocate"]
+__all__ = ["EDGES", "MIN_PER_STRATUM", "S_FLOOR", "Design", "allocate", "draw_design", "stratum_of"]
 
 #: Score bands of model ``p_clean``: narrow at the ends (where most pairs are and the model
 #: claims certainty) and around 0.5 (where the flag flips).
@@ -99,7 +99,7 @@ class Design:
     def to_json(self) -> dict[str, Any]:
         """The design without the queue (what the estimators need besides the labels)."""
         return {"edges": list(self.edges), "sizes": [int(x) for x in self.sizes], "drawn": [int(x) for x in self.drawn],
-                "seed": self.seed, "population": self.population, "sample": int(len(self.rows)), **self.extra}
+                "seed": self.seed, "population": self.population, "sample": len(self.rows), **self.extra}
 
 
 def _interleave(groups: list[np.ndarray], rng: np.random.Generator) -> np.ndarray:
@@ -141,4 +141,4 @@ def draw_design(p_clean: np.ndarray, n: int, seed: int, edges: tuple[float, ...]
     rows = _interleave(groups, rng)
     inclusion = np.where(sizes > 0, drawn / np.maximum(sizes, 1), 0.0)
     return Design(rows=rows, strata=strata[rows], inclusion=inclusion[strata[rows]], sizes=sizes, drawn=drawn,
-                  edges=tuple(edges), seed=seed, population=int(len(p)))
+                  edges=tuple(edges), seed=seed, population=len(p))

@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-
 from pairclean import schema
 from pairclean.errors import InputError
 from pairclean.output.folder import OutputDir, ShardRecord
@@ -40,9 +39,27 @@ from . import stats
 from .design import EDGES, draw_design
 
 __all__ = [
-    "COL_P_CLEAN_MODEL", "LABELS", "AUDIT_DIR", "DESIGN_FILE", "REPORT_FILE", "Population", "Label", "population",
-    "make_queue", "queue_rows", "read_labels", "parse_labels", "audit_report", "apply_recalibration", "read_design",
-    "MAX_LABEL_BYTES", "MAX_LABEL_ROWS",
+    "AUDIT_DIR",
+    "COL_P_CLEAN_MODEL",
+    "DESIGN_FILE",
+    "EDGES",
+    "LABELS",
+    "MAX_LABEL_BYTES",
+    "MAX_LABEL_ROWS",
+    "REPORT_FILE",
+    "Label",
+    "Population",
+    "apply_recalibration",
+    "audit_report",
+    "format_report",
+    "make_queue",
+    "parse_labels",
+    "population",
+    "queue_csv",
+    "queue_rows",
+    "read_design",
+    "read_labels",
+    "recalibrated_table",
 ]
 
 #: The model's own ``p_clean``, kept beside the recalibrated one.
@@ -315,7 +332,7 @@ def audit_report(design_doc: dict[str, Any], labels: list[Label], threshold: flo
     needed = stats.labels_needed(drawn, strata)
     report: dict[str, Any] = {
         "labels": {"rows": units.rows, **units.counts, "pairs_labelled": int(len(units.positions) + len(units.unsure_only)),
-                   "decisive_pairs": int(len(units.positions)), "unsure_pairs": len(units.unsure_only),
+                   "decisive_pairs": len(units.positions), "unsure_pairs": len(units.unsure_only),
                    "conflicting_pairs": int(units.conflict.sum()), "outside_sample": units.outside,
                    "ambiguous_keys": units.ambiguous},
         "design": design,
@@ -360,7 +377,7 @@ def audit_report(design_doc: dict[str, Any], labels: list[Label], threshold: flo
         knots = None
     if knots is not None:
         p_new = stats.apply_recalibration(knots, p_model)
-        report["recalibration"] = {**knots, "labels": int(len(p_model)), "method": "isotonic regression, design-weighted",
+        report["recalibration"] = {**knots, "labels": len(p_model), "method": "isotonic regression, design-weighted",
                                    "sha256": hashlib.sha256(json.dumps(knots, sort_keys=True).encode()).hexdigest()}
         report["reliability_recalibrated"] = stats.reliability(p_new, clean, weight)
         # in-sample: an optimistic figure (the benchmark measures it on all pairs)
@@ -477,5 +494,3 @@ def apply_recalibration(out: OutputDir, knots: dict[str, list[float]], labels: i
         lock.release()
     return {"rewritten": rewritten, "skipped": len(records) - rewritten}
 
-
-__all__ += ["queue_csv", "format_report", "recalibrated_table", "EDGES"]

@@ -33,8 +33,20 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "Z95", "MIN_LABELS", "Interval", "wilson", "noise_rate", "ratio", "flag_quality", "threshold_for",
-    "reliability", "fit_recalibration", "apply_recalibration", "self_agreement", "labels_needed", "ece",
+    "MIN_LABELS",
+    "Z95",
+    "Interval",
+    "apply_recalibration",
+    "ece",
+    "fit_recalibration",
+    "flag_quality",
+    "labels_needed",
+    "noise_rate",
+    "ratio",
+    "reliability",
+    "self_agreement",
+    "threshold_for",
+    "wilson",
 ]
 
 Z95 = 1.959963984540054

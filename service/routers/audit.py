@@ -29,7 +29,7 @@ from ..dependencies import Caller, JobId, Store, job_or_404
 from .jobs import public_job
 from .pages import Viewer, ViewerApi, render_page, same_site
 
-__all__ = ["router", "LabelIn", "LabelsIn"]
+__all__ = ["LabelIn", "LabelsIn", "router"]
 
 router = APIRouter()
 
@@ -83,7 +83,7 @@ def audit_undo(request: Request, job_id: JobId, who: Caller, store: Store) -> di
 
 @router.get("/v1/jobs/{job_id}/audit/labels")
 def audit_labels(request: Request, job_id: JobId, who: Caller, store: Store,
-                 format: Literal["csv", "parquet"] = "csv") -> Response:  # noqa: A002 - the query's name
+                 format: Literal["csv", "parquet"] = "csv") -> Response:
     data, media_type = _auditor(request).export(job_or_404(store, job_id, who), format)
     return Response(data, media_type=media_type,
                     headers={"Content-Disposition": f'attachment; filename="audit-labels-{job_id[:8]}.{format}"'})
@@ -140,7 +140,7 @@ async def audit_page_undo(request: Request, job_id: JobId, who: ViewerApi, store
 
 @router.get("/ui/jobs/{job_id}/audit/labels.csv", include_in_schema=False)
 def audit_page_export(request: Request, job_id: JobId, who: ViewerApi, store: Store,
-                      format: Annotated[Literal["csv", "parquet"], Query()] = "csv") -> Response:  # noqa: A002
+                      format: Annotated[Literal["csv", "parquet"], Query()] = "csv") -> Response:
     data, media_type = _auditor(request).export(job_or_404(store, job_id, who), format)
     return Response(data, media_type=media_type,
                     headers={"Content-Disposition": f'attachment; filename="audit-labels-{job_id[:8]}.{format}"'})

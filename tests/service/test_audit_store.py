@@ -9,11 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, insert
-from sqlalchemy.exc import IntegrityError
-
 from pairclean_service.store import JobStore
 from pairclean_service.tables import audit_labels
+from sqlalchemy import create_engine, insert
+from sqlalchemy.exc import IntegrityError
 
 PG = os.environ.get("PAIRCLEAN_TEST_POSTGRES_URL")
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
 from pairclean_workers.cli import _demo_truth, main
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 import pytest
-
 from pairclean.audit import stats
 from pairclean.audit.design import EDGES, allocate, draw_design, stratum_of
 
