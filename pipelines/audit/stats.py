@@ -149,10 +149,17 @@ def _ratio_once(sizes: np.ndarray, strata: np.ndarray, a: np.ndarray, b: np.ndar
     for h in range(k):
         members = strata == h
         mh = int(members.sum())
-        if mh < 2:
+        if mh == 0:
             continue
         fpc = max(0.0, 1 - mh / max(float(sizes[h]), 1.0))
-        var += float(sizes[h]) ** 2 * fpc * float(np.var(e[members], ddof=1)) / mh
+        # The residuals' spread, never below what a smoothed rate predicts for the stratum's
+        # units in the denominator: a stratum whose few labels all agree (or that has one
+        # label) still has spread, as in the noise rate.
+        b_h = b[members]
+        p_s = (float(a[members].sum()) + 0.5) / (float(b_h.sum()) + 1.0)
+        floor = p_s * (1 - p_s) * float(np.mean(b_h > 0))
+        spread = float(np.var(e[members], ddof=1)) if mh >= 2 else 0.0
+        var += float(sizes[h]) ** 2 * fpc * max(spread, floor) / mh
     var /= denom**2
     r_smooth = (r * n_den + 0.5) / (n_den + 1)
     n_eff = float(n_den) if var == 0 else min(float(n_den), r_smooth * (1 - r_smooth) / var)
@@ -257,17 +264,25 @@ def ece(p_clean: np.ndarray, clean: np.ndarray, weight: np.ndarray | None = None
 def fit_recalibration(p_clean: np.ndarray, clean: np.ndarray, weight: np.ndarray) -> dict[str, list[float]]:
     """A monotone (non-decreasing) map of ``p_clean`` fitted on labels by design-weighted
     isotonic regression (scikit-learn's ``IsotonicRegression``, the pool-adjacent-violators
-    algorithm). Returned as knots ``{"x": [...], "y": [...]}``: the map is the linear
-    interpolation between them, clipped at the ends (``apply_recalibration``), so applying
-    it needs only numpy and the knots fit in a JSON document."""
+    algorithm), *centred* (Oron & Flournoy 2017): each pooled block becomes one knot at its
+    weighted mean ``p_clean``, and the map interpolates linearly between knots. The plain
+    step function ties every pair of a block; the centred one keeps the model's order
+    between blocks and measured a lower ECE on every noise kind of ``benchmarks/audit_bench.py``.
+    Returned as knots ``{"x": [...], "y": [...]}``, applied by ``apply_recalibration``
+    (numpy only; the knots fit in a JSON document)."""
     from sklearn.isotonic import IsotonicRegression
 
     p = np.asarray(p_clean, dtype=np.float64)
     if len(p) == 0:
         raise ValueError("no labels to fit on")
-    iso = IsotonicRegression(y_min=0.0, y_max=1.0, increasing=True, out_of_bounds="clip")
-    iso.fit(p, np.asarray(clean, dtype=np.float64), sample_weight=np.asarray(weight, dtype=np.float64))
-    return {"x": [float(v) for v in iso.X_thresholds_], "y": [float(v) for v in iso.y_thresholds_]}
+    y, w = np.asarray(clean, dtype=np.float64), np.asarray(weight, dtype=np.float64)
+    order = np.argsort(p, kind="stable")
+    p, y, w = p[order], y[order], w[order]
+    fitted = IsotonicRegression(y_min=0.0, y_max=1.0, increasing=True, out_of_bounds="clip").fit(p, y, sample_weight=w).predict(p)
+    starts = np.r_[0, np.flatnonzero(np.diff(fitted) != 0) + 1]
+    ends = np.r_[starts[1:], len(p)]
+    xs = [float((w[s:e] * p[s:e]).sum() / w[s:e].sum()) for s, e in zip(starts, ends)]
+    return {"x": xs, "y": [float(fitted[s]) for s in starts]}
 
 
 def apply_recalibration(knots: dict[str, list[float]], p_clean: np.ndarray) -> np.ndarray:

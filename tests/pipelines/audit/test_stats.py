@@ -104,8 +104,10 @@ def test_threshold_for_a_precision_target() -> None:
 
 def test_isotonic_recalibration_pools_adjacent_violators() -> None:
     knots = stats.fit_recalibration(np.array([0.1, 0.2, 0.3, 0.4]), np.array([0, 1, 0, 1.0]), np.ones(4))
+    # PAVA pools (0.2, 0.3) to 0.5; centred, that block is one knot at 0.25, interpolated between
+    assert knots["x"] == pytest.approx([0.1, 0.25, 0.4]) and knots["y"] == pytest.approx([0, 0.5, 1])
     mapped = stats.apply_recalibration(knots, np.array([0.1, 0.2, 0.3, 0.4, 0.0, 1.0]))
-    assert mapped.tolist() == pytest.approx([0, 0.5, 0.5, 1, 0, 1])
+    assert mapped.tolist() == pytest.approx([0, 1 / 3, 2 / 3, 1, 0, 1])
     # design weights: a heavier unit pulls its pool
     knots = stats.fit_recalibration(np.array([0.2, 0.3]), np.array([1, 0.0]), np.array([3.0, 1.0]))
     assert stats.apply_recalibration(knots, np.array([0.25])).tolist() == pytest.approx([0.75])
