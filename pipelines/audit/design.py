@@ -74,7 +74,7 @@ def allocate(sizes: np.ndarray, spreads: np.ndarray, n: int, minimum: int = MIN_
                     left -= 1
             continue
         alloc += add
-    return alloc
+    return np.asarray(alloc)
 
 
 @dataclass(frozen=True)

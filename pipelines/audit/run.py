@@ -316,7 +316,8 @@ def _match(queue: list[dict[str, Any]], labels: list[Label]) -> _Units:
 
 def _weights(sizes: np.ndarray, strata: np.ndarray) -> np.ndarray:
     m = np.bincount(strata, minlength=len(sizes)).astype(np.float64)
-    return np.asarray(sizes, dtype=np.float64)[strata] / np.maximum(m[strata], 1)
+    weights: np.ndarray = np.asarray(sizes, dtype=np.float64)[strata] / np.maximum(m[strata], 1)
+    return weights
 
 
 def audit_report(design_doc: dict[str, Any], labels: list[Label], threshold: float | None = None,

@@ -8,12 +8,11 @@ import io
 import re
 
 import httpx
-
-HTTP = httpx.Client(timeout=120)  # a loaded CI machine: the first report imports scikit-learn
 import pyarrow.parquet as pq
 import pytest
 
 pytestmark = pytest.mark.slow
+HTTP = httpx.Client(timeout=120)  # a loaded CI machine: the first report imports scikit-learn
 
 
 @pytest.fixture(scope="module")
