@@ -25,6 +25,7 @@ __all__ = [
     "STATUS_TOO_LARGE",
     "STATUS_DUPLICATE_KEY",
     "STATUS_LINK_MEMBER",
+    "STATUS_JUDGE_ERROR",
     "COL_KEY",
     "COL_SHARD",
     "COL_IDX",
@@ -34,6 +35,7 @@ __all__ = [
     "COL_WEIGHT",
     "COL_NOISY",
     "COL_P_CLEAN",
+    "COL_JUDGE_SCORE",
     "COL_UID",
     "COL_URL",
     "COL_IMAGE_OFFSET",
@@ -80,6 +82,8 @@ STATUS_TOO_LARGE: Final = "too_large"
 STATUS_DUPLICATE_KEY: Final = "duplicate_key"
 #: A sample with a symlink or hard-link member (links are never followed).
 STATUS_LINK_MEMBER: Final = "link_member"
+#: The judge (``--judge``) failed on this pair (its error says why); the shard goes on.
+STATUS_JUDGE_ERROR: Final = "judge_error"
 STATUSES: Final = (
     STATUS_OK,
     STATUS_DECODE_ERROR,
@@ -89,6 +93,7 @@ STATUSES: Final = (
     STATUS_TOO_LARGE,
     STATUS_DUPLICATE_KEY,
     STATUS_LINK_MEMBER,
+    STATUS_JUDGE_ERROR,
 )
 
 COL_KEY: Final = "key"
@@ -102,6 +107,9 @@ COL_NOISY: Final = "noisy"
 #: A calibrated probability that the pair is clean (OSA: the mixture posterior; refined
 #: jobs: the method's).
 COL_P_CLEAN: Final = "p_clean"
+#: The judge's score (``--judge band|all``): its log likelihood ratio clean : noisy,
+#: calibrated on Flickr8k dev; NaN for pairs it did not judge (outside the band, not ok).
+COL_JUDGE_SCORE: Final = "judge_score"
 COL_UID: Final = "uid"
 COL_URL: Final = "url"
 #: Where the pair's members lie in its (uncompressed) tar: the byte offset of the member's

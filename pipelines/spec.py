@@ -41,11 +41,21 @@ class JobSpec:
     calibration_pairs: int
     #: "cpu" (PIL) or "cuda" (batched nvJPEG): pixels differ slightly, so it is part of the spec.
     decode_device: str = "cpu"
+    #: The judge (issue 21): "off", "band" (the pairs of the band ``judge_budget`` buys) or
+    #: "all"; its weights file and their sha256 (a different judge is a different job).
+    judge: str = "off"
+    judge_budget: float | None = None
+    judge_checkpoint: str | None = None
+    judge_sha256: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-serialisable dict (``shards`` as a list)."""
+        """A JSON-serialisable dict (``shards`` as a list). The judge's fields only when it
+        is on: a job without one keeps the spec (and digest) it had before judges existed."""
         data = asdict(self)
         data["shards"] = list(self.shards)
+        if self.judge == "off":
+            for name in ("judge", "judge_budget", "judge_checkpoint", "judge_sha256"):
+                del data[name]
         return data
 
     @classmethod
@@ -76,8 +86,8 @@ def spec_digest(spec: JobSpec) -> str:
 
 
 def spec_diff(old: JobSpec, new: JobSpec) -> str:
-    a, b = old.to_json(), new.to_json()
-    changed = [k for k in a if a[k] != b.get(k)]
+    a, b = asdict(old), asdict(new)  # every field (to_json leaves out an unused judge's)
+    changed = [k for k in a if a[k] != b[k]]
     parts = []
     for key in changed[:4]:
         if key == "shards":

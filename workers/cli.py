@@ -86,6 +86,13 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     add_storage_arg(score)
     add_lock_ttl_arg(score)
     score.add_argument("--no-progress", action="store_true")
+    judge_group = score.add_argument_group("judge (a second, fine-grained stage; see pipelines/judge/)")
+    judge_group.add_argument("--judge", default="auto", choices=("auto", "off", "band", "all"),
+                             help="off: OSA only; band: the judge on the pairs of the band --judge-budget buys; all: on every pair; "
+                                  "auto (default): %s when the judge was trained for --model, else off" % DEFAULT_JUDGE_MODE)
+    judge_group.add_argument("--judge-budget", type=float, default=DEFAULT_JUDGE_BUDGET,
+                             help="fraction of pairs the band holds under --judge band (chosen on the calibration pairs)")
+    judge_group.add_argument("--judge-checkpoint", default=None, help="judge weights file (default: the shipped one, for pairclean-lite)")
     ray_group = score.add_argument_group("execution")
     add_executor_args(ray_group, "scoring actors (default: one per GPU, else one per 2 CPUs)")
     ray_group.add_argument("--cpus-per-actor", type=float, default=1.0, help="CPUs Ray reserves for each actor; its decode pool has as many threads (on GPU nodes: the CPUs per GPU)")
@@ -177,6 +184,31 @@ class _Bar:
             self.bar.close()
 
 
+#: What ``--judge auto`` means for an estimator the judge was trained for (README, "The judge").
+DEFAULT_JUDGE_MODE = "all"
+DEFAULT_JUDGE_BUDGET = 0.3
+
+
+def _judge_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The JobSpec's judge fields from the flags (``auto`` resolved; the file hashed)."""
+    from pairclean.errors import InputError
+    from pairclean.judge.runner import default_judge_path, load_judge
+
+    mode = args.judge
+    if mode != "off" and not 0.0 < args.judge_budget <= 1.0:
+        raise InputError(f"--judge-budget must be in (0, 1], got {args.judge_budget}")
+    if mode == "off":
+        return {}
+    path = os.path.abspath(args.judge_checkpoint) if args.judge_checkpoint else default_judge_path()
+    if mode == "auto":
+        if args.judge_checkpoint is None and (args.model != "pairclean-lite" or args.checkpoint is not None or not os.path.isfile(path)):
+            return {}  # the shipped judge reads pairclean-lite's shipped towers only
+        mode = DEFAULT_JUDGE_MODE
+    loaded = load_judge(path)
+    return {"judge": mode, "judge_budget": args.judge_budget if mode == "band" else None,
+            "judge_checkpoint": path if args.judge_checkpoint else None, "judge_sha256": loaded.sha256}
+
+
 def cmd_score(args: argparse.Namespace) -> int:
     """Run (or resume) a scoring job (on Ray, or in this process with --executor local)."""
     from pairclean.embed.estimators import EstimatorSpec, default_beta_recipe
@@ -195,7 +227,7 @@ def cmd_score(args: argparse.Namespace) -> int:
         beta_recipe=default_beta_recipe(args.model) if args.beta_recipe == "auto" else args.beta_recipe, beta_k=args.beta_k,
         weighting=args.weighting, seed=args.seed, batch_size=args.batch_size, max_pixels=args.max_pixels,
         caption_field=args.caption_field, embeddings=args.embeddings, calibration_pairs=args.calibration_pairs,
-        decode_device=args.decode_device,
+        decode_device=args.decode_device, **_judge_fields(args),
     )
     if args.executor == "local":
         _set_threads(args.threads)

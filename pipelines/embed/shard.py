@@ -17,7 +17,7 @@ from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -97,6 +97,9 @@ class ShardResult:
     url: list[str | None] | None
     timings: dict[str, float] = field(default_factory=dict)
     members: dict[str, list[int | None]] | None = None
+    #: The judge's log likelihood ratios clean : noisy (N,), NaN where not judged; None
+    #: when the shard was scored without a judge.
+    judge_llr: NDArray[np.float32] | None = None
 
     @property
     def ok_mask(self) -> NDArray[np.bool_]:
@@ -123,6 +126,15 @@ class _Batch:
     def model_input(self) -> Any:
         """The (N, 3, S, S) float tensor of the ok rows."""
         return self.finish.finish(self.pixels) if self.finish is not None else self.pixels
+
+
+class BatchEncoder(Protocol):
+    """Runs both towers on a batch in place of the plain pass and adds per-pair scores
+    (``pairclean.judge.runner.JudgeRunner``): returns an object with ``image_emb`` and
+    ``text_emb`` (N, D) float32 L2-normalised, ``llr`` (N,) float32 (NaN where not judged)
+    and ``errors`` (N,) (None, or why that pair's judgement failed)."""
+
+    def encode_batch(self, pixels: Any, texts: list[str]) -> Any: ...
 
 
 _DONE = object()
@@ -319,11 +331,13 @@ def _prepared_batches(uri: str, estimator: Estimator, options: ScoreOptions, sam
 
 
 def score_shard(uri: str, estimator: Estimator, options: ScoreOptions | None = None,
-                samples: Iterable[PairSample] | None = None) -> ShardResult:
+                samples: Iterable[PairSample] | None = None, judge: BatchEncoder | None = None) -> ShardResult:
     """Read, decode and embed every pair of the shard at ``uri``.
 
     ``samples``: pairs already in memory to score instead of reading ``uri`` (which then
-    only names the result; the notebook API uses this). Raises ``ShardNotFoundError`` /
+    only names the result; the notebook API uses this). ``judge``: embeds each batch in
+    the same pass and judges its pairs (``ShardResult.judge_llr``); a pair whose judgement
+    fails gets the status ``judge_error`` and the reason. Raises ``ShardNotFoundError`` /
     ``ShardReadError`` (naming ``uri``) for a shard that cannot be read; per-sample
     failures are rows.
     """
@@ -339,6 +353,7 @@ def score_shard(uri: str, estimator: Estimator, options: ScoreOptions | None = N
     sims: list[NDArray[np.float32]] = []
     img_parts: list[NDArray[np.float32]] = []
     txt_parts: list[NDArray[np.float32]] = []
+    llr_parts: list[NDArray[np.float32]] = []
     read_decode = embed = 0.0
     for batch in _prepared_batches(uri, estimator, opts, samples):
         read_decode += batch.seconds
@@ -346,11 +361,23 @@ def score_shard(uri: str, estimator: Estimator, options: ScoreOptions | None = N
         n = len(batch.rows)
         img = np.zeros((n, dim), dtype=np.float32)
         txt = np.zeros((n, dim), dtype=np.float32)
-        if batch.ok_positions:
+        llr = np.full(n, np.nan, dtype=np.float32)
+        if batch.ok_positions and judge is not None:
+            out = judge.encode_batch(batch.model_input(), batch.texts)
+            img[batch.ok_positions], txt[batch.ok_positions] = out.image_emb, out.text_emb
+            llr[batch.ok_positions] = out.llr
+            for pos, err in zip(batch.ok_positions, out.errors):
+                if err is not None:
+                    batch.statuses[pos], batch.errors[pos] = schema.STATUS_JUDGE_ERROR, err
+        elif batch.ok_positions:
             img[batch.ok_positions] = estimator.encode_images(batch.model_input())
             txt[batch.ok_positions] = estimator.encode_texts(batch.texts)
+        llr_parts.append(llr)
         sim = np.full(n, np.nan, dtype=np.float32)
         sim[batch.ok_positions] = osa.cosine_rows(img[batch.ok_positions], txt[batch.ok_positions])
+        # a pair the judge failed on is not ok: no similarity, no embeddings (as other statuses)
+        failed = [pos for pos in batch.ok_positions if batch.statuses[pos] != schema.STATUS_OK]
+        sim[failed], img[failed], txt[failed] = np.nan, 0.0, 0.0
         embed += time.perf_counter() - t0
         sims.append(sim)
         img_parts.append(img)
@@ -377,6 +404,7 @@ def score_shard(uri: str, estimator: Estimator, options: ScoreOptions | None = N
         # read_decode runs in the reader thread, overlapping embed: they do not add up.
         timings={"read_decode": round(read_decode, 4), "embed": round(embed, 4)},
         members=_member_columns(spans) if samples is None else None,
+        judge_llr=(np.concatenate(llr_parts) if llr_parts else np.zeros(0, np.float32)) if judge is not None else None,
     )
 
 

@@ -19,9 +19,10 @@ tables, and the driver (``runner``) the commit.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -111,8 +112,58 @@ def calibrate_on(results: Sequence[ShardResult], spec: JobSpec, random_beta: Any
         raise InputError(f"cannot calibrate beta recipe {spec.beta_recipe!r} on this job: {exc}") from exc
 
 
+def _load_judge_runner(estimator: Estimator, spec: JobSpec) -> Any:
+    """The judge of ``spec`` bound to ``estimator`` (None when the judge is off)."""
+    if spec.judge == "off":
+        return None
+    from pairclean.errors import ModelLoadError
+    from pairclean.judge.runner import JudgeRunner, load_judge
+
+    loaded = load_judge(spec.judge_checkpoint)
+    if spec.judge_sha256 is not None and loaded.sha256 != spec.judge_sha256:
+        raise ModelLoadError(
+            f"judge {loaded.path!r} has sha256 {loaded.sha256[:12]}..., this job was started with "
+            f"{spec.judge_sha256[:12]}...: the weights changed; score into a new folder or use --overwrite"
+        )
+    return JudgeRunner(loaded, estimator)
+
+
+def judge_calibration(results: Sequence[ShardResult], spec: JobSpec, calibration: Calibration, identity: dict[str, Any]) -> dict[str, Any]:
+    """The judge's frozen part of a calibration, from the calibration phase's judged pairs:
+    the corpus prior (``posterior.estimate_prior``) and the band (``posterior.choose_band``;
+    every pair under ``--judge all``). Uses the first ``spec.calibration_pairs`` ok pairs."""
+    from pairclean import osa
+    from pairclean.judge.posterior import FULL_BAND, choose_band, estimate_prior, p_clean_of
+
+    n = spec.calibration_pairs
+    sims = np.concatenate([np.zeros(0, np.float32)] + [r.similarity[r.ok_mask] for r in results])[:n]
+    llr = np.concatenate([np.zeros(0, np.float32)] + [r.judge_llr[r.ok_mask] for r in results if r.judge_llr is not None])[:n]
+    prior = estimate_prior(llr)
+    if spec.judge == "all":
+        band = FULL_BAND
+    else:
+        osa_p = osa.apply_weighting(sims, calibration.beta, calibration.p_clean_params())
+        band = choose_band(sims, p_clean_of(llr, prior), osa_p, float(spec.judge_budget or 0.0))
+    return {"mode": spec.judge, "budget": spec.judge_budget, "band": [_finite(band[0]), _finite(band[1])],
+            "prior_clean": prior, "pairs": int(len(llr)), **identity}
+
+
+def _finite(x: float) -> float | str:
+    """JSON has no infinities: an open end of the band is written as a string."""
+    return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
+
+
+def judge_band(calibration: Calibration) -> tuple[float, float] | None:
+    """The band frozen in ``calibration`` (None: the job has no judge)."""
+    judge = calibration.extra.get("judge")
+    if judge is None:
+        return None
+    lo, hi = judge["band"]
+    return float(lo), float(hi)
+
+
 class ShardWork:
-    """One worker's state: a loaded estimator, the job spec and the output folder."""
+    """One worker's state: a loaded estimator (and judge), the job spec and the output folder."""
 
     def __init__(self, estimator: Estimator, spec: JobSpec, out: OutputDir, options: ScoreOptions) -> None:
         self.estimator = estimator
@@ -121,6 +172,7 @@ class ShardWork:
         self.options = options
         self.model_info = estimator.info.as_dict()
         self.digest = spec_digest(spec)
+        self.judge = _load_judge_runner(estimator, spec)
 
     def random_beta(self) -> float:
         """beta of the random-inputs recipe for this estimator (cached on disk)."""
@@ -133,7 +185,7 @@ class ShardWork:
         exception propagates (the caller retries the whole phase, which is deterministic).
         """
         dim = int(self.model_info["embed_dim"])
-        if not needs_corpus(self.spec.beta_recipe, self.spec.weighting):
+        if not needs_corpus(self.spec.beta_recipe, self.spec.weighting) and self.judge is None:
             return CalibrationOutcome(calibrate_on([], self.spec, self.random_beta, dim))
         held: list[ShardResult] = []
         outcomes: list[tuple[str, ShardResult | None, str | None]] = []
@@ -142,7 +194,7 @@ class ShardWork:
             if ok >= self.spec.calibration_pairs:
                 break
             try:
-                result = score_shard(uri, self.estimator, self.options)
+                result = score_shard(uri, self.estimator, self.options, judge=self.judge)
             except InputError as exc:
                 outcomes.append((uri, None, str(exc)))
                 continue
@@ -152,6 +204,9 @@ class ShardWork:
         if not held:
             return CalibrationOutcome(None, [ShardOutcome(u, None, e) for u, _, e in outcomes])
         calibration = calibrate_on(held, self.spec, self.random_beta, dim)
+        if self.judge is not None:
+            frozen = judge_calibration(held, self.spec, calibration, self.judge.judge.identity())
+            calibration = replace(calibration, extra={**calibration.extra, "judge": frozen})
         written = [
             ShardOutcome(u, self.write(r, calibration) if r is not None else None, e) for u, r, e in outcomes
         ]
@@ -162,16 +217,26 @@ class ShardWork:
 
         Raises ``InputError`` for a shard that cannot be read (the caller quarantines it).
         """
-        return self.write(score_shard(uri, self.estimator, self.options), calibration)
+        band = judge_band(calibration)
+        if (self.judge is None) != (band is None):
+            raise InputError("the calibration and this worker disagree on whether the job has a judge")
+        judge = self.judge.with_band(band) if self.judge is not None and band is not None else None
+        return self.write(score_shard(uri, self.estimator, self.options, judge=judge), calibration)
 
     def write(self, result: ShardResult, calibration: Calibration) -> ShardRecord:
         """Build the score table (and sidecar) of ``result`` and write them into the folder."""
         started = time.perf_counter()
         stem = shard_stem(result.uri)
-        meta = output_metadata(self.model_info, calibration, {"shard": result.uri, "recipe": _recipe(self.spec), "job": self.digest})
+        extra_meta: dict[str, Any] = {"shard": result.uri, "recipe": _recipe(self.spec), "job": self.digest}
+        second_stage = extra_scores = None
+        if result.judge_llr is not None and "judge" in calibration.extra:
+            second_stage, extra_scores = self._judged(result, calibration)
+            extra_meta["judge"] = calibration.extra["judge"]
+        meta = output_metadata(self.model_info, calibration, extra_meta)
         scores = scores_table(
             result.uri, result.keys, result.idx, result.status, result.error,
             result.similarity, calibration, meta, result.uid, result.url, result.members,
+            second_stage=second_stage, extra_scores=extra_scores,
         )
         emb_name = emb_bytes = None
         if self.spec.embeddings:
@@ -191,3 +256,18 @@ class ShardWork:
             rows=len(result), output=self.out.score_name(stem), sha256=info.sha256, bytes=info.bytes,
             statuses=result.status_counts(), emb_output=emb_name, emb_bytes=emb_bytes, timings=timings,
         )
+
+    @staticmethod
+    def _judged(result: ShardResult, calibration: Calibration) -> tuple[Any, dict[str, Any]]:
+        """(the judge's p_clean (N,), NaN where not judged; {judge_score column: llr (N,)}).
+
+        Calibration-phase shards were judged everywhere: pairs outside the frozen band are
+        dropped here, so they read exactly as if scored after the calibration."""
+        from pairclean.judge.posterior import in_band, p_clean_of
+
+        assert result.judge_llr is not None
+        band = judge_band(calibration)
+        assert band is not None
+        llr = np.where(in_band(result.similarity, band) & result.ok_mask, result.judge_llr, np.nan).astype(np.float32)
+        p = p_clean_of(llr, float(calibration.extra["judge"]["prior_clean"]))
+        return p, {schema.COL_JUDGE_SCORE: llr}

@@ -59,11 +59,16 @@ def scores_table(
     uid: list[str | None] | None = None,
     url: list[str | None] | None = None,
     members: Mapping[str, Sequence[int | None]] | None = None,
+    second_stage: NDArray[np.float32] | None = None,
+    extra_scores: Mapping[str, NDArray[np.float32]] | None = None,
 ) -> pa.Table:
     """The scores Parquet table: weights and flags from similarities and the calibration.
 
     ``members``: the ``schema.MEMBER_COLUMNS`` by name (where each pair's members lie in
-    its tar), written last when given.
+    its tar), written last when given. ``second_stage``: (N,) a second stage's p_clean (the
+    judge's) where finite: on those ok rows it replaces OSA's ``p_clean``, ``noisy`` becomes
+    ``p_clean <= 0.5`` and, under the ``p-clean`` weighting, ``weight = p_clean``.
+    ``extra_scores``: (N,) float32 columns written after ``p_clean`` (the judge's score).
 
     Rows that are not ``ok`` get weight 0, ``p_clean`` 0 and ``noisy = True`` (a trainer
     must not use them as clean pairs). ``p_clean`` is the posterior of the calibration's
@@ -79,6 +84,12 @@ def scores_table(
     noisy = osa.noisy_flags(sims, calibration.beta)
     p_clean = np.zeros(len(keys), dtype=np.float32)
     p_clean[ok] = osa.apply_weighting(sims[ok], calibration.beta, calibration.p_clean_params())
+    if second_stage is not None:
+        judged = ok & np.isfinite(second_stage)
+        p_clean[judged] = second_stage[judged]
+        noisy = np.where(judged, p_clean <= 0.5, noisy)
+        if calibration.weighting == "p-clean":
+            weight[judged] = p_clean[judged]
     columns: dict[str, Any] = {
         schema.COL_KEY: keys,
         schema.COL_SHARD: [shard] * len(keys),
@@ -90,6 +101,8 @@ def scores_table(
         schema.COL_NOISY: noisy,
         schema.COL_P_CLEAN: p_clean,
     }
+    extra = dict(extra_scores or {})
+    columns.update((name, np.asarray(values, np.float32)) for name, values in extra.items())
     if uid is not None:
         columns[schema.COL_UID] = uid
     if url is not None:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["ENGINES", "onnx_image_runner"]
+__all__ = ["ENGINES", "onnx_image_runner", "onnx_module_runner"]
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +43,24 @@ def onnx_image_runner(visual: Any, image_size: int, threads: int) -> tuple[Calla
     not installed or the export fails (the caller keeps PyTorch). Threads: ``threads``,
     not spinning between calls (the text tower and the reader thread need the cores then).
     """
+    run = onnx_module_runner(visual, image_size, threads, ["embedding"])
+    if run is None:
+        return None
+    import onnxruntime as ort
+
+    return (lambda pixels: run(pixels)[0]), f"onnxruntime {ort.__version__} (image tower), torch {torch.__version__.split('+')[0]} (text tower)"
+
+
+def onnx_module_runner(module: Any, image_size: int, threads: int, output_names: list[str]) -> Callable[[Any], tuple[Any, ...]] | None:
+    """``module`` ((N, 3, S, S) float32 pixels -> one tensor per name in ``output_names``,
+    each batch-first) on ONNX Runtime: ``run(channels-last pixels)`` gives the tuple of
+    float32 torch tensors. None when onnxruntime or onnx is missing or the export fails."""
     try:
         import onnx  # noqa: F401 - torch's exporter needs it
         import onnxruntime as ort
     except ImportError:
         return None
-    tower = _ChannelsLast(visual).eval()
+    tower = _ChannelsLast(module).eval()
     buffer = io.BytesIO()
     try:
         with warnings.catch_warnings(), torch.no_grad():
@@ -56,8 +68,8 @@ def onnx_image_runner(visual: Any, image_size: int, threads: int) -> tuple[Calla
             # The TorchScript-based exporter: the dynamo one needs onnxscript besides.
             torch.onnx.export(
                 tower, (torch.zeros((2, image_size, image_size, 3)),), buffer,  # type: ignore[arg-type]  # a file object is accepted
-                input_names=["pixels_nhwc"],
-                output_names=["embedding"], dynamic_axes={"pixels_nhwc": {0: "batch"}, "embedding": {0: "batch"}}, dynamo=False,
+                input_names=["pixels_nhwc"], output_names=output_names,
+                dynamic_axes={"pixels_nhwc": {0: "batch"}, **{name: {0: "batch"} for name in output_names}}, dynamo=False,
             )
     except Exception as exc:  # noqa: BLE001 - any export failure means: stay on PyTorch
         log.warning("ONNX export of the image tower failed, staying on PyTorch: %s", exc)
@@ -69,12 +81,12 @@ def onnx_image_runner(visual: Any, image_size: int, threads: int) -> tuple[Calla
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = ort.InferenceSession(buffer.getvalue(), options, providers=["CPUExecutionProvider"])
 
-    def run(pixels: Any) -> Any:
+    def run(pixels: Any) -> tuple[Any, ...]:
         # A channels-last NCHW tensor is NHWC in memory: its permuted view needs no copy.
-        nhwc = np.ascontiguousarray(pixels.permute(0, 2, 3, 1).numpy(), dtype=np.float32)
-        return torch.from_numpy(session.run(None, {"pixels_nhwc": nhwc})[0])
+        nhwc = np.ascontiguousarray(pixels.permute(0, 2, 3, 1).float().numpy(), dtype=np.float32)
+        return tuple(torch.from_numpy(out) for out in session.run(None, {"pixels_nhwc": nhwc}))
 
-    return run, f"onnxruntime {ort.__version__} (image tower), torch {torch.__version__.split('+')[0]} (text tower)"
+    return run
 
 
 class _ChannelsLast(torch.nn.Module):
@@ -85,6 +97,6 @@ class _ChannelsLast(torch.nn.Module):
         super().__init__()
         self.visual = visual
 
-    def forward(self, pixels_nhwc: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.visual(pixels_nhwc.permute(0, 3, 1, 2))
-        return out
+    def forward(self, pixels_nhwc: torch.Tensor) -> Any:
+        # one tensor, or a tuple of them (the judge's tower with its regions)
+        return self.visual(pixels_nhwc.permute(0, 3, 1, 2))

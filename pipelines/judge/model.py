@@ -1,0 +1,96 @@
+"""The judge: caption tokens attend to image regions, then one logit per pair.
+
+A small transformer over the caption's token states (frozen text tower) whose layers
+each run masked self-attention over the tokens, then cross-attention from the tokens to
+the image regions (frozen image tower's grid, with learned region positions), then an MLP
+(pre-LayerNorm). The masked mean of the token states goes to a linear readout, to which
+the pair's pooled cosine (the estimator's own similarity, OSA's input) is added with a
+learned weight: the judge starts from what OSA knows and learns what parts add.
+
+Inputs (torch): tokens (N, L, W) float, mask (N, L) bool (True = real token), regions
+(N, R, C) float, cosine (N,) float. Output: logits (N,) float32 (clean vs not).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["JudgeConfig", "Judge"]
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    """Shape of a judge (stored in its weights file's metadata)."""
+
+    text_dim: int = 384
+    image_dim: int = 320
+    regions: int = 49
+    width: int = 160
+    layers: int = 2
+    heads: int = 4
+    dropout: float = 0.1
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> JudgeConfig:
+        return cls(**json.loads(text))
+
+
+class _Layer(nn.Module):
+    def __init__(self, width: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln_self = nn.LayerNorm(width)
+        self.self_attn = nn.MultiheadAttention(width, heads, dropout=dropout, batch_first=True)
+        self.ln_cross = nn.LayerNorm(width)
+        self.cross_attn = nn.MultiheadAttention(width, heads, dropout=dropout, batch_first=True)
+        self.ln_mlp = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Dropout(dropout), nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
+        h = self.ln_self(x)
+        x = x + self.self_attn(h, h, h, key_padding_mask=pad, need_weights=False)[0]
+        x = x + self.cross_attn(self.ln_cross(x), img, img, need_weights=False)[0]
+        return x + self.mlp(self.ln_mlp(x))
+
+
+class Judge(nn.Module):
+    """See the module docstring."""
+
+    def __init__(self, config: JudgeConfig) -> None:
+        super().__init__()
+        self.config = config
+        w = config.width
+        self.text_in = nn.Sequential(nn.LayerNorm(config.text_dim), nn.Linear(config.text_dim, w))
+        self.image_in = nn.Sequential(nn.LayerNorm(config.image_dim), nn.Linear(config.image_dim, w))
+        self.region_pos = nn.Parameter(torch.zeros(1, config.regions, w))
+        self.image_ln = nn.LayerNorm(w)
+        self.layers = nn.ModuleList(_Layer(w, config.heads, config.dropout) for _ in range(config.layers))
+        self.out_ln = nn.LayerNorm(w)
+        self.readout = nn.Linear(w, 1)
+        # logit = readout(parts) + cos_scale * cosine + cos_bias; starts at a plain cosine test
+        self.cos_scale = nn.Parameter(torch.tensor(10.0))
+        self.cos_bias = nn.Parameter(torch.tensor(-2.0))
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor, regions: torch.Tensor, cosine: torch.Tensor) -> torch.Tensor:
+        if regions.shape[1] != self.config.regions:
+            raise ValueError(f"judge expects {self.config.regions} image regions, got {regions.shape[1]}")
+        x = self.text_in(tokens.float())
+        img = self.image_ln(self.image_in(regions.float()) + self.region_pos)
+        pad = ~mask
+        for layer in self.layers:
+            x = layer(x, pad, img)
+        x = self.out_ln(x)
+        m = mask.unsqueeze(-1).to(x.dtype)
+        pooled = (x * m).sum(1) / m.sum(1).clamp_min(1.0)
+        return self.readout(pooled).squeeze(-1) + self.cos_scale * cosine.float() + self.cos_bias
+
+    def describe(self) -> dict[str, Any]:
+        """Config and size, for metadata and logs."""
+        return {"config": asdict(self.config), "parameters": sum(p.numel() for p in self.parameters())}

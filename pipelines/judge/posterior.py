@@ -1,0 +1,125 @@
+"""The judge's p_clean and the cascade's band: pure functions over arrays.
+
+The judge's weights file carries a Platt map fitted on Flickr8k dev (clean pairs against
+every noise kind, classes weighted equally): ``llr = a * logit + b`` is the judge's log
+likelihood ratio of clean against noisy at even odds. A corpus has its own prior (how much
+of it is noise); ``estimate_prior`` finds it from the judge's ratios on the calibration
+sample (the EM of Saerens et al., 2002: the prior that the posteriors average back to), so
+the noise model is fitted on what the corpus shows, near-misses included. Then
+``p_clean = sigmoid(llr + logit(prior))``: where the judge cannot tell (llr near 0), p_clean
+is the corpus prior, never a confident answer.
+
+The band: the judge runs on pairs whose OSA similarity lies in ``[lo, hi]``;
+``choose_band`` puts a window holding ``budget`` of the calibration pairs where the judge's
+p_clean differs most from OSA's (where judging can change the answer).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = ["FULL_BAND", "platt_fit", "llr_of", "estimate_prior", "p_clean_of", "choose_band", "in_band"]
+
+#: The band of ``--judge all``: every ok pair.
+FULL_BAND: tuple[float, float] = (-math.inf, math.inf)
+
+_PRIOR_RANGE = (0.02, 0.98)
+
+
+def platt_fit(logits: NDArray[np.floating], labels: NDArray[np.bool_], iters: int = 50) -> tuple[float, float]:
+    """(a, b) of the logistic map ``sigmoid(a * logit + b)`` fitted to ``labels`` (N,) (True =
+    clean) with both classes weighted equally (Newton's method on the weighted log-loss).
+
+    Hand-written (12 lines) rather than scikit-learn so that the library's judge needs no
+    scikit-learn at scoring time, and the weighting is exactly "equal class totals".
+    """
+    z = np.asarray(logits, np.float64)
+    y = np.asarray(labels, np.float64)
+    w = np.where(y > 0, 0.5 / max(1.0, y.sum()), 0.5 / max(1.0, (1 - y).sum()))
+    x = np.stack([z, np.ones_like(z)], axis=1)
+    theta = np.array([1.0, 0.0])
+    for _ in range(iters):
+        p = 1 / (1 + np.exp(-(x @ theta)))
+        grad = x.T @ (w * (p - y))
+        hess = (x * (w * p * (1 - p))[:, None]).T @ x + 1e-9 * np.eye(2)
+        step = np.linalg.solve(hess, grad)
+        theta -= step
+        if np.abs(step).max() < 1e-10:
+            break
+    return float(theta[0]), float(theta[1])
+
+
+def llr_of(logits: NDArray[np.floating], platt: tuple[float, float]) -> NDArray[np.float32]:
+    """Log likelihood ratios (N,) clean : noisy of the judge's raw ``logits`` (N,)."""
+    a, b = platt
+    return (a * np.asarray(logits, np.float64) + b).astype(np.float32)
+
+
+def _sigmoid(x: NDArray[np.float64]) -> NDArray[np.float64]:
+    return 0.5 * (1 + np.tanh(0.5 * x))
+
+
+def estimate_prior(llr: NDArray[np.floating], iters: int = 200) -> float:
+    """The clean fraction of a corpus from the judge's ratios ``llr`` (N,) of a sample of it.
+
+    Fixed point of ``prior = mean(sigmoid(llr + logit(prior)))``, clipped to [0.02, 0.98]
+    (a sample of a few thousand pairs cannot support a more extreme prior). 0.5 when empty.
+    """
+    x = np.asarray(llr, np.float64)
+    x = x[np.isfinite(x)]
+    if x.size == 0:
+        return 0.5
+    prior = 0.5
+    for _ in range(iters):
+        new = float(np.clip(_sigmoid(x + math.log(prior / (1 - prior))).mean(), *_PRIOR_RANGE))
+        if abs(new - prior) < 1e-7:
+            break
+        prior = new
+    return prior
+
+
+def p_clean_of(llr: NDArray[np.floating], prior: float) -> NDArray[np.float32]:
+    """Posterior probability clean (N,) of ratios ``llr`` (N,) under the corpus ``prior``; NaN stays NaN."""
+    x = np.asarray(llr, np.float64)
+    return _sigmoid(x + math.log(prior / (1 - prior))).astype(np.float32)
+
+
+def choose_band(similarity: NDArray[np.floating], judge_p: NDArray[np.floating], osa_p: NDArray[np.floating],
+                budget: float) -> tuple[float, float]:
+    """The similarity window ``(lo, hi)`` to judge, from a calibration sample.
+
+    ``similarity``, ``judge_p`` (the judge's p_clean), ``osa_p`` (OSA's p_clean): (N,) of
+    the same pairs. The window holds ``ceil(budget * N)`` consecutive pairs by similarity and
+    maximises the summed ``|judge_p - osa_p|`` inside it; its ends are the midpoints to the
+    pairs just outside (open-ended at the extremes). ``budget >= 1`` or an empty sample
+    gives ``FULL_BAND``; ``budget <= 0`` an empty band (lo > hi).
+    """
+    s = np.asarray(similarity, np.float64)
+    n = len(s)
+    if budget >= 1 or n == 0:
+        return FULL_BAND
+    if budget <= 0:
+        return (math.inf, -math.inf)
+    order = np.argsort(s, kind="mergesort")
+    s_sorted = s[order]
+    gain = np.abs(np.asarray(judge_p, np.float64) - np.asarray(osa_p, np.float64))[order]
+    gain = np.nan_to_num(gain)
+    width = max(1, min(n, math.ceil(budget * n)))
+    cum = np.r_[0.0, np.cumsum(gain)]
+    sums = cum[width:] - cum[:-width]
+    start = int(np.argmax(sums))
+    end = start + width - 1
+    lo = -math.inf if start == 0 else float(0.5 * (s_sorted[start - 1] + s_sorted[start]))
+    hi = math.inf if end == n - 1 else float(0.5 * (s_sorted[end] + s_sorted[end + 1]))
+    return lo, hi
+
+
+def in_band(similarity: NDArray[np.floating], band: tuple[float, float]) -> NDArray[np.bool_]:
+    """(N,) True where ``lo <= similarity <= hi`` (NaN similarities are outside)."""
+    s = np.asarray(similarity, np.float64)
+    lo, hi = band
+    with np.errstate(invalid="ignore"):
+        return (s >= lo) & (s <= hi)

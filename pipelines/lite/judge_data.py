@@ -1,0 +1,143 @@
+"""Flickr8k features for training and evaluating the judge, computed once and cached.
+
+``build_cache(root, cache)`` runs pairclean-lite's towers (PyTorch fp32, the shipped heads)
+once over the train and dev photos and over every caption plus its one-word edits, and
+stores per split (float16 where large, under ``cache``, never in the repository):
+
+- ``images-<split>.npz``: ``regions`` (I, R, C) float16, ``emb`` (I, D) float32 (the
+  estimator's L2-normalised image embeddings), ``names``;
+- ``texts-<split>.npz``: ``tokens`` (T, L, W) float16 (L = ``MAX_TOKENS``), ``mask`` (T, L)
+  bool, ``emb`` (T, D) float32, ``image`` (T,) int64 (the photo a caption was written for,
+  or whose caption an edit came from), ``kind`` (T,) str ("" for a real caption, else the
+  edit kind), ``source`` (T,) int64 (the row of the edited caption; -1 for real ones).
+
+Edits: train, one per caption, of a kind drawn among those that apply; dev, every kind that
+applies to each photo's first caption (the benchmark's "one-word edit" noise).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from pairclean.lite.evaldata import load_flickr8k
+from pairclean.judge.edits import EDIT_KINDS, edit_caption
+
+__all__ = ["MAX_TOKENS", "SplitFeatures", "build_cache", "load_split"]
+
+log = logging.getLogger(__name__)
+
+#: Caption tokens kept (Flickr8k captions: 97% fit in 24 MiniLM tokens).
+MAX_TOKENS = 32
+
+
+@dataclass
+class SplitFeatures:
+    """One split's cached features (see the module docstring for shapes)."""
+
+    regions: NDArray[np.float16]
+    image_emb: NDArray[np.float32]
+    tokens: NDArray[np.float16]
+    mask: NDArray[np.bool_]
+    text_emb: NDArray[np.float32]
+    image: NDArray[np.int64]
+    kind: NDArray[np.str_]
+    source: NDArray[np.int64]
+    texts: list[str]
+
+
+def _texts_of(images: list[Any], split: str, seed: int) -> tuple[list[str], list[int], list[str], list[int]]:
+    texts, owner, kinds, source = [], [], [], []
+    for i, im in enumerate(images):
+        for c in im.captions:
+            texts.append(c)
+            owner.append(i)
+            kinds.append("")
+            source.append(-1)
+    rng = np.random.default_rng(seed)
+    n_real = len(texts)
+    for row in range(n_real):
+        caption = texts[row]
+        if split == "dev" and row % 5 != 0:
+            continue
+        kinds_here = EDIT_KINDS if split == "dev" else tuple(rng.permutation(EDIT_KINDS))
+        for kind in kinds_here:
+            edited = edit_caption(caption, kind, rng)
+            if edited is None:
+                continue
+            texts.append(edited)
+            owner.append(owner[row])
+            kinds.append(kind)
+            source.append(row)
+            if split != "dev":
+                break  # train: one edit per caption
+    return texts, owner, kinds, source
+
+
+def build_cache(root: Path, cache: Path, estimator: Any, batch: int = 64, seed: int = 0) -> None:
+    """Compute and store the features of the train and dev splits (skips files present)."""
+    import torch
+    from PIL import Image
+
+    from pairclean.judge.features import image_parts, text_parts
+
+    cache.mkdir(parents=True, exist_ok=True)
+    model = estimator.model
+    for split in ("dev", "train"):
+        images = load_flickr8k(root, split)
+        ipath = cache / f"images-{split}.npz"
+        if not ipath.exists():
+            t0 = time.perf_counter()
+            regions, embs = [], []
+            for start in range(0, len(images), batch):
+                px = []
+                for im in images[start : start + batch]:
+                    with Image.open(im.path) as pil:
+                        px.append(estimator.preprocess(pil.convert("RGB")))
+                x = torch.stack(px).contiguous(memory_format=torch.channels_last)
+                with torch.inference_mode():
+                    pooled, reg = image_parts(model, x)
+                regions.append(reg.to(torch.float16).numpy())
+                embs.append(torch.nn.functional.normalize(pooled.float(), dim=-1).numpy())
+            _save(ipath, regions=np.concatenate(regions), emb=np.concatenate(embs), names=np.array([i.image for i in images]))
+            log.info("%s images: %d in %.0f s", split, len(images), time.perf_counter() - t0)
+        tpath = cache / f"texts-{split}.npz"
+        if not tpath.exists():
+            t0 = time.perf_counter()
+            texts, owner, kinds, source = _texts_of(images, split, seed)
+            tok_parts, masks, embs = [], [], []
+            for start in range(0, len(texts), 256):
+                ids = estimator.tokenizer(texts[start : start + 256])[:, :MAX_TOKENS]
+                with torch.inference_mode():
+                    pooled, tok, mask = text_parts(model, ids)
+                pad = MAX_TOKENS - tok.shape[1]
+                tok_parts.append(np.pad(tok.to(torch.float16).numpy(), ((0, 0), (0, pad), (0, 0))))
+                masks.append(np.pad(mask.numpy(), ((0, 0), (0, pad))))
+                embs.append(torch.nn.functional.normalize(pooled.float(), dim=-1).numpy())
+            tokens = np.concatenate(tok_parts)
+            _save(tpath, tokens=tokens, mask=np.concatenate(masks), emb=np.concatenate(embs),
+                  image=np.array(owner, np.int64), kind=np.array(kinds), source=np.array(source, np.int64),
+                  texts=np.array(texts))
+            log.info("%s texts: %d in %.0f s", split, len(texts), time.perf_counter() - t0)
+
+
+def _save(path: Path, **arrays: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    tmp.replace(path)
+
+
+def load_split(cache: Path, split: str) -> SplitFeatures:
+    """The cached features of ``split`` (``build_cache`` first)."""
+    im = np.load(cache / f"images-{split}.npz", allow_pickle=False)
+    tx = np.load(cache / f"texts-{split}.npz", allow_pickle=False)
+    return SplitFeatures(
+        regions=im["regions"], image_emb=im["emb"], tokens=tx["tokens"], mask=tx["mask"], text_emb=tx["emb"],
+        image=tx["image"], kind=tx["kind"], source=tx["source"], texts=list(tx["texts"]),
+    )

@@ -1,0 +1,244 @@
+"""Train the judge on Flickr8k train with hard negatives; select and report on dev.
+
+Recipe (``JudgeRecipe``): for every caption of a train photo, one positive (the photo and
+its caption) and BLIP-style hard negatives, drawn afresh each epoch:
+
+- caption -> image: another photo, drawn in proportion to softmax(cosine / tau) over the
+  ``top_k`` photos most alike the caption by the estimator's own embeddings;
+- image -> caption: a caption of another photo, drawn the same way among the ``top_k``
+  captions most alike the photo (never a caption of the same photo: the cosines of a
+  photo's own captions are masked out before the top-k);
+- the caption's one-word edit (``edits.py``), when one applies;
+- with probability ``random_rate``, a caption of a random other photo (keeps random swaps
+  easy).
+
+Loss: binary cross-entropy, positives and negatives weighted to equal totals (so the logit
+reads as a log likelihood ratio at even odds; the prior is the corpus's, added at scoring
+time: ``calibrate.py``). AdamW, cosine schedule, ``epochs`` epochs; the epoch with the best
+mean dev AUC over the noise kinds is kept (model selection on dev only).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from pairclean.lite.judge_data import SplitFeatures
+from pairclean.judge.metrics import roc_auc
+
+__all__ = ["JudgeRecipe", "train_judge", "dev_pairs", "score_pairs", "evaluate"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class JudgeRecipe:
+    """Hyper-parameters of ``train_judge`` (stored in the weights file's metadata)."""
+
+    width: int = 160
+    layers: int = 2
+    heads: int = 4
+    dropout: float = 0.1
+    epochs: int = 4
+    batch: int = 256
+    lr: float = 5e-4
+    weight_decay: float = 0.05
+    tau: float = 0.05
+    top_k: int = 32
+    random_rate: float = 0.25
+    seed: int = 0
+    #: Train on at most this many train photos (None: all); for quick comparisons.
+    max_images: int | None = None
+
+
+def _topk_excluding(a: NDArray[np.float32], b: NDArray[np.float32], a_owner: NDArray[np.int64] | None,
+                    b_owner: NDArray[np.int64] | None, k: int, chunk: int = 2048) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+    """Per row of ``a``: the ``k`` rows of ``b`` with the largest dot product, excluding rows
+    of ``b`` owned by the same photo (owner arrays give the photo of each row)."""
+    idx = np.zeros((len(a), k), np.int64)
+    val = np.zeros((len(a), k), np.float32)
+    for s in range(0, len(a), chunk):
+        sim = a[s : s + chunk] @ b.T
+        own = np.arange(s, min(s + chunk, len(a))) if a_owner is None else a_owner[s : s + chunk]
+        other = np.arange(len(b)) if b_owner is None else b_owner
+        sim[own[:, None] == other[None, :]] = -np.inf
+        part = np.argpartition(-sim, k, axis=1)[:, :k]
+        idx[s : s + chunk] = part
+        val[s : s + chunk] = np.take_along_axis(sim, part, axis=1)
+    return idx, val
+
+
+def _softmax_pick(rng: np.random.Generator, idx: NDArray[np.int64], val: NDArray[np.float32], tau: float) -> NDArray[np.int64]:
+    logits = (val - val.max(axis=1, keepdims=True)) / tau
+    p = np.exp(logits)
+    p /= p.sum(axis=1, keepdims=True)
+    cum = p.cumsum(axis=1)
+    u = rng.random((len(idx), 1))
+    choice = np.minimum((u > cum).sum(axis=1), idx.shape[1] - 1)
+    return idx[np.arange(len(idx)), choice]
+
+
+def _epoch_pairs(train: SplitFeatures, real: NDArray[np.int64], edit_of: dict[int, int],
+                 t2i: tuple[NDArray[np.int64], NDArray[np.float32]], i2t: tuple[NDArray[np.int64], NDArray[np.float32]],
+                 recipe: JudgeRecipe, rng: np.random.Generator) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.float32]]:
+    """(image rows, text rows, labels) of one epoch, shuffled."""
+    owner = train.image[real]
+    n_img = len(train.image_emb)
+    images = [owner, _softmax_pick(rng, *t2i, recipe.tau)]
+    texts = [real, real]
+    i2t_pick = _softmax_pick(rng, i2t[0][owner], i2t[1][owner], recipe.tau)
+    images.append(owner)
+    texts.append(real[i2t_pick])
+    edits = np.array([edit_of.get(int(t), -1) for t in real])
+    has = edits >= 0
+    images.append(owner[has])
+    texts.append(edits[has])
+    rand = rng.random(len(real)) < recipe.random_rate
+    other = (owner[rand] + rng.integers(1, n_img, rand.sum())) % n_img
+    images.append(other)
+    texts.append(real[rand])
+    labels = np.concatenate([np.ones(len(real), np.float32)] + [np.zeros(len(t), np.float32) for t in texts[1:]])
+    img, txt = np.concatenate(images), np.concatenate(texts)
+    order = rng.permutation(len(labels))
+    return img[order], txt[order], labels[order]
+
+
+def _tensors(feats: SplitFeatures, img: NDArray[np.int64], txt: NDArray[np.int64]) -> tuple[Any, Any, Any, Any]:
+    import torch
+
+    tokens = torch.from_numpy(feats.tokens[txt])
+    mask = torch.from_numpy(feats.mask[txt])
+    width = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1
+    regions = torch.from_numpy(feats.regions[img])
+    cosine = torch.from_numpy(np.einsum("nd,nd->n", feats.image_emb[img], feats.text_emb[txt]))
+    return tokens[:, :width], mask[:, :width], regions, cosine
+
+
+def score_pairs(model: Any, feats: SplitFeatures, img: NDArray[np.int64], txt: NDArray[np.int64], batch: int = 512) -> NDArray[np.float32]:
+    """Judge logits (N,) of the pairs (feats image row ``img[n]``, text row ``txt[n]``)."""
+    import torch
+
+    model.eval()
+    out = []
+    with torch.inference_mode():
+        for s in range(0, len(img), batch):
+            out.append(model(*_tensors(feats, img[s : s + batch], txt[s : s + batch])).numpy())
+    return np.concatenate(out) if out else np.zeros(0, np.float32)
+
+
+def dev_pairs(dev: SplitFeatures, seed: int = 0) -> dict[str, tuple[NDArray[np.int64], NDArray[np.int64]]]:
+    """Evaluation pairs of the dev split, (image rows, text rows) per kind.
+
+    ``clean``: each photo with its first caption. Noise: ``random`` (the first caption of a
+    random other photo), ``nearest_image`` (of the photo most alike by image embedding),
+    ``nearest_caption`` (the other photo whose first caption is most alike by text
+    embedding), and one entry per edit kind (``edit_<kind>``: the first caption, edited).
+    """
+    n = len(dev.image_emb)
+    first = np.arange(n) * 5
+    assert np.all(dev.image[first] == np.arange(n)) and np.all(dev.kind[first] == "")
+    rng = np.random.default_rng(seed)
+    shift = rng.integers(1, n, n)
+    out = {"clean": (np.arange(n), first), "random": (np.arange(n), first[(np.arange(n) + shift) % n])}
+    sim = dev.image_emb @ dev.image_emb.T
+    np.fill_diagonal(sim, -np.inf)
+    out["nearest_image"] = (np.arange(n), first[sim.argmax(1)])
+    cap = dev.text_emb[first]
+    sim = cap @ cap.T
+    np.fill_diagonal(sim, -np.inf)
+    out["nearest_caption"] = (np.arange(n), first[sim.argmax(1)])
+    for kind in sorted(set(dev.kind[dev.kind != ""])):
+        rows = np.nonzero(dev.kind == kind)[0]
+        out[f"edit_{kind}"] = (dev.image[rows], rows)
+    return out
+
+
+def evaluate(model: Any, dev: SplitFeatures, pairs: dict[str, tuple[NDArray[np.int64], NDArray[np.int64]]] | None = None) -> dict[str, dict[str, float]]:
+    """AUC of the judge's logit and of the plain cosine, clean against each noise kind."""
+    pairs = pairs or dev_pairs(dev)
+    scores = {k: score_pairs(model, dev, *v) for k, v in pairs.items()}
+    cos = {k: np.einsum("nd,nd->n", dev.image_emb[v[0]], dev.text_emb[v[1]]) for k, v in pairs.items()}
+    report: dict[str, dict[str, float]] = {}
+    for kind in pairs:
+        if kind == "clean":
+            continue
+        labels = np.r_[np.ones(len(scores["clean"]), bool), np.zeros(len(scores[kind]), bool)]
+        report[kind] = {
+            "judge_auc": roc_auc(np.r_[scores["clean"], scores[kind]], labels),
+            "cosine_auc": roc_auc(np.r_[cos["clean"], cos[kind]], labels),
+            "n": float(len(scores[kind])),
+        }
+    return report
+
+
+def _selection_score(report: dict[str, dict[str, float]]) -> float:
+    return float(np.mean([v["judge_auc"] for v in report.values()]))
+
+
+def train_judge(train: SplitFeatures, dev: SplitFeatures, recipe: JudgeRecipe) -> tuple[Any, dict[str, Any]]:
+    """Train a judge (see the module docstring); returns (model at its best dev epoch, report)."""
+    import torch
+
+    from pairclean.judge.model import Judge, JudgeConfig
+
+    torch.manual_seed(recipe.seed)
+    rng = np.random.default_rng(recipe.seed)
+    real = np.nonzero(train.kind == "")[0]
+    if recipe.max_images is not None:
+        real = real[train.image[real] < recipe.max_images]
+    edit_of = {int(s): int(r) for r, s in enumerate(train.source) if s >= 0}
+    n_img = len(train.image_emb) if recipe.max_images is None else min(recipe.max_images, len(train.image_emb))
+    img_emb = train.image_emb[:n_img]
+    # caption -> photo candidates (other photos only), photo -> caption candidates (other photos' captions)
+    t2i = _topk_excluding(train.text_emb[real], img_emb, train.image[real], np.arange(n_img), recipe.top_k)
+    i2t_idx, i2t_val = _topk_excluding(img_emb, train.text_emb[real], np.arange(n_img), train.image[real], recipe.top_k)
+    config = JudgeConfig(text_dim=train.tokens.shape[2], image_dim=train.regions.shape[2], regions=train.regions.shape[1],
+                         width=recipe.width, layers=recipe.layers, heads=recipe.heads, dropout=recipe.dropout)
+    model = Judge(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+    pairs = dev_pairs(dev)
+    best: tuple[float, dict[str, Any], dict[str, Any]] | None = None
+    history = []
+    steps_per_epoch = None
+    step = 0
+    started = time.perf_counter()
+    for epoch in range(recipe.epochs):
+        img, txt, labels = _epoch_pairs(train, real, edit_of, (t2i[0], t2i[1]), (i2t_idx, i2t_val), recipe, rng)
+        steps_per_epoch = steps_per_epoch or math.ceil(len(labels) / recipe.batch)
+        total = steps_per_epoch * recipe.epochs
+        pos_w = float((labels == 0).sum() / max(1, (labels == 1).sum()))
+        model.train()
+        losses = []
+        for s in range(0, len(labels), recipe.batch):
+            lr = recipe.lr * 0.5 * (1 + math.cos(math.pi * min(step, total) / total)) * min(1.0, (step + 1) / 100)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            y = torch.from_numpy(labels[s : s + recipe.batch])
+            logits = model(*_tensors(train, img[s : s + recipe.batch], txt[s : s + recipe.batch]))
+            weight = torch.where(y > 0, torch.tensor(pos_w), torch.tensor(1.0))
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, y, weight=weight) / (0.5 * (1 + pos_w))
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(float(loss))
+            step += 1
+        report = evaluate(model, dev, pairs)
+        score = _selection_score(report)
+        history.append({"epoch": epoch + 1, "loss": float(np.mean(losses)), "dev_mean_auc": score,
+                        "seconds": round(time.perf_counter() - started, 1),
+                        **{k: round(v["judge_auc"], 4) for k, v in report.items()}})
+        log.info("epoch %d: %s", epoch + 1, history[-1])
+        if best is None or score > best[0]:
+            best = (score, {k: v.detach().clone() for k, v in model.state_dict().items()}, report)
+    assert best is not None
+    model.load_state_dict(best[1])
+    model.eval()
+    return model, {"recipe": asdict(recipe), "history": history, "dev": best[2], "train_pairs_per_epoch": int(len(labels)),
+                   "seconds": round(time.perf_counter() - started, 1)}
