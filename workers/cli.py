@@ -1,5 +1,5 @@
 """The ``pairclean`` command's batch verbs: score, rescore, inspect, export, demo, train-lite,
-pseudo-pair, refine, audit (the console script, ``pairclean_service.cli``, adds the service's verbs).
+train-judge, pseudo-pair, refine, audit (the console script, ``pairclean_service.cli``, adds the service's verbs).
 
 Exit codes (the end states' codes live in ``pairclean.job.lifecycle.EXIT_CODES``): 0 SUCCEEDED
 (every shard committed); 1 a job-level error (bad input, spec mismatch, model that cannot
@@ -129,6 +129,9 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     from pairclean_workers.train_cli import add_train_parser
 
     add_train_parser(sub)
+    from pairclean_workers.judge_train_cli import add_judge_train_parser
+
+    add_judge_train_parser(sub)
     from pairclean_workers.pseudo_cli import add_pseudo_parser
 
     add_pseudo_parser(sub)
@@ -398,9 +401,11 @@ def main(argv: Sequence[str] | None = None, extend: Callable[[Any], None] | None
     from pairclean_workers.audit_cli import cmd_audit
     from pairclean_workers.pseudo_cli import cmd_pseudo_pair
     from pairclean_workers.refine_cli import cmd_refine
+    from pairclean_workers.judge_train_cli import cmd_train_judge
     from pairclean_workers.train_cli import cmd_train_lite
 
-    handler = {**COMMANDS, "train-lite": cmd_train_lite, "pseudo-pair": cmd_pseudo_pair, "refine": cmd_refine, "audit": cmd_audit, **(handlers or {})}[args.command]
+    handler = {**COMMANDS, "train-lite": cmd_train_lite, "train-judge": cmd_train_judge, "pseudo-pair": cmd_pseudo_pair,
+               "refine": cmd_refine, "audit": cmd_audit, **(handlers or {})}[args.command]
     try:
         return handler(args)
     except PaircleanError as exc:

@@ -83,6 +83,8 @@ def load_judge(path: str | None = None) -> LoadedJudge:
     path = os.path.abspath(path or default_judge_path())
     if not os.path.isfile(path):
         raise ModelLoadError(f"judge weights not found at {path!r}: train them with `pairclean train-judge` or pass --judge-checkpoint")
+    from safetensors import SafetensorError
+
     try:
         with safe_open(path, framework="pt") as fh:
             meta = fh.metadata() or {}
@@ -90,7 +92,7 @@ def load_judge(path: str | None = None) -> LoadedJudge:
         platt = tuple(float(v) for v in json.loads(meta["platt"]))
         model = Judge(config)
         model.load_state_dict(load_file(path))
-    except (KeyError, ValueError, RuntimeError, OSError) as exc:
+    except (KeyError, ValueError, RuntimeError, OSError, SafetensorError) as exc:
         raise ModelLoadError(f"{path!r} is not a pairclean judge file: {exc}") from exc
     model.eval()
     extra = {k: json.loads(v) for k, v in meta.items() if k not in ("judge_config", "platt", "estimator")}

@@ -227,7 +227,7 @@ def train_judge(train: SplitFeatures, dev: SplitFeatures, recipe: JudgeRecipe) -
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             step += 1
         report = evaluate(model, dev, pairs)
         score = _selection_score(report)
@@ -242,3 +242,54 @@ def train_judge(train: SplitFeatures, dev: SplitFeatures, recipe: JudgeRecipe) -
     model.eval()
     return model, {"recipe": asdict(recipe), "history": history, "dev": best[2], "train_pairs_per_epoch": int(len(labels)),
                    "seconds": round(time.perf_counter() - started, 1)}
+
+
+def fit_platt(model: Any, dev: SplitFeatures, pairs: dict[str, tuple[NDArray[np.int64], NDArray[np.int64]]] | None = None) -> tuple[float, float]:
+    """The Platt map of ``model`` on dev: clean pairs against every noise kind pooled, classes weighted equally."""
+    from .posterior import platt_fit
+
+    pairs = pairs or dev_pairs(dev)
+    scores = {k: score_pairs(model, dev, *v) for k, v in pairs.items()}
+    noise = np.concatenate([v for k, v in scores.items() if k != "clean"])
+    labels = np.r_[np.ones(len(scores["clean"]), bool), np.zeros(len(noise), bool)]
+    return platt_fit(np.r_[scores["clean"], noise], labels)
+
+
+def calibrated_report(model: Any, dev: SplitFeatures, platt: tuple[float, float], rates: tuple[float, ...] = (0.2, 0.5),
+                      seed: int = 0) -> dict[str, dict[str, float]]:
+    """Per noise kind and rate, on dev mixes (clean first captions plus that kind's noise at
+    ``rate``): AUC of the judge and of the cosine, and the judge's p_clean as the cascade
+    computes it (prior estimated from the mix itself): ECE, Brier, mean p_clean of clean
+    and of noisy pairs. ``mix`` draws from every kind."""
+    from .metrics import brier, ece
+    from .posterior import estimate_prior, llr_of, p_clean_of
+
+    pairs = dev_pairs(dev)
+    llr = {k: llr_of(score_pairs(model, dev, *v), platt) for k, v in pairs.items()}
+    cos = {k: np.einsum("nd,nd->n", dev.image_emb[v[0]], dev.text_emb[v[1]]) for k, v in pairs.items()}
+    rng = np.random.default_rng(seed)
+    kinds = [k for k in pairs if k != "clean"]
+    out: dict[str, dict[str, float]] = {}
+    n_clean_all = len(llr["clean"])
+    for kind in [*kinds, "mix"]:
+        for rate in rates:
+            if kind == "mix":
+                pool_llr = np.concatenate([llr[k] for k in kinds])
+                pool_cos = np.concatenate([cos[k] for k in kinds])
+            else:
+                pool_llr, pool_cos = llr[kind], cos[kind]
+            n_noise = min(len(pool_llr), int(round(n_clean_all * rate / (1 - rate))))
+            n_clean = min(n_clean_all, int(round(n_noise * (1 - rate) / rate)))
+            ci = rng.choice(n_clean_all, n_clean, replace=False)
+            ni = rng.choice(len(pool_llr), n_noise, replace=False)
+            s = np.r_[llr["clean"][ci], pool_llr[ni]]
+            c = np.r_[cos["clean"][ci], pool_cos[ni]]
+            y = np.r_[np.ones(n_clean, bool), np.zeros(n_noise, bool)]
+            prior = estimate_prior(s)
+            p = p_clean_of(s, prior)
+            out[f"{kind}@{int(rate * 100)}"] = {
+                "judge_auc": roc_auc(s, y), "cosine_auc": roc_auc(c, y), "ece": ece(p, y), "brier": brier(p, y),
+                "p_clean_clean": float(p[y].mean()), "p_clean_noisy": float(p[~y].mean()),
+                "prior_clean": prior, "pairs": float(len(y)),
+            }
+    return out
