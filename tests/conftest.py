@@ -114,3 +114,21 @@ def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Any:
         yield f"http://{host}:{port}"
     finally:
         server.stop()
+
+
+@pytest.fixture
+def tiny_judge() -> Callable[..., Path]:
+    """Writes a judge with random weights shaped for ``pairclean-tiny-test`` (issue 21 tests)."""
+
+    def make(path: Path, seed: int = 0) -> Path:
+        import torch
+
+        from pairclean.judge.model import Judge, JudgeConfig
+        from pairclean.judge.runner import save_judge
+
+        torch.manual_seed(seed)
+        config = JudgeConfig(text_dim=64, image_dim=64, regions=16, width=16, layers=1, heads=2)
+        save_judge(str(path), Judge(config), (1.0, 0.0), TINY, {"note": "random weights, for tests"})
+        return path
+
+    return make

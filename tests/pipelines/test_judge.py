@@ -18,17 +18,6 @@ from pairclean.judge.model import Judge, JudgeConfig
 from pairclean.judge.posterior import FULL_BAND, choose_band, estimate_prior, in_band, p_clean_of, platt_fit
 from pairclean.judge.runner import JudgeRunner, load_judge, save_judge
 
-#: A judge shaped for the tiny test estimator (16 patch tokens x 64, text width 64).
-TINY_JUDGE = JudgeConfig(text_dim=64, image_dim=64, regions=16, width=16, layers=1, heads=2)
-
-
-def tiny_judge_file(path: Path, seed: int = 0) -> Path:
-    """A judge file with random weights for ``pairclean-tiny-test``."""
-    torch.manual_seed(seed)
-    save_judge(str(path), Judge(TINY_JUDGE), (1.0, 0.0), "pairclean-tiny-test", {"note": "random weights, for tests"})
-    return path
-
-
 @pytest.fixture(scope="module")
 def tiny_estimator():
     return load_estimator(EstimatorSpec(model="pairclean-tiny-test", engine="torch"))
@@ -89,8 +78,8 @@ def test_metrics_match_their_definitions() -> None:
     assert ece(np.ones(4), np.zeros(4, bool)) == pytest.approx(1.0)
 
 
-def test_weights_round_trip_and_bad_files(tmp_path: Path) -> None:
-    path = tiny_judge_file(tmp_path / "judge.safetensors")
+def test_weights_round_trip_and_bad_files(tmp_path: Path, tiny_judge) -> None:
+    path = tiny_judge(tmp_path / "judge.safetensors")
     loaded = load_judge(str(path))
     assert loaded.platt == (1.0, 0.0) and loaded.estimator == "pairclean-tiny-test"
     assert loaded.identity()["sha256"] == loaded.sha256 and len(loaded.sha256) == 64
@@ -110,8 +99,8 @@ def _batch(estimator, n: int) -> tuple[torch.Tensor, list[str]]:
     return pixels, texts
 
 
-def test_runner_embeds_like_the_estimator_and_judges_only_the_band(tmp_path: Path, tiny_estimator) -> None:
-    runner = JudgeRunner(load_judge(str(tiny_judge_file(tmp_path / "j.safetensors"))), tiny_estimator)
+def test_runner_embeds_like_the_estimator_and_judges_only_the_band(tmp_path: Path, tiny_estimator, tiny_judge) -> None:
+    runner = JudgeRunner(load_judge(str(tiny_judge(tmp_path / "j.safetensors"))), tiny_estimator)
     pixels, texts = _batch(tiny_estimator, 6)
     out = runner.encode_batch(pixels, texts)
     np.testing.assert_allclose(out.image_emb, tiny_estimator.encode_images(pixels), atol=1e-5)
@@ -144,8 +133,8 @@ class _FailsOnLongCaptions(Judge):
         return torch.where(mask.sum(1) > self.limit, torch.full_like(out, float("nan")), out)
 
 
-def _failing_runner(path: Path, estimator, limit: int) -> JudgeRunner:
-    loaded = load_judge(str(tiny_judge_file(path)))
+def _failing_runner(path: Path, estimator, limit: int, tiny_judge) -> JudgeRunner:
+    loaded = load_judge(str(tiny_judge(path)))
     failing = _FailsOnLongCaptions(loaded.model.config)
     failing.limit = limit
     failing.load_state_dict(loaded.model.state_dict())
@@ -153,8 +142,8 @@ def _failing_runner(path: Path, estimator, limit: int) -> JudgeRunner:
     return JudgeRunner(loaded, estimator)
 
 
-def test_a_judge_failure_is_that_pairs_error_only(tmp_path: Path, tiny_estimator) -> None:
-    runner = _failing_runner(tmp_path / "j.safetensors", tiny_estimator, 10)
+def test_a_judge_failure_is_that_pairs_error_only(tmp_path: Path, tiny_estimator, tiny_judge) -> None:
+    runner = _failing_runner(tmp_path / "j.safetensors", tiny_estimator, 10, tiny_judge)
     pixels, texts = _batch(tiny_estimator, 5)  # captions of 7, 8, 9, 10, 11 tokens with start/end
     lengths = [int((tiny_estimator.tokenizer([t]) != 0).sum()) for t in texts]
     out = runner.encode_batch(pixels, texts)
@@ -177,7 +166,7 @@ def test_score_shard_turns_a_judge_failure_into_a_row_status(tmp_path: Path, tin
     lengths = [int((tiny_estimator.tokenizer([c]) != 0).sum()) for c in captions]
     limit = int(np.median(lengths))
     assert any(n > limit for n in lengths) and any(n <= limit for n in lengths)
-    result = score_shard(str(shard), tiny_estimator, judge=_failing_runner(tmp_path / "j.safetensors", tiny_estimator, limit))
+    result = score_shard(str(shard), tiny_estimator, judge=_failing_runner(tmp_path / "j.safetensors", tiny_estimator, limit, tiny_judge))
     plain = score_shard(str(shard), tiny_estimator)
     assert result.judge_llr is not None and len(result) == 8
     for n, status, error, sim, ref, llr in zip(lengths, result.status, result.error, result.similarity, plain.similarity, result.judge_llr):

@@ -1,0 +1,139 @@
+"""The cascade in `pairclean score --judge off|band|all`: columns, p_clean, metadata, resume,
+on the tiny real estimator with a tiny random judge (real shards, real Parquet)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pairclean import schema
+from pairclean_workers.cli import main
+
+TINY = ["--model", "pairclean-tiny-test", "--no-progress", "--batch-size", "4", "--executor", "local", "--calibration-pairs", "12"]
+
+
+def _score(shards: list[Path], out: Path, *extra: str) -> int:
+    return main(["score", *map(str, shards), "--out", str(out), *TINY, *extra])
+
+
+def _table(out: Path, stem: str):
+    return pq.read_table(out / f"{stem}.parquet")
+
+
+def _meta(out: Path, stem: str) -> dict:
+    return json.loads(pq.read_schema(out / f"{stem}.parquet").metadata[schema.META_KEY])
+
+
+@pytest.fixture
+def judge_file(tmp_path: Path, tiny_judge) -> Path:
+    return tiny_judge(tmp_path / "tiny-judge.safetensors")
+
+
+def test_judge_all_scores_every_pair_and_records_itself(make_shards, tmp_path: Path, judge_file: Path) -> None:
+    shards = make_shards(n_shards=2, per_shard=8)
+    out = tmp_path / "out"
+    assert _score(shards, out, "--judge", "all", "--judge-checkpoint", str(judge_file)) == 0
+    for stem in ("part-00000", "part-00001"):
+        rows = _table(out, stem).to_pylist()
+        meta = _meta(out, stem)["judge"]
+        assert meta["mode"] == "all" and meta["band"] == ["-inf", "inf"] and meta["id"] == judge_file.name
+        assert len(meta["sha256"]) == 64 and 0.02 <= meta["prior_clean"] <= 0.98 and meta["pairs"] == 12
+        logit_prior = math.log(meta["prior_clean"] / (1 - meta["prior_clean"]))
+        for r in rows:
+            assert r["status"] == "ok" and math.isfinite(r[schema.COL_JUDGE_SCORE])
+            # the judge's p_clean: its ratio under the corpus prior; weight = p_clean; noisy = p_clean <= 0.5
+            expected = 1 / (1 + math.exp(-(r[schema.COL_JUDGE_SCORE] + logit_prior)))
+            assert r["p_clean"] == pytest.approx(expected, abs=1e-5)
+            assert r["weight"] == r["p_clean"] and r["noisy"] == (r["p_clean"] <= 0.5)
+            assert -1 <= r["similarity"] <= 1
+    job = json.loads((out / schema.JOB_FILE).read_text())["spec"]
+    assert job["judge"] == "all" and job["judge_sha256"] == meta["sha256"] and job["judge_checkpoint"] == str(judge_file)
+
+
+def test_band_judges_its_window_and_keeps_osa_outside(make_shards, tmp_path: Path, judge_file: Path) -> None:
+    shards = make_shards(n_shards=2, per_shard=8)
+    off, band = tmp_path / "off", tmp_path / "band"
+    assert _score(shards, off, "--judge", "off") == 0
+    assert _score(shards, band, "--judge", "band", "--judge-budget", "0.5", "--judge-checkpoint", str(judge_file)) == 0
+    assert schema.COL_JUDGE_SCORE not in _table(off, "part-00000").column_names
+    assert "judge" not in _meta(off, "part-00000") and "judge" not in json.loads((off / schema.JOB_FILE).read_text())["spec"]
+    judged_total = 0
+    for stem in ("part-00000", "part-00001"):
+        a, b = _table(off, stem).to_pylist(), _table(band, stem).to_pylist()
+        meta = _meta(band, stem)["judge"]
+        lo, hi = (float(x) for x in meta["band"])
+        assert meta["mode"] == "band" and meta["budget"] == 0.5
+        for ra, rb in zip(a, b):
+            assert rb["similarity"] == ra["similarity"]  # the same one pass of the towers
+            inside = lo <= rb["similarity"] <= hi
+            assert math.isfinite(rb[schema.COL_JUDGE_SCORE]) == inside
+            if not inside:  # outside the band: exactly OSA's outputs
+                assert (rb["p_clean"], rb["weight"], rb["noisy"]) == (ra["p_clean"], ra["weight"], ra["noisy"])
+            judged_total += inside
+    # the band holds half of the 12 calibration pairs; over both shards, some but not all are judged
+    assert 0 < judged_total < 16
+
+
+def test_resume_with_the_judge_on_and_a_changed_judge_is_refused(make_shards, tmp_path: Path, judge_file: Path, tiny_judge,
+                                                               crash_mid_job, capsys: pytest.CaptureFixture[str]) -> None:
+    shards = make_shards(n_shards=6, per_shard=6)
+    out, fresh = tmp_path / "out", tmp_path / "fresh"
+    flags = ["--judge", "band", "--judge-budget", "0.5", "--judge-checkpoint", str(judge_file)]
+    cmd = [sys.executable, "-m", "pairclean_workers.cli", "score", str(shards[0].parent / "part-{00000..00005}.tar"),
+           "--out", str(out), *TINY[:-2], "--calibration-pairs", "8", *flags]
+    crash_mid_job(cmd, out, commits=2)  # killed in the scoring phase, after the judge's band was frozen
+    done = len(list(out.glob("part-*.parquet")))
+    assert 2 <= done < 6
+    result = subprocess.run(cmd, capture_output=True, timeout=300, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "already done" in result.stdout
+    # the resumed job wrote exactly what an uninterrupted one writes
+    assert subprocess.run([*cmd[:cmd.index("--out") + 1], str(fresh), *cmd[cmd.index("--out") + 2:]], capture_output=True, timeout=300).returncode == 0
+    for i in range(6):
+        assert (out / f"part-{i:05d}.parquet").read_bytes() == (fresh / f"part-{i:05d}.parquet").read_bytes()
+    assert json.loads((out / schema.CALIBRATION_FILE).read_text())["extra"]["judge"]["band"] == \
+        json.loads((fresh / schema.CALIBRATION_FILE).read_text())["extra"]["judge"]["band"]
+    # another judge setting into the same folder is another job: refused
+    capsys.readouterr()
+    for changed in (["--judge", "off"], ["--judge", "all", "--judge-checkpoint", str(judge_file)],
+                    ["--judge", "band", "--judge-budget", "0.25", "--judge-checkpoint", str(judge_file)]):
+        assert _score(shards, out, *changed, "--calibration-pairs", "8") == 1
+        assert "different spec" in capsys.readouterr().err
+    # the same path with other weights: refused too (the spec records the judge's sha256)
+    tiny_judge(judge_file, seed=1)
+    assert _score(shards, out, *flags, "--calibration-pairs", "8") == 1
+    assert "different spec" in capsys.readouterr().err
+
+
+def test_bad_judge_flags_are_clear_errors(make_shards, tmp_path: Path, judge_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shards = make_shards(n_shards=1, per_shard=4)
+    assert _score(shards, tmp_path / "a", "--judge", "band", "--judge-budget", "1.5", "--judge-checkpoint", str(judge_file)) == 1
+    assert "--judge-budget" in capsys.readouterr().err
+    assert _score(shards, tmp_path / "b", "--judge", "all", "--judge-checkpoint", str(tmp_path / "nope.safetensors")) == 1
+    assert "judge weights not found" in capsys.readouterr().err
+    # the shipped judge reads pairclean-lite's towers: auto turns it off for another model
+    assert _score(shards, tmp_path / "c") == 0
+    assert "judge" not in json.loads((tmp_path / "c" / schema.JOB_FILE).read_text())["spec"]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ray_workers_run_the_cascade(make_shards, tmp_path: Path, judge_file: Path) -> None:
+    shards = make_shards(n_shards=2, per_shard=8)
+    local, ray_out = tmp_path / "local", tmp_path / "ray"
+    flags = ["--judge", "band", "--judge-budget", "0.5", "--judge-checkpoint", str(judge_file)]
+    assert _score(shards, local, *flags) == 0
+    tiny_ray = [a for a in TINY if a not in ("--executor", "local")]
+    assert main(["score", *map(str, shards), "--out", str(ray_out), *tiny_ray, "--executor", "ray", "--num-actors", "1", *flags]) == 0
+    for stem in ("part-00000", "part-00001"):
+        a, b = _table(local, stem), _table(ray_out, stem)
+        np.testing.assert_allclose(a[schema.COL_JUDGE_SCORE].to_numpy(), b[schema.COL_JUDGE_SCORE].to_numpy(), atol=1e-4)
+        np.testing.assert_allclose(a["p_clean"].to_numpy(), b["p_clean"].to_numpy(), atol=1e-4)
+        assert _meta(ray_out, stem)["judge"]["sha256"] == _meta(local, stem)["judge"]["sha256"]
