@@ -2,7 +2,7 @@
 
 Extracts (once, cached) pairclean-lite's image regions and caption tokens over Flickr8k
 train and dev plus one-word edits, trains the judge on train with hard negatives
-(``pairclean.judge.train``), keeps the epoch with the best mean dev AUC, fits the Platt map
+(``pairclean.lite.judge_train``), keeps the epoch with the best mean dev AUC, fits the Platt map
 on dev and writes the weights with recipe, history and dev figures in the file's
 metadata. ``--report`` gets the dev figures per noise kind and rate as JSON.
 """
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 def add_judge_train_parser(sub: Any) -> None:
     """Register the ``train-judge`` sub-command."""
-    from pairclean.judge.train import JudgeRecipe
+    from pairclean.lite.judge_train import JudgeRecipe
 
     base = JudgeRecipe()
     p = sub.add_parser("train-judge", help="train the fine-grained judge on Flickr8k (train split, selected on dev)")
@@ -46,12 +46,12 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     """Extract (cached), train, calibrate on dev, save; prints the dev figures."""
     import torch
 
-    from pairclean.calibration import cache_dir
-    from pairclean.estimators import EstimatorSpec, load_estimator
-    from pairclean.evaldata import find_flickr8k
-    from pairclean.judge.data import build_cache, load_split
+    from pairclean.calibrate.calibration import cache_dir
+    from pairclean.embed.estimators import EstimatorSpec, load_estimator
+    from pairclean.lite.evaldata import find_flickr8k
+    from pairclean.lite.judge_data import build_cache, load_split
     from pairclean.judge.runner import save_judge
-    from pairclean.judge.train import JudgeRecipe, calibrated_report, fit_platt, train_judge
+    from pairclean.lite.judge_train import JudgeRecipe, calibrated_report, fit_platt, train_judge
 
     if not 1 <= args.train_captions <= 5:
         raise InputError(f"--train-captions must be 1-5, got {args.train_captions}")

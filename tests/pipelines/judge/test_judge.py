@@ -12,7 +12,7 @@ import torch
 
 from pairclean import schema
 from pairclean.errors import ModelLoadError
-from pairclean.estimators import EstimatorSpec, load_estimator
+from pairclean.embed.estimators import EstimatorSpec, load_estimator
 from pairclean.judge.metrics import brier, ece, roc_auc
 from pairclean.judge.model import Judge, JudgeConfig
 from pairclean.judge.posterior import FULL_BAND, choose_band, estimate_prior, in_band, p_clean_of, platt_fit
@@ -155,8 +155,8 @@ def test_a_judge_failure_is_that_pairs_error_only(tmp_path: Path, tiny_estimator
     assert any(length > 10 for length in lengths) and any(length <= 10 for length in lengths)
 
 
-def test_score_shard_turns_a_judge_failure_into_a_row_status(tmp_path: Path, tiny_estimator, make_shards) -> None:
-    from pairclean.scoring import score_shard
+def test_score_shard_turns_a_judge_failure_into_a_row_status(tmp_path: Path, tiny_estimator, make_shards, tiny_judge) -> None:
+    from pairclean.embed.shard import score_shard
 
     import tarfile
 
