@@ -38,6 +38,8 @@ def add_judge_train_parser(sub: Any) -> None:
     p.add_argument("--epochs", type=int, default=base.epochs)
     p.add_argument("--width", type=int, default=base.width)
     p.add_argument("--layers", type=int, default=base.layers)
+    p.add_argument("--lr", type=float, default=base.lr)
+    p.add_argument("--batch", type=int, default=base.batch)
     p.add_argument("--seed", type=int, default=base.seed)
     p.add_argument("--threads", type=int, default=None)
 
@@ -65,7 +67,7 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     estimator = load_estimator(EstimatorSpec(model="pairclean-lite", precision="fp32", engine="torch"))
     build_cache(root, cache, estimator, seed=args.seed, train_captions=args.train_captions)
     train, dev = load_split(cache, "train"), load_split(cache, "dev")
-    recipe = JudgeRecipe(epochs=args.epochs, width=args.width, layers=args.layers, seed=args.seed)
+    recipe = JudgeRecipe(epochs=args.epochs, width=args.width, layers=args.layers, seed=args.seed, lr=args.lr, batch=args.batch)
     model, report = train_judge(train, dev, recipe)
     platt = fit_platt(model, dev)
     figures = calibrated_report(model, dev, platt)

@@ -54,6 +54,7 @@ class JudgeRecipe:
     tau: float = 0.05
     top_k: int = 32
     random_rate: float = 0.25
+    warmup: int = 100
     seed: int = 0
     #: Train on at most this many train photos (None: all); for quick comparisons.
     max_images: int | None = None
@@ -218,7 +219,7 @@ def train_judge(train: SplitFeatures, dev: SplitFeatures, recipe: JudgeRecipe) -
         model.train()
         losses = []
         for s in range(0, len(labels), recipe.batch):
-            lr = recipe.lr * 0.5 * (1 + math.cos(math.pi * min(step, total) / total)) * min(1.0, (step + 1) / 100)
+            lr = recipe.lr * 0.5 * (1 + math.cos(math.pi * min(step, total) / total)) * min(1.0, (step + 1) / recipe.warmup)
             for group in opt.param_groups:
                 group["lr"] = lr
             y = torch.from_numpy(labels[s : s + recipe.batch])

@@ -109,7 +109,9 @@ def scores_table(
         columns[schema.COL_URL] = url
     if members is not None:
         columns.update((name, members[name]) for name in schema.MEMBER_COLUMNS)
-    table_schema = schema.scores_schema(uid is not None, url is not None, with_members=members is not None).with_metadata(metadata)
+    table_schema = schema.scores_schema(
+        uid is not None, url is not None, extra_scores=tuple(extra), with_members=members is not None
+    ).with_metadata(metadata)
     return pa.table(columns, schema=table_schema)
 
 
