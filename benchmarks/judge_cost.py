@@ -42,11 +42,11 @@ def main() -> int:
             cmd = [exe, "score", *shards, "--out", str(out), "--executor", "local", "--no-progress", "--threads", str(args.threads),
                    "--overwrite", *flags]
             m = run_measured(cmd)
-            if m.returncode != 0:
+            if m.rc != 0:
                 print(m.output, file=sys.stderr)
                 return 1
-            record = {"judge": name, "round": round_, "pairs": args.pairs, "wall_s": round(m.wall, 2),
-                      "pairs_per_s": round(args.pairs / m.wall, 2), **cpu_split(m, args.pairs)}
+            record = {"judge": name, "round": round_, "pairs": args.pairs, "wall_s": round(m.wall_s, 2),
+                      "pairs_per_s": round(args.pairs / m.wall_s, 2), **cpu_split(m, args.pairs)}
             json_line(record)
             runs[name].append(record)
 

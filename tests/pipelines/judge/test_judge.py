@@ -174,3 +174,11 @@ def test_score_shard_turns_a_judge_failure_into_a_row_status(tmp_path: Path, tin
             assert status == schema.STATUS_JUDGE_ERROR and error.startswith("judge failed") and np.isnan(sim)
         else:
             assert status == schema.STATUS_OK and np.isfinite(llr) and sim == pytest.approx(ref, abs=1e-5)
+
+
+def test_platt_fit_stays_finite_when_classes_barely_overlap() -> None:
+    rng = np.random.default_rng(3)
+    z = np.r_[rng.normal(5, 1, 500), rng.normal(-5, 1, 500), [0.1, -0.1]]
+    y = np.r_[np.ones(500, bool), np.zeros(500, bool), [False, True]]
+    a, b = platt_fit(z, y)
+    assert 0 < a < 100 and abs(b) < 100
