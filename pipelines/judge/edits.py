@@ -26,7 +26,9 @@ dependency and propose synonyms and rare senses that need filtering anyway. Pure
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -159,7 +161,10 @@ def _rebuild(caption: str, words: list[re.Match[str]], changes: dict[int, str]) 
     return "".join(out)
 
 
-def _pick(rng: np.random.Generator, options: list) -> object:
+_T = TypeVar("_T")
+
+
+def _pick(rng: np.random.Generator, options: Sequence[_T]) -> _T:
     return options[int(rng.integers(len(options)))]
 
 
@@ -167,13 +172,13 @@ def _edit_object(caption: str, words: list[re.Match[str]], rng: np.random.Genera
     slots = [i for i, m in enumerate(words) if m.group().lower() in _NOUNS]
     if not slots:
         return None
-    i = int(_pick(rng, slots))
+    i = _pick(rng, slots)
     noun = _NOUNS[words[i].group().lower()]
     others = [
         s for s, _ in _NOUN_FAMILIES[noun.family]
         if s != noun.lemma and frozenset((s, noun.lemma)) not in _NOUN_TOO_CLOSE
     ]
-    new = str(_pick(rng, others))
+    new = _pick(rng, others)
     return _rebuild(caption, words, {i: _form(new, noun.plural)})
 
 
@@ -181,36 +186,36 @@ def _edit_attribute(caption: str, words: list[re.Match[str]], rng: np.random.Gen
     slots = [i for i, m in enumerate(words) if m.group().lower() in _ATTRIBUTES]
     if not slots:
         return None
-    i = int(_pick(rng, slots))
+    i = _pick(rng, slots)
     group, meaning = _ATTRIBUTES[words[i].group().lower()]
     targets = [w for k, w in enumerate(_ATTRIBUTE_TARGETS[group]) if k != meaning]
-    return _rebuild(caption, words, {i: str(_pick(rng, targets))})
+    return _rebuild(caption, words, {i: _pick(rng, targets)})
 
 
 def _edit_count(caption: str, words: list[re.Match[str]], rng: np.random.Generator) -> str | None:
     slots = [i for i, m in enumerate(words) if m.group().lower() in _NUMBERS]
     if slots:
-        i = int(_pick(rng, slots))
+        i = _pick(rng, slots)
         old = words[i].group().lower()
         if old == "one":
             return _one_to_many(caption, words, i, rng)
         # A plural count stays plural ("two dogs" -> "three dogs", never "one dogs").
         targets = [n for n in _NUMBERS if n not in (old, "one")]
-        return _rebuild(caption, words, {i: str(_pick(rng, targets))})
+        return _rebuild(caption, words, {i: _pick(rng, targets)})
     # No number word: "a (little) dog" -> "two (little) dogs", where a listed countable
     # singular noun follows the article directly or after one listed attribute word.
-    slots = []
+    pairs: list[tuple[int, int]] = []
     for i in range(len(words) - 1):
         if words[i].group().lower() not in ("a", "an"):
             continue
         j = i + 2 if words[i + 1].group().lower() in _ATTRIBUTES and i + 2 < len(words) else i + 1
         if _countable_singular(words[j].group().lower()):
-            slots.append((i, j))
-    if not slots:
+            pairs.append((i, j))
+    if not pairs:
         return None
-    i, j = _pick(rng, slots)  # type: ignore[misc]
+    i, j = _pick(rng, pairs)
     lemma = _NOUNS[words[j].group().lower()].lemma
-    number = str(_pick(rng, ["two", "three", "four"]))
+    number = _pick(rng, ["two", "three", "four"])
     return _rebuild(caption, words, {i: number, j: _form(lemma, True)})
 
 
@@ -227,7 +232,7 @@ def _one_to_many(caption: str, words: list[re.Match[str]], i: int, rng: np.rando
     nxt = words[i + 1].group().lower()
     if not _countable_singular(nxt):
         return None
-    number = str(_pick(rng, ["two", "three", "four"]))
+    number = _pick(rng, ["two", "three", "four"])
     return _rebuild(caption, words, {i: number, i + 1: _form(_NOUNS[nxt].lemma, True)})
 
 
@@ -235,10 +240,10 @@ def _edit_action(caption: str, words: list[re.Match[str]], rng: np.random.Genera
     slots = [i for i, m in enumerate(words) if m.group().lower() in _ACTION_FORM]
     if not slots:
         return None
-    i = int(_pick(rng, slots))
+    i = _pick(rng, slots)
     old = words[i].group().lower()
     targets = [w for w in _ACTIONS[_ACTION_FORM[old]] if w != old]
-    return _rebuild(caption, words, {i: str(_pick(rng, targets))})
+    return _rebuild(caption, words, {i: _pick(rng, targets)})
 
 
 def _edit_swap(caption: str, words: list[re.Match[str]], rng: np.random.Generator) -> str | None:

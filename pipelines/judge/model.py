@@ -57,7 +57,8 @@ class _Layer(nn.Module):
         h = self.ln_self(x)
         x = x + self.self_attn(h, h, h, key_padding_mask=pad, need_weights=False)[0]
         x = x + self.cross_attn(self.ln_cross(x), img, img, need_weights=False)[0]
-        return x + self.mlp(self.ln_mlp(x))
+        out: torch.Tensor = x + self.mlp(self.ln_mlp(x))
+        return out
 
 
 class Judge(nn.Module):
@@ -89,7 +90,8 @@ class Judge(nn.Module):
         x = self.out_ln(x)
         m = mask.unsqueeze(-1).to(x.dtype)
         pooled = (x * m).sum(1) / m.sum(1).clamp_min(1.0)
-        return self.readout(pooled).squeeze(-1) + self.cos_scale * cosine.float() + self.cos_bias
+        logits: torch.Tensor = self.readout(pooled).squeeze(-1) + self.cos_scale * cosine.float() + self.cos_bias
+        return logits
 
     def describe(self) -> dict[str, Any]:
         """Config and size, for metadata and logs."""

@@ -84,7 +84,7 @@ def _softmax_pick(rng: np.random.Generator, idx: NDArray[np.int64], val: NDArray
     cum = p.cumsum(axis=1)
     u = rng.random((len(idx), 1))
     choice = np.minimum((u > cum).sum(axis=1), idx.shape[1] - 1)
-    return idx[np.arange(len(idx)), choice]
+    return np.asarray(idx[np.arange(len(idx)), choice], dtype=np.int64)
 
 
 def _epoch_pairs(train: SplitFeatures, real: NDArray[np.int64], edit_of: dict[int, int],
@@ -227,7 +227,7 @@ def train_judge(train: SplitFeatures, dev: SplitFeatures, recipe: JudgeRecipe) -
             weight = torch.where(y > 0, torch.tensor(pos_w), torch.tensor(1.0))
             loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, y, weight=weight) / (0.5 * (1 + pos_w))
             opt.zero_grad()
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             losses.append(float(loss.detach()))
