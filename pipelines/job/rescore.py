@@ -52,6 +52,10 @@ def rescore(
     old_spec = out.read_spec()
     if old_spec is None:
         raise InputError(f"{out.uri} is not a pairclean output folder (no {schema.JOB_FILE})")
+    if old_spec.judge != "off":
+        # The judge's scores come from image regions and caption tokens the sidecars do not hold.
+        raise InputError(f"{out.uri} was scored with --judge {old_spec.judge}: rescoring a judged job is not "
+                         "implemented (its judge scores cannot be recomputed from the embeddings); score it again")
     spec = replace(old_spec, beta_recipe=beta_recipe, weighting=weighting, beta_k=beta_k or old_spec.beta_k)
     committed = list(out.iter_committed())
     if not committed:

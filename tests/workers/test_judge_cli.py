@@ -53,6 +53,10 @@ def test_judge_all_scores_every_pair_and_records_itself(make_shards, tmp_path: P
             assert r["p_clean"] == pytest.approx(expected, abs=1e-5)
             assert r["weight"] == r["p_clean"] and r["noisy"] == (r["p_clean"] <= 0.5)
             assert -1 <= r["similarity"] <= 1
+    # a judged job cannot be rescored from its embeddings: a clear refusal, nothing changed
+    before = (out / "part-00000.parquet").read_bytes()
+    assert main(["rescore", str(out), "--beta-recipe", "gmm", "--weighting", "p-clean"]) == 1
+    assert (out / "part-00000.parquet").read_bytes() == before
     job = json.loads((out / schema.JOB_FILE).read_text())["spec"]
     assert job["judge"] == "all" and job["judge_sha256"] == meta["sha256"] and job["judge_checkpoint"] == str(judge_file)
 
