@@ -9,13 +9,17 @@ credentials and endpoints come from the usual environment (``AWS_*``,
 from __future__ import annotations
 
 import contextlib
-import glob
+import fnmatch
 import io
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
 import re
+import socket
+import stat
 import string
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import PurePosixPath
 from typing import Any, BinaryIO
 from urllib.parse import unquote, urlparse
@@ -37,6 +41,8 @@ __all__ = [
     "under_prefix",
     "MAX_SHARDS_ENV",
     "HTTP_ALLOWED_ENV",
+    "SocketWatch",
+    "watched_opener",
 ]
 
 #: When ``expand_shards`` gets no ``max_shards``, this variable (if set) is the limit: the
@@ -323,10 +329,9 @@ def _expand_glob(
     if scheme in LOCAL_SCHEMES:
         prefix = "file://" if scheme == "file" else ""
         matches = []
-        for match in glob.iglob(local_path(uri)):  # lazily: the limit stops a huge folder early
-            if os.path.isfile(match):
-                budget.take(1, uri)
-                matches.append(match)
+        for match in _local_glob(local_path(uri)):  # lazily: the limit stops a huge folder early
+            budget.take(1, uri)
+            matches.append(match)
         found = [prefix + m for m in sorted(matches)]
     elif scheme in ("http", "https"):
         raise InputError(f"globs are not supported over HTTP: {uri!r}", uri=uri)
@@ -345,6 +350,52 @@ def _expand_glob(
         if check is not None:
             check(match)  # a match may be a symlink that leads elsewhere
         yield match
+
+
+def _local_glob(pattern: str) -> Iterator[str]:
+    """Regular files matching ``pattern``, found without ever going through a symlink.
+
+    Hand-written rather than ``glob.iglob``, which descends into symlinked folders: a
+    wildcard matching a link (``in/l*nk/p*``) would list and name files of the link's
+    target, outside any allow-list checked on the pattern. Here the components before the
+    first wildcard are taken as written (the caller's check resolves them), and every
+    folder after it is entered only when it is a real folder (``lstat``), so matches
+    always lie inside the pattern's literal prefix. A match that is itself a symlink to a
+    file is returned (the caller's check resolves it); one to a folder is not. Hidden
+    names match only a pattern part starting with ``.``, as ``glob`` does.
+    """
+    parts = pattern.split("/")
+    first = next(i for i, part in enumerate(parts) if _GLOB_CHARS & set(part))
+    base = "/".join(parts[:first]) or ("/" if pattern.startswith("/") else ".")
+    yield from _glob_below(base, parts[first:])
+
+
+def _glob_below(folder: str, parts: list[str]) -> Iterator[str]:
+    part, rest = parts[0], parts[1:]
+    if not part:  # a doubled or trailing slash
+        if rest:
+            yield from _glob_below(folder, rest)
+        return
+    if _GLOB_CHARS & set(part):
+        try:
+            with os.scandir(folder) as entries:
+                names = sorted(e.name for e in entries)
+        except OSError:
+            return
+        names = [n for n in names if fnmatch.fnmatchcase(n, part) and (part.startswith(".") or not n.startswith("."))]
+    else:
+        names = [part]
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            continue
+        if rest:
+            if stat.S_ISDIR(mode):  # never a symlink to a folder
+                yield from _glob_below(path, rest)
+        elif stat.S_ISREG(mode) or (stat.S_ISLNK(mode) and os.path.isfile(path)):
+            yield path
 
 
 def under_prefix(uri: str, prefix: str) -> bool:
@@ -376,8 +427,84 @@ def _http_allowed_from_env() -> list[str] | None:
     return [str(v) for v in value]
 
 
-def _open_http_checked(uri: str, allowed: Sequence[str]) -> BinaryIO:
-    """A forward-only HTTP(S) stream whose redirects are followed only to allowed URLs."""
+class SocketWatch:
+    """A whole-request deadline for blocking HTTP reads.
+
+    Socket timeouts bound each ``recv`` only: a server that sends a byte now and then, or
+    stalls mid-body, keeps a read going for ever. The watch shuts down every socket
+    registered with it when ``deadline`` (``time.monotonic()``) passes, from a timer
+    thread; a read blocked on one then returns at once (end of data), so the thread and
+    whatever slot it holds are free at the deadline. ``close()`` stops the timer.
+    """
+
+    def __init__(self, deadline: float | None) -> None:
+        self.deadline = deadline
+        self.expired = False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        if deadline is not None:
+            self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self.expire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def add(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+            if self.expired:
+                _shutdown(sock)
+
+    def expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            for sock in self._sockets:
+                _shutdown(sock)
+
+    def timeout(self, default: float) -> float:
+        """A per-``recv`` timeout no longer than what is left of the deadline."""
+        if self.deadline is None:
+            return default
+        return max(0.05, min(default, self.deadline - time.monotonic()))
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed
+
+
+def watched_opener(watch: SocketWatch, *handlers: Any) -> Any:
+    """A ``urllib`` opener whose HTTP(S) connections register their sockets with ``watch``."""
+    import http.client
+    import urllib.request
+
+    def watched(base: type[http.client.HTTPConnection]) -> type[http.client.HTTPConnection]:
+        class Watched(base):  # type: ignore[valid-type,misc]
+            def connect(self) -> None:
+                super().connect()
+                watch.add(self.sock)
+
+        return Watched
+
+    class HTTP(urllib.request.HTTPHandler):
+        def http_open(self, req):  # type: ignore[no-untyped-def]
+            return self.do_open(watched(http.client.HTTPConnection), req)
+
+    class HTTPS(urllib.request.HTTPSHandler):
+        def https_open(self, req):  # type: ignore[no-untyped-def]
+            return self.do_open(watched(http.client.HTTPSConnection), req, context=self._context)  # type: ignore[attr-defined]
+
+    return urllib.request.build_opener(HTTP(), HTTPS(), *handlers)
+
+
+def _open_http_checked(uri: str, allowed: Sequence[str], deadline: float | None = None) -> BinaryIO:
+    """A forward-only HTTP(S) stream whose redirects are followed only to allowed URLs;
+    with a ``deadline`` (monotonic seconds) the connection is cut when it passes."""
     import urllib.error
     import urllib.request
 
@@ -390,17 +517,36 @@ def _open_http_checked(uri: str, allowed: Sequence[str]) -> BinaryIO:
 
     if not any(under_prefix(uri, prefix) for prefix in allowed):
         raise ShardReadError(f"{uri!r} is outside the allowed locations", uri=uri)
-    opener = urllib.request.build_opener(_CheckedRedirects())
+    watch = SocketWatch(deadline)
+    opener = watched_opener(watch, _CheckedRedirects())
     try:
-        return opener.open(uri, timeout=60)  # type: ignore[no-any-return]
+        response = opener.open(uri, timeout=watch.timeout(60))
     except urllib.error.HTTPError as exc:
+        watch.close()
         if exc.code == 404:
             raise FileNotFoundError(uri) from exc
         raise ShardReadError(f"cannot open shard {uri!r}: HTTP {exc.code}", uri=uri) from exc
+    except OSError as exc:
+        watch.close()
+        if watch.expired:
+            raise ShardReadError(f"{uri!r} did not answer before the deadline", uri=uri) from exc
+        raise
+    except BaseException:
+        watch.close()
+        raise
+    close = response.close
+
+    def close_and_stop() -> None:
+        watch.close()
+        close()
+
+    response.close = close_and_stop
+    return response  # type: ignore[no-any-return]
 
 
 @contextlib.contextmanager
-def _open_any(uri: str, storage_options: Mapping[str, Any], http_allowed: Sequence[str] | None = None) -> Iterator[BinaryIO]:
+def _open_any(uri: str, storage_options: Mapping[str, Any], http_allowed: Sequence[str] | None = None,
+              deadline: float | None = None) -> Iterator[BinaryIO]:
     scheme = scheme_of(uri)
     if scheme in LOCAL_SCHEMES:
         with open(local_path(uri), "rb") as fh:
@@ -409,7 +555,7 @@ def _open_any(uri: str, storage_options: Mapping[str, Any], http_allowed: Sequen
     if scheme in ("http", "https"):
         allowed = http_allowed if http_allowed is not None else _http_allowed_from_env()
         if allowed is not None:
-            with contextlib.closing(_open_http_checked(uri, allowed)) as fh:
+            with contextlib.closing(_open_http_checked(uri, allowed, deadline)) as fh:
                 yield fh
             return
     import fsspec
@@ -425,16 +571,19 @@ def _open_any(uri: str, storage_options: Mapping[str, Any], http_allowed: Sequen
 
 @contextlib.contextmanager
 def open_shard(
-    uri: str, storage_options: Mapping[str, Any] | None = None, http_allowed: Sequence[str] | None = None
+    uri: str, storage_options: Mapping[str, Any] | None = None, http_allowed: Sequence[str] | None = None,
+    deadline: float | None = None,
 ) -> Iterator[BinaryIO]:
     """Open a shard for sequential reading; translate "not there" into ``ShardNotFoundError``.
 
     ``http_allowed``: URI prefixes HTTP(S) redirects may lead to (default: the JSON list in
     ``$PAIRCLEAN_HTTP_ALLOWED_PREFIXES`` when set, else redirects are followed freely).
+    ``deadline`` (``time.monotonic()`` seconds; HTTP(S) with ``http_allowed`` only): the
+    connection is cut when it passes, so a stalled server cannot hold the reader longer.
     """
     stack = contextlib.ExitStack()
     try:
-        fh = stack.enter_context(_open_any(uri, storage_options or {}, http_allowed))
+        fh = stack.enter_context(_open_any(uri, storage_options or {}, http_allowed, deadline))
     except FileNotFoundError as exc:
         raise ShardNotFoundError(f"shard not found: {uri!r}", uri=uri) from exc
     except ImportError as exc:

@@ -54,6 +54,7 @@ def create_app(settings: ServiceSettings | None = None, state_dir: str | Path = 
         yield
         runner.stop()
         validations.pool.shutdown(wait=False, cancel_futures=True)
+        app.state.browser.thumbs.close()
 
     app = FastAPI(title="pairclean", version="0.1.0", lifespan=lifespan, responses=ERRORS)
     app.state.store, app.state.runner, app.state.metrics, app.state.settings = store, runner, metrics, settings

@@ -10,15 +10,29 @@ shard order; the page says when it stopped early), per-shard summaries are cache
 score table's sha256 (a running job rescans only what it committed since), and
 thumbnails read only the image member's bytes (``pairclean.read.members.read_member``), at
 most ``ui_thumbnail_max_bytes``, and are cached, downscaled, in memory.
+
+Thumbnails are hostile input decoded inside the API process, so they are bounded three
+ways (``ThumbnailPool``): they run on their own few threads (never the pool that serves
+``/healthz`` and ``/v1/jobs``), with at most ``ui_thumbnail_queue`` waiting (503 past it);
+each has one whole-request deadline (``ui_thumbnail_timeout_s``) that also cuts a
+stalled upstream's connection (``pairclean.uris.SocketWatch``); and a decode starts only
+when the image's header declares at most ``ui_thumbnail_max_pixels`` pixels at the scale
+it will decode at (JPEGs decode at 1/8 scale at most), and holds one of ``THUMB_DECODES``
+process-wide decode slots, so decode memory is bounded by slots x pixel cap.
+Captions on gallery and shard pages share one deadline per page.
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
 import threading
+import time
+import warnings
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -35,7 +49,8 @@ from .security import UriRefused, check_uri
 from .settings import ServiceSettings
 from .store import JobRow
 
-__all__ = ["Browser", "JobOverview", "ShardScan", "PairRow", "RowFilter", "GALLERY_MAX", "PAGE_SIZE", "placeholder_png"]
+__all__ = ["Browser", "JobOverview", "ShardScan", "PairRow", "RowFilter", "ThumbnailPool", "GALLERY_MAX", "PAGE_SIZE",
+           "THUMB_DECODES", "placeholder_png"]
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +62,13 @@ PAGE_SIZE = 24
 CAPTION_MAX_BYTES = 64 * 1024
 #: The longest edge of a thumbnail, in pixels.
 THUMB_EDGE = 192
-#: Images whose header declares more pixels than this are never decoded.
-THUMB_MAX_PIXELS = 64_000_000
+#: Thumbnail decodes running at once in this process (each holds at most the pixel cap).
+THUMB_DECODES = 2
+#: Seconds all the captions of one page may take to read (then the rest show as unreadable).
+CAPTIONS_TIMEOUT_S = 5.0
+
+# Process-wide, not per app: decode memory is what a process has to bound.
+_DECODE_SLOTS = threading.BoundedSemaphore(THUMB_DECODES)
 
 _SIM_BINS = np.linspace(-1.0, 1.0, 201)  # cosine similarities, 0.01 wide
 _WEIGHT_BINS = np.linspace(0.0, 1.0, 21)
@@ -210,6 +230,54 @@ def placeholder_png() -> bytes:
     return buf.getvalue()
 
 
+class ThumbnailPool:
+    """Where thumbnails run: ``threads`` threads of their own, at most ``queue`` requests
+    in flight or waiting (503 beyond), each ending by ``timeout_s`` (504), its I/O cut
+    at the same deadline. Requests wait in the event loop, holding no thread."""
+
+    def __init__(self, threads: int, queue: int, timeout_s: float) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pairclean-thumb")
+        self.max_pending, self.timeout_s = max(queue, threads), timeout_s
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    async def run(self, work: Callable[[float], V]) -> V:
+        """``work(deadline)`` on the pool; raises ``HTTPException`` 503 / 504."""
+        from fastapi import HTTPException
+
+        with self._lock:
+            if self._pending >= self.max_pending:
+                raise HTTPException(503, "too many thumbnails in progress; retry later", headers={"Retry-After": "5"})
+            self._pending += 1
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            future: Future[V] = self.pool.submit(_before, deadline, work)
+        except RuntimeError:  # the pool is shut down: the app is stopping
+            self._finished(None)
+            raise HTTPException(503, "the service is stopping") from None
+        future.add_done_callback(self._finished)  # a cancelled one (never started) too
+        try:
+            # A margin past the deadline: the work itself stops at the deadline and says why.
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout=self.timeout_s + 1.0)
+        except asyncio.TimeoutError:
+            raise HTTPException(504, f"the image was not read within {self.timeout_s:g} s", headers={"Retry-After": "5"}) from None
+
+    def _finished(self, _: object) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _before(deadline: float, work: Callable[[float], V]) -> V:
+    from fastapi import HTTPException
+
+    if time.monotonic() >= deadline:  # waited in the queue past its deadline
+        raise HTTPException(504, "the image was not read in time; retry later", headers={"Retry-After": "5"})
+    return work(deadline)
+
+
 class Browser:
     """Reads what the pages show; one per app (its caches are shared by all requests)."""
 
@@ -221,6 +289,7 @@ class Browser:
         self._captions: _Lru[tuple[str, int, int], str] = _Lru(4096)
         self._thumbs: _Lru[tuple[str, int, int, str], bytes] = _Lru(2048, 32 * 2**20, len)
         self.placeholder = placeholder_png()
+        self.thumbs = ThumbnailPool(settings.ui_thumbnail_threads, settings.ui_thumbnail_queue, settings.ui_thumbnail_timeout_s)
 
     # -- the job's folder -------------------------------------------------------------------
     def output(self, job: JobRow) -> _Output:
@@ -312,7 +381,9 @@ class Browser:
 
     # -- pairs ------------------------------------------------------------------------------
     def pairs(self, job: JobRow, refs: list[tuple[str, int]]) -> list[PairRow]:
-        """The pairs at (stem, row) positions, with their captions (read from the tar)."""
+        """The pairs at (stem, row) positions, with their captions (read from the tar; all
+        of them within ``CAPTIONS_TIMEOUT_S``)."""
+        deadline = time.monotonic() + CAPTIONS_TIMEOUT_S
         holder = self.output(job)
         committed = holder.committed()
         result = []
@@ -321,7 +392,7 @@ class Browser:
             if record is None:
                 continue
             table = self._table(holder.out, record)
-            result.append(self._pair(record, table, row))
+            result.append(self._pair(record, table, row, deadline))
         return result
 
     def shard_rows(self, job: JobRow, record: ShardRecord, filters: RowFilter, offset: int, limit: int) -> tuple[list[PairRow], int]:
@@ -336,27 +407,29 @@ class Browser:
         weights = view.column(schema.COL_WEIGHT).to_numpy(zero_copy_only=False)
         keep &= (weights >= filters.weight_min) & (weights <= filters.weight_max)
         rows = np.flatnonzero(keep)
-        return [self._pair(record, table, int(r)) for r in rows[offset : offset + limit]], int(rows.size)
+        deadline = time.monotonic() + CAPTIONS_TIMEOUT_S
+        return [self._pair(record, table, int(r), deadline) for r in rows[offset : offset + limit]], int(rows.size)
 
-    def _pair(self, record: ShardRecord, table: _Table, row: int) -> PairRow:
+    def _pair(self, record: ShardRecord, table: _Table, row: int, deadline: float) -> PairRow:
         r = table.view.slice(row, 1).to_pylist()[0]
         sim = r[schema.COL_SIMILARITY]
         has_image = table.has_members and r[schema.COL_IMAGE_OFFSET] is not None and r[schema.COL_IMAGE_SIZE] is not None
         caption = None
         if table.has_members and r[schema.COL_CAPTION_OFFSET] is not None and r[schema.COL_CAPTION_SIZE] is not None:
-            caption = self._caption(record, int(r[schema.COL_CAPTION_OFFSET]), int(r[schema.COL_CAPTION_SIZE]), table.caption_field)
+            caption = self._caption(record, int(r[schema.COL_CAPTION_OFFSET]), int(r[schema.COL_CAPTION_SIZE]), table.caption_field,
+                                    deadline)
         return PairRow(stem=record.stem, row=row, key=r[schema.COL_KEY], idx=int(r[schema.COL_IDX]), status=r[schema.COL_STATUS],
                        similarity=None if sim is None or np.isnan(sim) else float(sim), weight=float(r[schema.COL_WEIGHT]),
                        noisy=bool(r[schema.COL_NOISY]), p_clean=float(r[schema.COL_P_CLEAN]), caption=caption,
                        has_image=bool(has_image))
 
-    def _caption(self, record: ShardRecord, offset: int, size: int, caption_field: str | None) -> str | None:
+    def _caption(self, record: ShardRecord, offset: int, size: int, caption_field: str | None, deadline: float) -> str | None:
         """The caption from its tar member (None when it cannot be read; shown as such)."""
         key = (record.shard, offset, size)
         got = self._captions.get(key)
         if got is not None:
             return got
-        data = self._member(record.shard, offset, size, CAPTION_MAX_BYTES)
+        data = self._member(record.shard, offset, size, CAPTION_MAX_BYTES, deadline)
         if data is None:
             return None
         text = data.decode("utf-8", "replace")
@@ -370,9 +443,10 @@ class Browser:
         return text
 
     # -- thumbnails -------------------------------------------------------------------------
-    def thumbnail(self, job: JobRow, record: ShardRecord, row: int) -> tuple[bytes, str, str]:
+    def thumbnail(self, job: JobRow, record: ShardRecord, row: int, deadline: float) -> tuple[bytes, str, str]:
         """(bytes, content type, what it is: ``thumbnail`` or ``placeholder: <why>``) for one
-        row of one of the job's committed shards. Never raises for a bad image."""
+        row of one of the job's committed shards, by ``deadline`` (``time.monotonic()``).
+        Never raises for a bad image."""
         table = self._table(self.output(job).out, record)
         if row < 0 or row >= table.view.num_rows:
             return self.placeholder, "image/png", "placeholder: no such row"
@@ -388,25 +462,28 @@ class Browser:
         got = self._thumbs.get(key)
         if got is not None:
             return got, "image/jpeg", "thumbnail"
-        data = self._member(record.shard, int(offset), int(size), self.settings.ui_thumbnail_max_bytes)
+        data = self._member(record.shard, int(offset), int(size), self.settings.ui_thumbnail_max_bytes, deadline)
         if data is None:
-            return self.placeholder, "image/png", "placeholder: image unreadable or not allowed"
-        thumb = _downscale(data)
-        if thumb is None:
-            return self.placeholder, "image/png", "placeholder: image cannot be decoded"
+            late = time.monotonic() >= deadline
+            return self.placeholder, "image/png", "placeholder: image not read in time" if late else "placeholder: image unreadable or not allowed"
+        thumb = _downscale(data, self.settings.ui_thumbnail_max_pixels, deadline)
+        if isinstance(thumb, str):
+            return self.placeholder, "image/png", f"placeholder: {thumb}"
         self._thumbs.put(key, thumb)
         return thumb, "image/jpeg", "thumbnail"
 
-    def _member(self, shard: str, offset: int, size: int, max_bytes: int) -> bytes | None:
+    def _member(self, shard: str, offset: int, size: int, max_bytes: int, deadline: float) -> bytes | None:
         """Bytes of a member of one of a job's shards, re-checked against today's input
         allow-list (the shard came from the job's records, never from the request); None
-        when refused or unreadable."""
+        when refused, unreadable or not read by ``deadline``."""
         from pairclean.errors import PaircleanError
         from pairclean.read.members import read_member
 
+        if time.monotonic() >= deadline:
+            return None
         try:
             check_uri(shard, self.settings.allowed_inputs, allow_pipe=False)
-            return read_member(shard, offset, size, max_bytes, http_allowed=self.settings.allowed_inputs)
+            return read_member(shard, offset, size, max_bytes, http_allowed=self.settings.allowed_inputs, deadline=deadline)
         except UriRefused:
             log.warning("a page asked for a member of a shard outside the allowed inputs; refused")
             return None
@@ -415,24 +492,37 @@ class Browser:
             return None
 
 
-def _downscale(data: bytes) -> bytes | None:
-    """A JPEG at most ``THUMB_EDGE`` pixels on its longer edge, or None for an image that
-    cannot be decoded (or declares more than ``THUMB_MAX_PIXELS`` pixels)."""
+def _downscale(data: bytes, max_pixels: int, deadline: float) -> bytes | str:
+    """A JPEG at most ``THUMB_EDGE`` pixels on its longer edge, or why not (a placeholder's
+    reason): undecodable, a header declaring more than ``max_pixels`` at the scale it would
+    decode at, a header no file this small can fill, or no decode slot free by ``deadline``."""
     from PIL import Image, UnidentifiedImageError
 
+    from pairclean.decode import implausible_size
+
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            width, height = img.size
-            if width * height > THUMB_MAX_PIXELS:
-                return None
-            img.draft("RGB", (THUMB_EDGE, THUMB_EDGE))  # JPEG: decode at a reduced scale
-            small = img.convert("RGB")
-            small.thumbnail((THUMB_EDGE, THUMB_EDGE))
-            buf = io.BytesIO()
-            small.save(buf, format="JPEG", quality=82)
-            return buf.getvalue()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our cap decides, below PIL's
+            with Image.open(io.BytesIO(data)) as img:
+                forged = implausible_size(img, len(data))
+                if forged:
+                    return "image cannot be decoded"
+                img.draft("RGB", (THUMB_EDGE, THUMB_EDGE))  # JPEG: decode at a reduced scale (size shrinks)
+                width, height = img.size
+                if width * height > max_pixels:
+                    return "image over the thumbnail pixel limit"
+                if not _DECODE_SLOTS.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    return "busy: too many images decoding"
+                try:
+                    small = img.convert("RGB")
+                    small.thumbnail((THUMB_EDGE, THUMB_EDGE))
+                    buf = io.BytesIO()
+                    small.save(buf, format="JPEG", quality=82)
+                    return buf.getvalue()
+                finally:
+                    _DECODE_SLOTS.release()
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError, SyntaxError):
-        return None
+        return "image cannot be decoded"
 
 
 def _merge(view: JobOverview) -> None:

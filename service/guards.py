@@ -123,7 +123,12 @@ class PrefixEnd(Exception):
 
 
 class BoundedReader:
-    """A read-only stream that stops (``PrefixEnd``) after ``max_bytes`` or ``deadline``."""
+    """A read-only stream that stops (``PrefixEnd``) after ``max_bytes`` or ``deadline``.
+
+    The deadline is checked before and after each read: the opener cuts a stalled HTTP
+    connection at the same deadline (``pairclean.uris.SocketWatch``), and the short read
+    that follows is the deadline, not a damaged shard.
+    """
 
     def __init__(self, fh: BinaryIO, max_bytes: int, deadline: float) -> None:
         self.fh, self.max_bytes, self.deadline, self.count = fh, max_bytes, deadline, 0
@@ -137,6 +142,15 @@ class BoundedReader:
             self.reason = "bytes"
             raise PrefixEnd
         room = self.max_bytes - self.count
-        data = self.fh.read(room if n is None or n < 0 else min(n, room))
+        try:
+            data = self.fh.read(room if n is None or n < 0 else min(n, room))
+        except OSError:
+            if time.monotonic() > self.deadline:
+                self.reason = "time"
+                raise PrefixEnd from None
+            raise
+        if time.monotonic() > self.deadline:
+            self.reason = "time"
+            raise PrefixEnd
         self.count += len(data)
         return data

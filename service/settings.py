@@ -21,7 +21,11 @@ class ServiceSettings(BaseSettings):
     this many seconds, in its own pool of ``validate_concurrency`` threads (429 when full).
     ``ui_*``: the web pages (``routers/pages.py``): how long a login lasts, the largest
     image member a thumbnail may read, the score rows one job page scans for its charts
-    and galleries, and how often the pages poll for progress.
+    and galleries, and how often the pages poll for progress. Thumbnails
+    (``browse.ThumbnailPool``): ``ui_thumbnail_threads`` threads of their own, at most
+    ``ui_thumbnail_queue`` in flight (503 beyond), each done within
+    ``ui_thumbnail_timeout_s`` (its upstream read cut then), decoding only images whose
+    header declares at most ``ui_thumbnail_max_pixels`` pixels at the decode scale.
     ``audit_sample`` / ``audit_seed``: the size and seed of each job's labelling queue (the
     audit loop, ``audit.py``; ``pairclean audit OUT --sample N --seed S`` draws the same one).
     """
@@ -46,6 +50,10 @@ class ServiceSettings(BaseSettings):
     require_auth: bool = True
     ui_session_ttl_s: float = 8 * 3600
     ui_thumbnail_max_bytes: int = 16 * 2**20
+    ui_thumbnail_max_pixels: int = Field(16_000_000, ge=1)
+    ui_thumbnail_threads: int = Field(4, ge=1, le=64)
+    ui_thumbnail_queue: int = Field(32, ge=1)
+    ui_thumbnail_timeout_s: float = Field(10.0, gt=0)
     ui_scan_max_rows: int = 2_000_000
     ui_poll_ms: int = 2000
     audit_sample: int = Field(400, ge=1, le=5000)

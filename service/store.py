@@ -81,11 +81,11 @@ class Principal:
 
 
 class OutputInUse(Exception):
-    """Another QUEUED or RUNNING job holds the output location."""
+    """Another QUEUED or RUNNING job holds the output location (``owner``: that job's)."""
 
-    def __init__(self, job_id: str) -> None:
+    def __init__(self, job_id: str, owner: str | None = None) -> None:
         super().__init__(f"job {job_id} is already writing to this output")
-        self.job_id = job_id
+        self.job_id, self.owner = job_id, owner
 
 
 def _states(states: Sequence[str]) -> list[str]:
@@ -159,7 +159,7 @@ class JobStore:
         if output_key:
             holder = self.active_on_output(output_key)
             if holder is not None:
-                raise OutputInUse(holder.id)
+                raise OutputInUse(holder.id, holder.owner)
         job_id = str(uuid.uuid4())
         try:
             with self.engine.begin() as conn:
@@ -173,7 +173,7 @@ class JobStore:
                 return existing, False
             holder = self.active_on_output(output_key) if output_key else None
             if holder is not None:
-                raise OutputInUse(holder.id) from None
+                raise OutputInUse(holder.id, holder.owner) from None
             raise
         job = self.get(job_id)
         assert job is not None
@@ -187,6 +187,13 @@ class JobStore:
     def active_on_output(self, output_key: str) -> JobRow | None:
         """The QUEUED or RUNNING job that holds an output location, if any."""
         return self._first(jobs.c.output_key == output_key, jobs.c.state.in_(ACTIVE))
+
+    def output_owners(self, output_key: str) -> set[str | None]:
+        """The owners of every job, in any state, that was ever given this output location:
+        an output folder belongs to the tenant whose job first wrote to it."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(jobs.c.owner).where(jobs.c.output_key == output_key).distinct()).all()
+        return {r[0] for r in rows}
 
     def get(self, job_id: str) -> JobRow | None:
         return self._first(jobs.c.id == job_id)

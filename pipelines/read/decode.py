@@ -41,10 +41,26 @@ __all__ = [
     "tensor_preprocess_of",
     "is_jpeg",
     "decode_jpeg_batch",
+    "implausible_size",
+    "JPEG_MAX_PIXELS_PER_BYTE",
 ]
 
 #: 64 megapixels: larger images in web corpora are almost always junk or bombs.
 DEFAULT_MAX_PIXELS = 64_000_000
+#: A Huffman-coded JPEG spends at least one bit per 8x8 luma block in its first DC scan,
+#: so one byte of file holds at most 512 pixels; twice that is refused as a forged or
+#: cut header (a 633-byte file claiming 7990x8000 would decode as a grey picture).
+JPEG_MAX_PIXELS_PER_BYTE = 1024
+
+
+def implausible_size(img: Image.Image, nbytes: int) -> str | None:
+    """Why the header of ``img`` (opened, not decoded) cannot be true of a file of
+    ``nbytes`` bytes, or None. Only JPEG is judged: see ``JPEG_MAX_PIXELS_PER_BYTE``."""
+    width, height = img.size
+    if img.format == "JPEG" and width * height > JPEG_MAX_PIXELS_PER_BYTE * max(1, nbytes):
+        return (f"a JPEG of {nbytes} bytes cannot hold the {width}x{height} pixels its header declares "
+                "(cut short or forged)")
+    return None
 
 
 @dataclass(frozen=True)
@@ -75,6 +91,9 @@ def decode_image(
                     schema.STATUS_TOO_LARGE,
                     f"{width}x{height} = {width * height} pixels exceeds the limit of {max_pixels}",
                 )
+            forged = implausible_size(img, len(data))
+            if forged:
+                return DecodeFailure(schema.STATUS_DECODE_ERROR, forged)
             if draft_size is not None and img.format == "JPEG":
                 img.draft("RGB", _draft_target(width, height, draft_size))
             rgb = _to_rgb(img)
@@ -344,7 +363,8 @@ def _batch_decodable(data: bytes, max_pixels: int) -> bool:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as img:
                 width, height = img.size
-                return img.format == "JPEG" and img.mode in _GPU_JPEG_MODES and width * height <= max_pixels
+                return (img.format == "JPEG" and img.mode in _GPU_JPEG_MODES and width * height <= max_pixels
+                        and implausible_size(img, len(data)) is None)
     except Exception:  # noqa: BLE001 - unreadable header: the CPU path names the error
         return False
 

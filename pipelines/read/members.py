@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pairclean.errors import InputError, ShardNotFoundError, ShardReadError
-from pairclean.uris import LOCAL_SCHEMES, local_path, scheme_of, under_prefix
+from pairclean.uris import LOCAL_SCHEMES, SocketWatch, local_path, scheme_of, under_prefix, watched_opener
 
 __all__ = ["MemberTooLarge", "read_member"]
 
@@ -25,14 +25,15 @@ class MemberTooLarge(InputError):
 
 
 def read_member(uri: str, offset: int, size: int, max_bytes: int, storage_options: Mapping[str, Any] | None = None,
-                http_allowed: Sequence[str] | None = None, timeout_s: float = 30.0) -> bytes:
+                http_allowed: Sequence[str] | None = None, timeout_s: float = 30.0, deadline: float | None = None) -> bytes:
     """Exactly ``size`` bytes at byte ``offset`` of the shard at ``uri``.
 
     Raises ``MemberTooLarge`` when ``size > max_bytes`` (nothing is read), ``InputError``
     for a negative offset or size, ``ShardNotFoundError`` when the shard is gone and
     ``ShardReadError`` when it is shorter than ``offset + size`` or the store fails.
     ``http_allowed``: URI prefixes an HTTP(S) shard and its redirects must stay under
-    (None: redirects followed freely).
+    (None: redirects followed freely). ``deadline`` (``time.monotonic()`` seconds): an
+    HTTP(S) read is cut when it passes, however slowly the server trickles (``ShardReadError``).
     """
     if offset < 0 or size < 0:
         raise InputError(f"bad member span ({offset}, {size}) in {uri!r}", uri=uri)
@@ -45,7 +46,7 @@ def read_member(uri: str, offset: int, size: int, max_bytes: int, storage_option
         if scheme in LOCAL_SCHEMES:
             data = _read_local(local_path(uri), offset, size)
         elif scheme in ("http", "https"):
-            data = _read_http(uri, offset, size, http_allowed, timeout_s)
+            data = _read_http(uri, offset, size, http_allowed, timeout_s, deadline)
         else:
             data = _read_fsspec(uri, offset, size, storage_options or {})
     except FileNotFoundError as exc:
@@ -73,7 +74,8 @@ def _read_fsspec(uri: str, offset: int, size: int, storage_options: Mapping[str,
     return bytes(fs.cat_file(path, start=offset, end=offset + size))  # one ranged GET
 
 
-def _read_http(uri: str, offset: int, size: int, allowed: Sequence[str] | None, timeout_s: float) -> bytes:
+def _read_http(uri: str, offset: int, size: int, allowed: Sequence[str] | None, timeout_s: float,
+               deadline: float | None = None) -> bytes:
     """A ``Range`` request; a server that ignores the range (200) is refused rather than
     downloading the whole shard."""
     import urllib.error
@@ -90,12 +92,22 @@ def _read_http(uri: str, offset: int, size: int, allowed: Sequence[str] | None, 
 
     check(uri)
     request = urllib.request.Request(uri, headers={"Range": f"bytes={offset}-{offset + size - 1}"})
+    watch = SocketWatch(deadline)
     try:
-        with urllib.request.build_opener(_CheckedRedirects()).open(request, timeout=timeout_s) as response:
+        with watched_opener(watch, _CheckedRedirects()).open(request, timeout=watch.timeout(timeout_s)) as response:
             if response.status != 206:
                 raise ShardReadError(f"{uri!r}: the server does not answer range requests (HTTP {response.status})", uri=uri)
-            return bytes(response.read(size + 1))
+            data = bytes(response.read(size + 1))
     except urllib.error.HTTPError as exc:
         if exc.code == 404:
             raise FileNotFoundError(uri) from exc
         raise ShardReadError(f"cannot read {uri!r}: HTTP {exc.code}", uri=uri) from exc
+    except OSError as exc:
+        if watch.expired:
+            raise ShardReadError(f"{uri!r} did not answer before the deadline", uri=uri) from exc
+        raise
+    finally:
+        watch.close()
+    if watch.expired and len(data) < size:
+        raise ShardReadError(f"{uri!r} did not answer before the deadline", uri=uri)
+    return data

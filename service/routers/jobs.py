@@ -20,7 +20,7 @@ from ..dependencies import Caller, JobId, Runner, Settings, Store, Validations, 
 from ..guards import BoundedReader, PrefixEnd, scrub
 from ..security import UriRefused, check_uri, local_target
 from ..settings import ServiceSettings
-from ..store import JobRow, OutputInUse
+from ..store import JobRow, JobStore, OutputInUse, Principal
 from ..schemas import (
     JobLogs, JobPage, JobPublic, JobRequest, Problem, Progress, ShardPage, ShardPublic, StoredRequest, Validation,
 )
@@ -42,10 +42,12 @@ def submit(request: JobRequest, who: Caller, response: Response, store: Store, s
             response.status_code = 200
             return public_job(existing)
     total = len(expand(request, settings))
+    key = output_key(request.output)
+    _check_output_owner(request.output, key, who, store)
     try:
-        job, created = store.create(request.model_dump(), who.name, idempotency_key, total, output_key(request.output))
+        job, created = store.create(request.model_dump(), who.name, idempotency_key, total, key)
     except OutputInUse as exc:
-        raise HTTPException(409, f"job {exc.job_id} is already writing to {request.output!r}; wait for it or cancel it") from exc
+        raise HTTPException(409, _in_use(exc.job_id, exc.owner, who, repr(request.output))) from exc
     if not created:
         response.status_code = 200
     return public_job(job)
@@ -112,14 +114,38 @@ def retry(job_id: JobId, who: Caller, store: Store) -> JobPublic:
                                  output_key=output_key(job.request["output"]))
     except IntegrityError:
         holder = store.active_on_output(output_key(job.request["output"]))
-        raise HTTPException(409, f"job {holder.id if holder else '?'} is already writing to this job's output; "
-                                 "wait for it or cancel it") from None
+        raise HTTPException(409, _in_use(holder.id if holder else "?", holder.owner if holder else None, who,
+                                         "this job's output")) from None
     if not moved:
         raise HTTPException(409, f"only PARTIAL or FAILED jobs can be retried; this one is {job.state}")
     return public_job(job_or_404(store, job_id, who))
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+def _in_use(job_id: str, owner: str | None, who: Principal, where: str) -> str:
+    """The 409 for an output another active job holds; names that job only to its owner
+    (and admins): another tenant's job ids are not theirs to learn."""
+    if who.admin or owner == who.name:
+        return f"job {job_id} is already writing to {where}; wait for it or cancel it"
+    return f"another job is already writing to {where}; choose another output folder"
+
+
+def _check_output_owner(output: str, key: str, who: Principal, store: JobStore) -> None:
+    """An output folder belongs to the tenant whose job first used it: a job of another
+    owner may not write into it, or read it back through the job's pages (409). A local
+    folder that already holds pairclean state no job of this owner ever used (written by
+    the batch CLI, or by a job since deleted) is refused alike. Admins are no exception:
+    a folder holds one tenant's data."""
+    from pairclean import schema
+
+    owners = store.output_owners(key)
+    if owners and owners != {who.name}:
+        raise HTTPException(409, f"output {output!r} belongs to another owner's job; choose another output folder")
+    target = local_target(output)
+    if not owners and target is not None and os.path.exists(os.path.join(target, schema.STATE_DIR)):
+        raise HTTPException(409, f"output {output!r} already holds a pairclean job's output that is not yours; "
+                                 "choose another output folder")
 
 def expand(request: JobRequest, settings: ServiceSettings) -> list[str]:
     """Allow-list every location before it is touched and expand the shards; 422 otherwise."""
@@ -153,16 +179,18 @@ def validate_blocking(request: JobRequest, settings: ServiceSettings) -> Validat
     from pairclean.read.shards import DEFAULT_MAX_MEMBER_BYTES, ReadOptions, iter_pairs_from
     from pairclean.uris import open_shard
 
+    deadline = time.monotonic() + settings.validate_timeout_s  # the whole request's, expansion included
     shards = expand(request, settings)
     first = shards[0]
     statuses: dict[str, int] = {}
     problems: list[str] = []
     samples = 0
-    deadline = time.monotonic() + settings.validate_timeout_s
     options = ReadOptions(max_member_bytes=min(DEFAULT_MAX_MEMBER_BYTES, settings.validate_max_bytes))
     reader: BoundedReader | None = None
     try:
-        with open_shard(first, http_allowed=settings.allowed_inputs) as fh:
+        # The opener cuts the connection at the deadline: a stalled upstream frees the
+        # thread and its slot then, not when the server gives up.
+        with open_shard(first, http_allowed=settings.allowed_inputs, deadline=deadline) as fh:
             reader = BoundedReader(fh, settings.validate_max_bytes, deadline)
             for pair in iter_pairs_from(reader, first, options):  # type: ignore[arg-type]
                 samples += 1

@@ -438,13 +438,19 @@ def shard_page(request: Request, job_id: JobId, stem: Annotated[str, PathParam(m
 
 
 @router.get("/ui/jobs/{job_id}/thumbs/{stem}/{row}")
-def thumbnail(job_id: JobId, stem: Annotated[str, PathParam(max_length=512)], row: Annotated[int, PathParam(ge=0, le=2**40)],
-              who: ViewerApi, store: Store, pages: Pages) -> Response:
+async def thumbnail(job_id: JobId, stem: Annotated[str, PathParam(max_length=512)], row: Annotated[int, PathParam(ge=0, le=2**40)],
+                    who: ViewerApi, store: Store, pages: Pages) -> Response:
     """A downscaled image of one row of one of the job's committed shards; a placeholder
-    (still an image) when it is missing, refused or unreadable."""
-    job = job_or_404(store, job_id, who)
-    record = pages.record(job, stem)  # the shard comes from the job's own records, never from the URL
-    if record is None:
-        raise HTTPException(404, "this job has no committed shard of that name")
-    data, media_type, what = pages.thumbnail(job, record, row)
+    (still an image) when it is missing, refused or unreadable. Runs on the thumbnail
+    pool, within its deadline (``browse.ThumbnailPool``): 503 when too many are in
+    flight, 504 past the deadline; the shared request threads are never held."""
+
+    def work(deadline: float) -> tuple[bytes, str, str]:
+        job = job_or_404(store, job_id, who)
+        record = pages.record(job, stem)  # the shard comes from the job's own records, never from the URL
+        if record is None:
+            raise HTTPException(404, "this job has no committed shard of that name")
+        return pages.thumbnail(job, record, row, deadline)
+
+    data, media_type, what = await pages.thumbs.run(work)
     return Response(data, media_type=media_type, headers={"Cache-Control": "private, max-age=300", "X-Pairclean-Image": what})

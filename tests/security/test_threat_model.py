@@ -432,10 +432,15 @@ def test_two_jobs_never_write_to_one_output(live: Live, tmp_path: Path) -> None:
     shard = _shard(tmp_path / "in" / "a.tar")
     first = live.post("/v1/jobs", json={"shards": [str(shard)], "output": str(tmp_path / "out" / "o")}).json()["id"]
     for spelling in (str(tmp_path / "out" / "o"), str(tmp_path / "out" / "o") + "/", "file://" + str(tmp_path / "out" / "o")):
-        r = live.post("/v1/jobs", who="bob", json={"shards": [str(shard)], "output": spelling})
+        r = live.post("/v1/jobs", json={"shards": [str(shard)], "output": spelling})  # the owner learns which job holds it
         assert r.status_code == 409 and first in r.json()["detail"], r.text
+        r = live.post("/v1/jobs", who="bob", json={"shards": [str(shard)], "output": spelling})  # another tenant does not
+        assert r.status_code == 409 and first not in r.text, r.text
     assert live.post(f"/v1/jobs/{first}:cancel").json()["state"] == "CANCELLED"
-    assert live.post("/v1/jobs", who="bob", json={"shards": [str(shard)], "output": str(tmp_path / "out" / "o")}).status_code == 201
+    # The folder stays alice's after her job ended: bob may not write into it (nor read it back).
+    r = live.post("/v1/jobs", who="bob", json={"shards": [str(shard)], "output": str(tmp_path / "out" / "o")})
+    assert r.status_code == 409 and "another owner" in r.json()["detail"] and first not in r.text
+    assert live.post("/v1/jobs", json={"shards": [str(shard)], "output": str(tmp_path / "out" / "o")}).status_code == 201
 
 
 def test_apikey_admin_flag(tmp_path: Path) -> None:
@@ -471,3 +476,251 @@ def test_the_store_refuses_moves_the_lifecycle_does_not_allow(tmp_path: Path) ->
     assert typing.get_args(State) == STATES
     assert all(state_for_exit(code) == state for state, code in EXIT_CODES.items())
     assert (cli.EXIT_OK, cli.EXIT_PARTIAL, cli.EXIT_FAILED) == (EXIT_CODES["SUCCEEDED"], EXIT_CODES["PARTIAL"], EXIT_CODES["FAILED"])
+
+
+# -- 8. hardening round 3 (issue 25) -------------------------------------------------------------
+
+def _png(width: int, height: int) -> bytes:
+    """A black RGB PNG of any size, written row by row (a 7999x7999 one is ~190 KB)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    packer, row, body = zlib.compressobj(9), b"\x00" * (1 + 3 * width), bytearray()
+    for _ in range(height):
+        body += packer.compress(row)
+    body += packer.flush()
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", bytes(body)) + chunk(b"IEND", b"")
+
+
+def _forged_jpeg() -> bytes:
+    """A real 16x16 JPEG (about 630 bytes) whose header claims 7990x8000 pixels."""
+    import struct
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (120, 130, 140)).save(buf, "JPEG")
+    data = bytearray(buf.getvalue())
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5 : sof + 9] = struct.pack(">HH", 8000, 7990)
+    return bytes(data)
+
+
+def _tar(path: Path, samples: list[dict[str, bytes]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for i, sample in enumerate(samples):
+            for ext, data in sample.items():
+                info = tarfile.TarInfo(f"{i:04d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def _run_job(srv: Live, shards: list[str], output: Path, who: str = "alice") -> str:
+    r = srv.post("/v1/jobs", who=who, json={"shards": shards, "output": str(output), "estimator": "pairclean-tiny-test"})
+    assert r.status_code == 201, r.text
+    job = r.json()["id"]
+    deadline = time.time() + 300
+    while time.time() < deadline and srv.get(f"/v1/jobs/{job}", who=who).json()["state"] in ("QUEUED", "RUNNING"):
+        time.sleep(0.3)
+    assert srv.get(f"/v1/jobs/{job}", who=who).json()["state"] in ("SUCCEEDED", "PARTIAL"), srv.get(f"/v1/jobs/{job}/logs", who=who).text
+    return job
+
+
+def _session(srv: Live, who: str = "alice") -> httpx.Client:
+    client = httpx.Client(base_url=srv.url, timeout=30)
+    key = srv.keys[who]["Authorization"].split()[1]
+    assert client.post("/ui/login", data={"api_key": key, "next": "/ui/jobs"}).status_code == 303
+    return client
+
+
+def _peak_rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/self/status")
+
+
+def test_thumbnail_decode_bombs_are_refused_and_bounded(tmp_path: Path) -> None:
+    """Twelve concurrent thumbnails of 7999x7999 PNGs (190 KB files) in the tenant's own
+    job once took the API from 0.7 to 5.5 GB. Now the header is checked against a small
+    pixel cap before decoding, decodes hold one of a few process-wide slots, and the
+    server's peak memory (it runs in this process) barely moves. A 630-byte JPEG whose
+    header claims 7990x8000 pixels scores ``decode_error``, not ``ok``."""
+    import pyarrow.parquet as pq
+
+    (tmp_path / "out").mkdir()
+    bomb, small = _png(7999, 7999), _png(64, 48)
+    samples = [{"png": bomb, "txt": f"bomb {i}".encode()} for i in range(12)]
+    samples += [{"png": small, "txt": b"a small black picture"}, {"jpg": _forged_jpeg(), "txt": b"a forged header"}]
+    shard = _tar(tmp_path / "in" / "bombs-000000.tar", samples)
+    with Live(tmp_path, ui_thumbnail_max_pixels=4_000_000) as srv:
+        job = _run_job(srv, [str(shard)], tmp_path / "out" / "bombs")
+        table = pq.read_table(tmp_path / "out" / "bombs" / "bombs-000000.parquet")
+        statuses = dict(zip(table.column("key").to_pylist(), table.column("status").to_pylist()))
+        assert statuses["0013"] == "decode_error", statuses  # the forged JPEG
+        client = _session(srv)
+        before = _peak_rss_bytes()
+        results: list[httpx.Response] = []
+        threads = [threading.Thread(target=lambda i=i: results.append(client.get(f"/ui/jobs/{job}/thumbs/bombs-000000/{i}")))
+                   for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        grown = _peak_rss_bytes() - before
+        assert [r.headers["x-pairclean-image"] for r in results] == ["placeholder: image over the thumbnail pixel limit"] * 12
+        assert grown < 300 * 2**20, f"peak memory grew by {grown / 2**20:.0f} MiB"
+        ok = client.get(f"/ui/jobs/{job}/thumbs/bombs-000000/12")
+        assert ok.status_code == 200 and ok.headers["x-pairclean-image"] == "thumbnail"
+
+
+class _Stalling(http.server.BaseHTTPRequestHandler):
+    """Serves the demo shard at /allowed/demo.tar; a Range request, or any GET of
+    /allowed/stall.tar, gets its headers (and a first few bytes) and then nothing, until
+    the test ends (``stop``) or a minute has passed."""
+
+    stop = threading.Event()
+    body = b""
+
+    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        cls = type(self)
+        if self.path not in ("/allowed/demo.tar", "/allowed/stall.tar"):
+            self.send_error(404)
+            return
+        ranged = self.headers.get("Range")
+        if self.path == "/allowed/demo.tar" and not ranged:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(cls.body)))
+            self.end_headers()
+            self.wfile.write(cls.body)
+            return
+        self.send_response(206 if ranged else 200)
+        self.send_header("Content-Length", str(len(cls.body)))
+        self.end_headers()
+        try:
+            self.wfile.write(cls.body[:1024] if not ranged else b"")
+            self.wfile.flush()
+            for _ in range(600):  # bounded: a minute at most
+                if cls.stop.wait(0.1):
+                    break
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def stalling() -> Iterator[str]:
+    from pairclean_workers.cli import sample_shard
+
+    _Stalling.body = Path(sample_shard()).read_bytes()
+    _Stalling.stop = threading.Event()
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Stalling)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    _Stalling.stop.set()
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_a_stalled_upstream_never_starves_the_api_through_thumbnails(tmp_path: Path, stalling: str) -> None:
+    """A job's shard on an allowed HTTP server that stalls on Range requests, then 45
+    thumbnail requests: thumbnails run on their own few threads with a whole-request
+    deadline (their connections cut then), the rest are refused at once (503), and
+    ``/healthz`` and ``/v1/jobs`` answer meanwhile."""
+    (tmp_path / "out").mkdir()
+    with Live(tmp_path, allowed_inputs=[f"{stalling}/allowed"], ui_thumbnail_timeout_s=3.0, ui_thumbnail_threads=2,
+              ui_thumbnail_queue=6) as srv:
+        job = _run_job(srv, [f"{stalling}/allowed/demo.tar"], tmp_path / "out" / "remote")
+        client = _session(srv)
+        results: list[tuple[int, str, float]] = []
+
+        def thumb(row: int) -> None:
+            started = time.perf_counter()
+            r = client.get(f"/ui/jobs/{job}/thumbs/demo/{row % 10}")
+            results.append((r.status_code, r.headers.get("x-pairclean-image", ""), time.perf_counter() - started))
+
+        threads = [threading.Thread(target=thumb, args=(i,)) for i in range(45)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        for _ in range(3):  # while thumbnails hang on the upstream
+            for path in ("/healthz", "/v1/jobs"):
+                started = time.perf_counter()
+                assert srv.get(path).status_code == 200
+                assert time.perf_counter() - started < 3, path
+            time.sleep(0.5)
+        for t in threads:
+            t.join(timeout=60)
+        assert len(results) == 45
+        codes = sorted(code for code, _, _ in results)
+        assert codes.count(503) >= 30 and set(codes) <= {200, 503, 504}, codes
+        assert all(what == "placeholder: image not read in time" for code, what, _ in results if code == 200)
+        assert max(seconds for _, _, seconds in results) < 15  # every one ended by its deadline, none by the upstream's
+
+
+def test_validation_slots_are_freed_at_the_deadline(tmp_path: Path, stalling: str) -> None:
+    """A ``:validate`` whose upstream stalls mid-body answers at the deadline and frees its
+    slot then: the next one is served, not 429 until the upstream gives up."""
+    (tmp_path / "out").mkdir()
+    with Live(tmp_path, max_running_jobs=0, allowed_inputs=[f"{stalling}/allowed"], validate_concurrency=1,
+              validate_timeout_s=2.0) as srv:
+        body = {"shards": [f"{stalling}/allowed/stall.tar"], "output": str(tmp_path / "out" / "o")}
+        for _ in range(2):
+            started = time.perf_counter()
+            r = srv.post("/v1/jobs:validate", json=body)
+            assert r.status_code == 200, r.text
+            assert any("read only the first 2 s" in p for p in r.json()["problems"]), r.json()
+            assert time.perf_counter() - started < 6
+
+
+def test_globs_never_go_through_symlinked_folders(live: Live, tmp_path: Path) -> None:
+    """``in/l*nk/p*``, where ``in/link`` leads outside: the wildcard never enters the link,
+    so the reply names nothing inside its target (prefix by prefix, a caller could list
+    a folder outside the allow-list)."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "passwd.txt").write_text("root:x:0:0")
+    _shard(outside / "private.tar")
+    (tmp_path / "in" / "link").symlink_to(outside)
+    (tmp_path / "in" / "real").mkdir()
+    _shard(tmp_path / "in" / "real" / "part.tar")
+    out = str(tmp_path / "out" / "o")
+    for pattern in ("l*nk/p*", "*/p*", "l?nk/*", "[l]ink/*.t*"):
+        r = live.post("/v1/jobs:validate", json={"shards": [str(tmp_path / "in" / pattern)], "output": out})
+        assert "passwd" not in r.text and "private" not in r.text and "elsewhere" not in r.text, (pattern, r.text)
+    r = live.post("/v1/jobs:validate", json={"shards": [str(tmp_path / "in" / "*" / "p*")], "output": out})
+    assert r.status_code == 200 and r.json()["shards"] == 1 and r.json()["first_shard"].endswith("real/part.tar")
+    r = live.post("/v1/jobs", json={"shards": [str(tmp_path / "in" / "l*nk" / "p*")], "output": out})
+    assert r.status_code == 422 and "passwd" not in r.text and "elsewhere" not in r.text
+
+
+def test_an_output_folder_belongs_to_the_tenant_that_made_it(tmp_path: Path) -> None:
+    """Tenant B submitting into tenant A's finished folder used to fail only later, while
+    B's job pages showed A's shards, captions and images. Now it is refused up front
+    (409, never naming A's job); so is a folder holding pairclean output of no job of B's."""
+    from pairclean_workers.cli import sample_shard
+
+    (tmp_path / "out").mkdir()
+    shard = tmp_path / "in" / "demo.tar"
+    shard.parent.mkdir()
+    shard.write_bytes(Path(sample_shard()).read_bytes())
+    with Live(tmp_path) as srv:
+        job = _run_job(srv, [str(shard)], tmp_path / "out" / "a")
+        r = srv.post("/v1/jobs", who="bob", json={"shards": [str(shard)], "output": str(tmp_path / "out" / "a")})
+        assert r.status_code == 409 and job not in r.text, r.text
+        assert srv.get("/v1/jobs", who="bob").json()["total"] == 0  # nothing of alice's reaches bob
+        (tmp_path / "out" / "cli" / "_pairclean").mkdir(parents=True)  # a batch CLI run's folder
+        r = srv.post("/v1/jobs", who="bob", json={"shards": [str(shard)], "output": str(tmp_path / "out" / "cli")})
+        assert r.status_code == 409 and "not yours" in r.json()["detail"]
+        # The owner may run again into her own folder (a resume).
+        r = srv.post("/v1/jobs", json={"shards": [str(shard)], "output": str(tmp_path / "out" / "a"), "estimator": "pairclean-tiny-test"})
+        assert r.status_code == 201, r.text
