@@ -22,6 +22,7 @@ imported here). ``import pairclean.sampler`` is safe in any training environment
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -31,6 +32,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
+from pairclean.errors import InputError
 from pairclean.uris import shard_stem
 
 __all__ = [
@@ -42,6 +44,8 @@ __all__ = [
     "WeightStage",
     "weight_stage",
     "WeightedSampler",
+    "checked_weights",
+    "WEIGHT_TOLERANCE",
 ]
 
 MODES = ("loss", "sample", "keep", "pseudo")
@@ -52,6 +56,28 @@ _CHUNK = 1 << 20  # weights processed per chunk: bounds temporary memory
 WEIGHT_KEY = "__pairclean_weight__"
 #: True when mode ``pseudo`` substituted the caption of this sample.
 PSEUDO_KEY = "__pairclean_pseudo__"
+#: Weights within this of [0, 1] are clamped into it (float rounding); beyond, refused.
+WEIGHT_TOLERANCE = 1e-6
+
+
+def checked_weights(weights: Any, where: str) -> NDArray[np.float64]:
+    """The weight column of a table as float64, checked: every weight a finite number in
+    [0, 1] (what pairclean writes; within ``WEIGHT_TOLERANCE`` it is clamped). A null,
+    NaN, infinite, negative or larger weight comes from a damaged or foreign table and
+    would reach a training loss as is: ``InputError`` naming ``where``, how many and the
+    first row, rather than any silent repair."""
+    import pyarrow as pa
+
+    column = weights.combine_chunks() if isinstance(weights, pa.ChunkedArray) else weights
+    nulls = column.null_count if isinstance(column, pa.Array) else 0
+    values = np.asarray(column.to_numpy(zero_copy_only=False) if isinstance(column, pa.Array) else column, dtype=np.float64)
+    bad = ~np.isfinite(values) | (values < -WEIGHT_TOLERANCE) | (values > 1 + WEIGHT_TOLERANCE)
+    if nulls or bad.any():
+        first = int(np.flatnonzero(bad)[0]) if bad.any() else -1
+        shown = f"row {first}: {values[first]!r}" if first >= 0 else "a null"
+        raise InputError(f"{where}: {int(bad.sum())} weights are NaN, null, infinite or outside [0, 1] ({shown}); "
+                         "the table is damaged or not pairclean's: rescore or re-export it", uri=where)
+    return np.clip(values, 0.0, 1.0)
 
 
 class WeightStore:
@@ -72,17 +98,43 @@ class WeightStore:
         if stem in self._cache:
             return self._cache[stem]
         path = self.root / f"{stem}.parquet"
-        table = pq.read_table(path, columns=["key", "weight", "noisy"]) if path.exists() else None
-        rows: dict[str, tuple[float, bool]] = {}
-        if table is not None:
-            keys = table.column("key").to_pylist()
-            weights = table.column("weight").to_numpy()
-            noisy = table.column("noisy").to_numpy(zero_copy_only=False)
-            rows = {k: (float(w), bool(n)) for k, w, n in zip(keys, weights, noisy)}
+        rows = self._read(path, stem) if path.exists() else {}
         if len(self._cache) >= self.max_cached:
             self._cache.pop(next(iter(self._cache)))  # shards stream in order: drop the oldest
         self._cache[stem] = rows
         return rows
+
+    @staticmethod
+    def _read(path: Path, stem: str) -> dict[str, tuple[float, bool]]:
+        """One shard's weights, checked (``InputError`` naming the file): readable Parquet
+        with key, weight and noisy; weights per ``checked_weights``; no key twice (which
+        row would win?); and a ``shard`` column, where present, naming this shard (a table
+        copied under another shard's name would join the wrong pairs)."""
+        import pyarrow as pa
+
+        where = str(path)
+        try:
+            names = pq.read_schema(path).names
+            table = pq.read_table(path, columns=["key", "weight", "noisy"] + (["shard"] if "shard" in names else []))
+        except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise InputError(f"{where} is not a readable pairclean table with key, weight and noisy ({first})", uri=where) from None
+        weights = checked_weights(table.column("weight"), where)
+        keys = table.column("key").to_pylist()
+        noisy = table.column("noisy")
+        if table.column("key").null_count or noisy.null_count:
+            raise InputError(f"{where}: null keys or noisy flags; the table is damaged", uri=where)
+        if len(set(keys)) != len(keys):
+            seen: set[str] = set()
+            twice = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+            raise InputError(f"{where}: key {twice!r} appears more than once; the table is damaged", uri=where)
+        if "shard" in table.column_names:
+            others = {str(u) for u in table.column("shard").unique().to_pylist() if u is not None and shard_stem(str(u)) != stem}
+            if others:
+                raise InputError(f"{where}: its rows belong to shard {sorted(others)[0]!r}, not {stem!r}; "
+                                 "a table copied under another name joins the wrong pairs", uri=where)
+        flags = noisy.to_numpy(zero_copy_only=False)
+        return {k: (float(w), bool(n)) for k, w, n in zip(keys, weights, flags)}
 
     def get(self, url: str, key: str) -> tuple[float, bool] | None:
         return self._load(shard_stem(url)).get(key)
@@ -144,8 +196,10 @@ class WeightStage:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if missing not in MISSING_POLICIES:
             raise ValueError(f"missing must be one of {MISSING_POLICIES}, not {missing!r}")
-        if w_cap <= 0:
-            raise ValueError("w_cap must be positive")
+        if not (isinstance(w_cap, (int, float)) and math.isfinite(w_cap) and w_cap > 0):
+            raise ValueError(f"w_cap must be a finite positive number, not {w_cap!r}")
+        if not (isinstance(default, (int, float)) and math.isfinite(default) and 0 <= default <= 1):
+            raise ValueError(f"default must be a weight in [0, 1], not {default!r}")
         self.store = WeightStore(output_dir)
         if mode == "pseudo" and pseudo is None:
             from pairclean.pseudo.pairing import PseudoCaptions
@@ -248,6 +302,9 @@ class WeightedSampler:
             raise ValueError("at least one weight must be positive")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer))
+                                        or num_samples < 0):
+            raise ValueError(f"num_samples must be a whole number >= 0, not {num_samples!r}")
         self.weights = w
         self.replacement = replacement
         self.rank, self.world_size, self.seed = rank, world_size, seed

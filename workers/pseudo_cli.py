@@ -87,4 +87,6 @@ def cmd_pseudo_pair(args: argparse.Namespace) -> int:
         where = f"searched on Ray ({actors} actors)" if report.executor == "ray" else "searched in this process"
         print(f"pool {report.pool_size} pairs -> {report.pairs} pseudo-pairs ({report.mutual} mutual) in "
               f"{len(report.files)} files under {out.store.url('_pseudo')} [{kinds}; {where}; {report.timings['total_s']:.1f} s]")
+        if report.excluded_nonfinite:
+            print(f"left out of the pool: {report.excluded_nonfinite} pairs with NaN or infinite embeddings (damaged sidecars)")
     return 0

@@ -26,6 +26,7 @@ import numpy as np
 from pairclean import schema
 from pairclean.errors import InputError
 from pairclean.output.folder import OutputDir
+from pairclean.sampler import checked_weights
 
 __all__ = ["UID_DTYPE", "ExportReport", "export", "uid_records", "write_exports"]
 
@@ -90,7 +91,8 @@ def export(
         ok = schema.ok_mask(table)
         clean = ok & ~table.column(schema.COL_NOISY).to_numpy(zero_copy_only=False).astype(bool)
         sizes[name] = table.num_rows if sizes_of == "all" else int(clean.sum())
-        sums[name] = float(table.column(schema.COL_WEIGHT).to_numpy().sum(dtype=np.float64))
+        # Checked as the trainer's WeightStage checks them: NaN would make the JSON invalid.
+        sums[name] = float(checked_weights(table.column(schema.COL_WEIGHT), out.store.url(record.output)).sum())
         folder = _local_folder(record.shard)
         if folder is not None and folder not in shard_folders:
             shard_folders.append(folder)
@@ -119,7 +121,9 @@ def export(
     elif bad:
         report.skipped_uids = len(bad)
     files: dict[str, bytes] = {
-        name: json.dumps(doc, indent=1, sort_keys=True).encode() for name, doc in (("sizes.json", sizes), ("shard_weights.json", sums))
+        # allow_nan=False: strict JSON parsers reject NaN; a non-finite value is a bug here.
+        name: json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode()
+        for name, doc in (("sizes.json", sizes), ("shard_weights.json", sums))
     }
     if has_uid:
         buf = io.BytesIO()

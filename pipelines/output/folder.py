@@ -112,6 +112,11 @@ def _table_records(table: pa.Table) -> Iterator[ShardRecord]:
         yield ShardRecord(**row)
 
 
+# Columns every score table / embedding sidecar has (what the readers use).
+_SCORE_COLUMNS = (schema.COL_KEY, schema.COL_STATUS, schema.COL_SIMILARITY, schema.COL_WEIGHT, schema.COL_NOISY)
+_EMB_COLUMNS = (schema.COL_KEY, schema.COL_IMAGE_EMB, schema.COL_TEXT_EMB)
+
+
 class OutputDir:
     """The output folder of one job, on any fsspec location.
 
@@ -146,14 +151,41 @@ class OutputDir:
 
     # -- the spec -------------------------------------------------------------------------
     def read_spec(self) -> JobSpec | None:
-        """The frozen spec of the job that owns this folder, or None for a new folder."""
+        """The frozen spec of the job that owns this folder, or None for a new folder.
+
+        Raises ``InputError`` (one line naming the file) for a ``job.json`` that is cut
+        short, is not pairclean's, or whose spec was edited after it was written (its
+        ``spec_sha256`` no longer matches: every data file names its job by that digest).
+        """
         doc = self.read_job_doc()
-        return JobSpec.from_json(doc["spec"]) if doc else None
+        if not doc:
+            return None
+        where = self.store.url(schema.JOB_FILE)
+        try:
+            spec = JobSpec.from_json(doc["spec"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InputError(f"{where} is not a pairclean job file (bad spec: {type(exc).__name__}: {exc})", uri=where) from None
+        recorded = doc.get("spec_sha256")
+        if recorded is not None and recorded != spec_digest(spec):
+            raise InputError(f"{where} was edited: its spec no longer matches its spec_sha256; restore it, or score into a new folder",
+                             uri=where)
+        return spec
 
     def read_job_doc(self) -> dict[str, Any] | None:
-        """The whole ``job.json`` document, or None."""
+        """The whole ``job.json`` document, or None; ``InputError`` naming the file when it
+        is not a JSON object (cut short by a crash or an edit)."""
         data = self.store.get(schema.JOB_FILE)
-        return json.loads(data) if data is not None else None
+        if data is None:
+            return None
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            where = self.store.url(schema.JOB_FILE)
+            raise InputError(f"{where} is damaged (not JSON: {exc}); restore it, or score into a new folder", uri=where) from None
+        if not isinstance(doc, dict):
+            where = self.store.url(schema.JOB_FILE)
+            raise InputError(f"{where} is not a pairclean job file (not a JSON object)", uri=where)
+        return doc
 
     def write_job_doc(self, doc: Mapping[str, Any]) -> None:
         """Replace ``job.json`` (atomically)."""
@@ -407,8 +439,9 @@ class OutputDir:
                 yield entries[stem]
 
     def read_scores(self, record: ShardRecord, columns: list[str] | None = None) -> pa.Table:
-        """The score table of a committed shard."""
-        return self.store.read_parquet(record.output, columns=columns)
+        """The score table of a committed shard; ``InputError`` naming the file when it is
+        not readable Parquet or lacks a column a score table has."""
+        return self._read_table(record.output, columns or None, _SCORE_COLUMNS)
 
     def read_all_scores(self, columns: list[str] | None = None) -> pa.Table:
         """Every committed score table as one table, shards in spec order (only committed
@@ -426,4 +459,27 @@ class OutputDir:
         """The sidecar table of a committed shard (raises ``InputError`` when absent)."""
         if record.emb_output is None or not self.store.exists(record.emb_output):
             raise InputError(f"{self.store.url(self.emb_name(record.stem))} is missing: score with --embeddings")
-        return self.store.read_parquet(record.emb_output)
+        table = self._read_table(record.emb_output, None, _EMB_COLUMNS)
+        for name in (schema.COL_IMAGE_EMB, schema.COL_TEXT_EMB):
+            if not pa.types.is_fixed_size_list(table.schema.field(name).type):
+                where = self.store.url(record.emb_output)
+                raise InputError(f"{where}: column {name} is {table.schema.field(name).type}, not fixed-size vectors "
+                                 "(not a pairclean sidecar)", uri=where)
+        return table
+
+    def _read_table(self, name: str, columns: list[str] | None, required: tuple[str, ...]) -> pa.Table:
+        """Read a Parquet file of the folder; a damaged or foreign one is one ``InputError``
+        line naming it (never pyarrow's traceback)."""
+        where = self.store.url(name)
+        try:
+            table = self.store.read_parquet(name, columns=columns)
+        except FileNotFoundError:
+            raise InputError(f"{where} is missing (the folder's records name it)", uri=where) from None
+        except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise InputError(f"{where} is not a readable pairclean table ({first})", uri=where) from None
+        lacking = [c for c in (columns or required) if c not in table.column_names]
+        if lacking:
+            raise InputError(f"{where} lacks the column(s) {', '.join(lacking)}: not a pairclean table of this version", uri=where)
+        return table
+

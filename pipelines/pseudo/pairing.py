@@ -38,6 +38,7 @@ pseudo-caption and weight, loading one shard's file at a time (numpy and pyarrow
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
@@ -56,6 +57,8 @@ if TYPE_CHECKING:
     from pairclean.pseudo.ann import IndexPlan, RawSearch
     from pairclean.calibrate.calibration import Calibration
     from pairclean.output.folder import OutputDir
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "POOLS",
@@ -138,6 +141,8 @@ class Pool:
     text: NDArray[np.float16]
     sidecars: list[str] = field(default_factory=list)
     side_rows: NDArray[np.int64] = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    #: Rows left out because their embeddings hold NaN or infinity (a damaged sidecar).
+    excluded: int = 0
 
     @property
     def size(self) -> int:
@@ -219,19 +224,36 @@ def load_pool(out: OutputDir, pool: str, workdir: str | os.PathLike[str]) -> Poo
     text = _scratch(workdir, (n, dim))
     keys: list[str] = []
     shard_of = np.empty(n, dtype=np.int32)
+    kept: list[NDArray[np.int64]] = []
+    excluded = 0
     pos = 0
     for s, (record, sel) in enumerate(zip(records, rows)):
         if not len(sel):
+            kept.append(sel)
             continue
         side = out.read_embeddings_table(record)
-        image[pos : pos + len(sel)] = _fixed_list_rows(side.column(schema.COL_IMAGE_EMB), sel)
-        text[pos : pos + len(sel)] = _fixed_list_rows(side.column(schema.COL_TEXT_EMB), sel)
+        img = _fixed_list_rows(side.column(schema.COL_IMAGE_EMB), sel)
+        txt = _fixed_list_rows(side.column(schema.COL_TEXT_EMB), sel)
+        # Rows whose (float16) embeddings hold NaN or infinity come from a damaged sidecar:
+        # they would match nothing or everything. Left out of the pool, and counted.
+        finite = np.isfinite(img).all(axis=1) & np.isfinite(txt).all(axis=1)
+        if not finite.all():
+            excluded += int((~finite).sum())
+            log.warning("%s: %d pool rows with NaN or infinite embeddings left out of the pool",
+                        out.store.url(record.emb_output or ""), int((~finite).sum()))
+            sel, img, txt = sel[finite], img[finite], txt[finite]
+        image[pos : pos + len(sel)] = img
+        text[pos : pos + len(sel)] = txt
         keys += side.column(schema.COL_KEY).take(pa.array(sel)).to_pylist()
         shard_of[pos : pos + len(sel)] = s
         pos += len(sel)
+        kept.append(sel)
+    if pos == 0:
+        raise InputError(f"the pool of {out.uri} is empty: all {n} of its pairs have NaN or infinite embeddings (damaged sidecars)")
     stems = [r.stem for r in records]
-    return Pool(stems, [uri_of.get(st, r.shard) for st, r in zip(stems, records)], shard_of, keys, image, text,
-                sidecars=[r.emb_output or out.emb_name(r.stem) for r in records], side_rows=np.concatenate(rows))
+    return Pool(stems, [uri_of.get(st, r.shard) for st, r in zip(stems, records)], shard_of[:pos], keys, image[:pos], text[:pos],
+                sidecars=[r.emb_output or out.emb_name(r.stem) for r in records], side_rows=np.concatenate(kept),
+                excluded=excluded)
 
 
 def _scratch(workdir: str | os.PathLike[str], shape: tuple[int, int]) -> NDArray[np.float16]:
@@ -373,6 +395,8 @@ class PseudoReport:
     #: where the queries ran: local (this process), the searcher's ``name`` (default
     #: "remote"), or mixed
     executor: str = "local"
+    #: pool pairs left out for NaN or infinite embeddings (damaged sidecars)
+    excluded_nonfinite: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
@@ -471,7 +495,8 @@ def pseudo_pair(out: OutputDir, opts: PseudoOptions, storage_options: Mapping[st
     timings["total_s"] = time.perf_counter() - t0
     remote = getattr(searcher, "name", "remote")
     return PseudoReport(pool.size, pairs, mutual, sorted(files), result.plans, timings,
-                        executor=remote if where == {"remote"} else "local" if where <= {"local"} else "mixed")
+                        executor=remote if where == {"remote"} else "local" if where <= {"local"} else "mixed",
+                        excluded_nonfinite=pool.excluded)
 
 
 def _job_digest(out: OutputDir) -> str | None:

@@ -51,7 +51,7 @@ from pairclean.output.lock import RunLock
 from pairclean.output.tables import read_embeddings
 from pairclean.refine import DEFAULT_METHOD, METHODS, Heads, fit, apply, heads_bytes, heads_from_bytes, score_column, settings_for
 
-__all__ = ["MIN_FIT_PAIRS", "DEFAULT_SAMPLE_PAIRS", "RefineOptions", "RefineReport", "ShardApplied", "refine", "apply_shard", "check_job", "draw_sample", "Executor"]
+__all__ = ["check_finite", "MIN_FIT_PAIRS", "DEFAULT_SAMPLE_PAIRS", "RefineOptions", "RefineReport", "ShardApplied", "refine", "apply_shard", "check_job", "draw_sample", "Executor"]
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +166,7 @@ def draw_sample(out: OutputDir, view: JobView, n: int, seed: int) -> tuple[np.nd
         if lo == hi:
             continue
         img, txt = read_embeddings(out.read_embeddings_table(record))
+        check_finite(img, txt, out.store.url(record.emb_output or ""))
         if len(img) != view.ok_counts[i]:
             raise InputError(f"{out.store.url(record.emb_output or '')} holds {len(img)} ok rows, its record says "
                              f"{view.ok_counts[i]}: the folder is inconsistent", uri=out.uri)
@@ -173,6 +174,17 @@ def draw_sample(out: OutputDir, view: JobView, n: int, seed: int) -> tuple[np.nd
         img_parts.append(img[local].astype(np.float16))
         txt_parts.append(txt[local].astype(np.float16))
     return np.concatenate(img_parts), np.concatenate(txt_parts)
+
+
+def check_finite(img: np.ndarray, txt: np.ndarray, where: str) -> None:
+    """``InputError`` (one line naming the sidecar) when any ok row's embeddings hold NaN
+    or infinity. Such rows used to reach the fit: a few made every p_clean one constant,
+    more crashed inside scikit-learn. A scorer never writes them: the sidecar is damaged."""
+    bad = ~(np.isfinite(img).all(axis=1) & np.isfinite(txt).all(axis=1)) if len(img) else np.zeros(0, dtype=bool)
+    if bad.any():
+        raise InputError(f"{where}: {int(bad.sum())} of {len(img)} ok rows have NaN or infinite embeddings (first: row "
+                         f"{int(np.flatnonzero(bad)[0])} of the ok rows); the sidecar is damaged: rescore the job into a new "
+                         "folder with --embeddings", uri=where)
 
 
 def _fit_key(out: OutputDir, view: JobView, method: str, opts: RefineOptions) -> str:
@@ -248,6 +260,7 @@ def apply_shard(out: OutputDir, record: ShardRecord, heads: Heads, doc: dict[str
     table = out.read_scores(record)
     ok = schema.ok_mask(table)
     img, txt = read_embeddings(out.read_embeddings_table(record))
+    check_finite(img, txt, out.store.url(record.emb_output or ""))
     if len(img) != int(ok.sum()):
         raise InputError(f"{out.store.url(record.emb_output or '')} holds {len(img)} ok rows but the score table "
                          f"{int(ok.sum())}: the folder is inconsistent", uri=out.uri)
