@@ -74,7 +74,7 @@ def checked_weights(weights: Any, where: str) -> NDArray[np.float64]:
     bad = ~np.isfinite(values) | (values < -WEIGHT_TOLERANCE) | (values > 1 + WEIGHT_TOLERANCE)
     if nulls or bad.any():
         first = int(np.flatnonzero(bad)[0]) if bad.any() else -1
-        shown = f"row {first}: {values[first]!r}" if first >= 0 else "a null"
+        shown = f"row {first}: {float(values[first])}" if first >= 0 else "a null"
         raise InputError(f"{where}: {int(bad.sum())} weights are NaN, null, infinite or outside [0, 1] ({shown}); "
                          "the table is damaged or not pairclean's: rescore or re-export it", uri=where)
     return np.clip(values, 0.0, 1.0)

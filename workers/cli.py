@@ -41,9 +41,12 @@ log = logging.getLogger("pairclean")
 EXIT_OK, EXIT_FAILED, EXIT_PARTIAL = EXIT_CODES[SUCCEEDED], EXIT_CODES[FAILED], EXIT_CODES[PARTIAL]
 
 
-def _add_estimator_args(p: argparse.ArgumentParser) -> None:
-    from pairclean.embed.estimators import DEFAULT_MODEL
+#: ``pairclean.embed.estimators.DEFAULT_MODEL``, spelt out: importing the estimators loads
+#: torch (600 MB), and building the parser must not (the API process builds it; tests check both).
+DEFAULT_MODEL = "pairclean-lite"
 
+
+def _add_estimator_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("estimator")
     g.add_argument("--model", default=DEFAULT_MODEL, help="pairclean-lite (default, offline) or an open_clip architecture")
     g.add_argument("--checkpoint", help="local weights file (open_clip state dict; for pairclean-lite, a heads file)")
