@@ -218,6 +218,10 @@ def write_file_atomic(final: str | os.PathLike[str], data: bytes) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, final)
+    except OSError as exc:
+        if exc.filename is None:  # a failed write (EFBIG, ENOSPC) names no file: name the one it was for
+            raise OSError(exc.errno, exc.strerror or str(exc), final) from exc
+        raise
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from .dependencies import ValidationPool, output_key
-from .guards import BodyLimit, public_errors
+from .guards import BodyLimit, public_errors, redact_access_log
 from .metrics import Metrics
 from .audit import Auditor
 from .routers import audit, health, jobs, pages
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 def create_app(settings: ServiceSettings | None = None, state_dir: str | Path = "pairclean-service") -> FastAPI:
     """Build the app; the runner starts with the app's lifespan and stops with it."""
     settings = settings or ServiceSettings()
+    redact_access_log()  # before uvicorn logs a request: keys in query strings stay out of logs
     store = JobStore(settings.database_url)
     metrics = Metrics()
     runner = JobRunner(store, settings, metrics, Path(state_dir))

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import time
 import unicodedata
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, BinaryIO
 
-__all__ = ["BodyLimit", "safe_text", "public_errors", "BoundedReader", "PrefixEnd", "scrub"]
+__all__ = ["BodyLimit", "safe_text", "public_errors", "BoundedReader", "PrefixEnd", "scrub", "RedactSecrets", "redact_access_log",
+           "redact_query"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -154,3 +157,32 @@ class BoundedReader:
             raise PrefixEnd
         self.count += len(data)
         return data
+
+
+# Query parameters whose values are secrets: never written to a log.
+_SECRET_PARAM = re.compile(r"(?i)([?&](?:api[_-]?key|apikey|key|token|access[_-]?token|password|secret|session)=)[^&#\s]*")
+
+
+def redact_query(text: str) -> str:
+    """``text`` with the values of secret-looking query parameters replaced by ``***``."""
+    return _SECRET_PARAM.sub(r"\1***", text)
+
+
+class RedactSecrets(logging.Filter):
+    """Rewrites uvicorn's access-log records so a key sent as ``?api_key=`` (by a client
+    that should have used the header) is not kept in the log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(redact_query(a) if isinstance(a, str) else a for a in record.args)
+        elif isinstance(record.msg, str):
+            record.msg = redact_query(record.msg)
+        return True
+
+
+def redact_access_log() -> None:
+    """Put ``RedactSecrets`` on uvicorn's access logger (once per process). A logger's
+    filters survive uvicorn's own ``dictConfig``, which only replaces handlers."""
+    logger = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, RedactSecrets) for f in logger.filters):
+        logger.addFilter(RedactSecrets())

@@ -295,6 +295,11 @@ class RaySource:
             cause = exc.cause if hasattr(exc, "cause") else exc
             if isinstance(cause, InputError):
                 return ShardOutcome(task.uri, None, str(cause), task.attempt)
+            if isinstance(cause, KeyboardInterrupt):
+                # Ctrl-C reaches the actors too (one process group), and one may report
+                # before the driver sees its own: the run is being stopped, the shard is
+                # healthy. It stays pending (never quarantined); the CLI exits 130.
+                raise KeyboardInterrupt from None
             return self._retry(task, queue, f"{type(cause).__name__}: {cause}")
         except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError) as exc:
             log.warning("worker lost while scoring %s (attempt %d): %s", task.uri, task.attempt, exc)

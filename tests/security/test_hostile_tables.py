@@ -224,3 +224,20 @@ print(",".join(heavy) or "none")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "none", r.stdout
+
+
+def test_a_write_over_the_file_size_limit_names_the_file(tmp_path: Path) -> None:
+    """EFBIG (or ENOSPC) from a write carries no file name: the error said only "File too
+    large". Now the file it was writing is named."""
+    import resource
+
+    from pairclean_workers.cli import sample_shard
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300, 300))  # Python ignores SIGXFSZ: writes fail with EFBIG
+
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "pairclean_service.cli", "score", sample_shard(), "--out", str(out), "--model",
+                        "pairclean-tiny-test", "--executor", "local", "--no-progress"], capture_output=True, text=True,
+                       timeout=300, preexec_fn=small_files)
+    _one_line_error(r, "File too large", str(out / "_pairclean"))

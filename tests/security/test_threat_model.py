@@ -45,6 +45,34 @@ No raw tracebacks for users
   An output that is an existing file on the CLI: one line, exit 1 .... tests/workers/test_score_cli.py::test_bad_input_gives_clear_errors_and_exit_codes
   A job process that crashes: job.error is its last line, no stack ... test_a_crashed_job_reports_one_line_not_its_stack
 
+Hardening round 3 (issue 25)
+  Thumbnail decode bombs (12 x 7999x7999 PNGs took the API to 5.5 GB): a pixel cap
+  checked from the header at the decode scale, process-wide decode slots ....... test_thumbnail_decode_bombs_are_refused_and_bounded
+  A stalled upstream (Range requests that never answer) starving /healthz and
+  /v1/jobs through thumbnails: their own pool, 503 past a queue, one deadline
+  per request that also cuts the connection .................................. test_a_stalled_upstream_never_starves_the_api_through_thumbnails
+  :validate slots held for minutes past the deadline by a stalled read ........ test_validation_slots_are_freed_at_the_deadline
+  A glob wildcard matching a symlinked folder (in/l*nk/p*) naming files
+  outside the allow-list ..................................................... test_globs_never_go_through_symlinked_folders
+  Tenant B submitting into tenant A's (finished) output folder and reading
+  A's shards, captions and images through B's job; a 409 naming A's job ...... test_an_output_folder_belongs_to_the_tenant_that_made_it,
+                                                                               test_two_jobs_never_write_to_one_output
+  A 630-byte JPEG whose header claims 7990x8000 pixels scoring ok ............. test_thumbnail_decode_bombs_are_refused_and_bounded
+  uvicorn's access log keeping ?api_key= values ............................... test_the_access_log_never_keeps_keys_from_query_strings
+  The API process holding torch (building the CLI parser imported it) ......... tests/security/test_hostile_tables.py::test_the_api_process_never_loads_torch
+  Hostile output folders through the real CLI (tests/security/test_hostile_tables.py):
+    NaN embeddings: refine a constant score or sklearn's traceback ........... test_refine_refuses_nan_embeddings_and_rewrites_nothing
+    NaN embeddings in pseudo-pair's pool ..................................... test_pseudo_pair_leaves_nan_rows_out_of_its_pool
+    NaN/inf/null/negative/1e30 weights into export (NaN in strict JSON) ....... test_export_refuses_non_finite_or_foreign_weights,
+                                                                               test_export_writes_strict_json
+    Corrupt Parquet, a wrong schema, a cut job.json, an edited spec in
+    export / refine / pseudo-pair: one line naming the file .................. test_damaged_folders_are_one_line_errors_naming_the_file
+    "File too large" naming no file ........................................... test_a_write_over_the_file_size_limit_names_the_file
+    WeightStage fed NaN/null/inf/negative/huge weights, duplicate keys, a
+    table of another shard ..................................................... test_weight_stage_refuses_damaged_tables
+    WeightStage(w_cap=NaN), default=NaN, WeightedSampler(num_samples=-1) ...... test_stage_and_sampler_parameters_must_be_finite
+  Ctrl-C during a slow HTTP read quarantining a healthy shard (exit 3) ......... tests/security/test_cli_interrupts.py::test_ctrl_c_during_a_slow_http_read_exits_130_and_quarantines_nothing
+
 The job lifecycle and the store
   Illegal state moves (a cancelled job revived, a queued one "succeeding") test_the_store_refuses_moves_the_lifecycle_does_not_allow
   An old database losing jobs or keys on upgrade, or a migration applied
@@ -724,3 +752,39 @@ def test_an_output_folder_belongs_to_the_tenant_that_made_it(tmp_path: Path) -> 
         # The owner may run again into her own folder (a resume).
         r = srv.post("/v1/jobs", json={"shards": [str(shard)], "output": str(tmp_path / "out" / "a"), "estimator": "pairclean-tiny-test"})
         assert r.status_code == 201, r.text
+
+
+def test_the_access_log_never_keeps_keys_from_query_strings(tmp_path: Path) -> None:
+    """uvicorn's access log (its own default configuration, applied after the app is
+    built, as ``pairclean serve`` runs it) kept ``?api_key=`` values."""
+    import logging
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "out").mkdir()
+    settings = ServiceSettings(database_url=f"sqlite:///{tmp_path / 'jobs.db'}", executor="local", max_running_jobs=0)
+    app = create_app(settings, state_dir=tmp_path / "state")
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="info", access_log=True))
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    keep = Keep()
+    logging.getLogger("uvicorn.access").addHandler(keep)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        assert httpx.get(f"{url}/healthz?api_key=pc_SECRET1&x=1").status_code == 200
+        httpx.get(f"{url}/v1/jobs?token=pc_SECRET2")
+        httpx.get(f"{url}/ui/login?next=/ui/jobs&API_KEY=pc_SECRET3")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        logging.getLogger("uvicorn.access").removeHandler(keep)
+    text = "\n".join(lines)
+    assert "/healthz?api_key=***&x=1" in text, text
+    assert "SECRET" not in text
