@@ -498,7 +498,7 @@ def _downscale(data: bytes, max_pixels: int, deadline: float) -> bytes | str:
     decode at, a header no file this small can fill, or no decode slot free by ``deadline``."""
     from PIL import Image, UnidentifiedImageError
 
-    from pairclean.decode import implausible_size
+    from pairclean.read.decode import implausible_size
 
     try:
         with warnings.catch_warnings():
