@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
 from pairclean.errors import InputError
+from pairclean.schema import checked_weights
 from pairclean.uris import shard_stem
 
 __all__ = [
@@ -44,8 +45,6 @@ __all__ = [
     "WeightStage",
     "weight_stage",
     "WeightedSampler",
-    "checked_weights",
-    "WEIGHT_TOLERANCE",
 ]
 
 MODES = ("loss", "sample", "keep", "pseudo")
@@ -56,30 +55,6 @@ _CHUNK = 1 << 20  # weights processed per chunk: bounds temporary memory
 WEIGHT_KEY = "__pairclean_weight__"
 #: True when mode ``pseudo`` substituted the caption of this sample.
 PSEUDO_KEY = "__pairclean_pseudo__"
-#: Weights within this of [0, 1] are clamped into it (float rounding); beyond, refused.
-WEIGHT_TOLERANCE = 1e-6
-
-
-def checked_weights(weights: Any, where: str) -> NDArray[np.float64]:
-    """The weight column of a table as float64, checked: every weight a finite number in
-    [0, 1] (what pairclean writes; within ``WEIGHT_TOLERANCE`` it is clamped). A null,
-    NaN, infinite, negative or larger weight comes from a damaged or foreign table and
-    would reach a training loss as is: ``InputError`` naming ``where``, how many and the
-    first row, rather than any silent repair."""
-    import pyarrow as pa
-
-    column = weights.combine_chunks() if isinstance(weights, pa.ChunkedArray) else weights
-    nulls = column.null_count if isinstance(column, pa.Array) else 0
-    values = np.asarray(column.to_numpy(zero_copy_only=False) if isinstance(column, pa.Array) else column, dtype=np.float64)
-    bad = ~np.isfinite(values) | (values < -WEIGHT_TOLERANCE) | (values > 1 + WEIGHT_TOLERANCE)
-    if nulls or bad.any():
-        first = int(np.flatnonzero(bad)[0]) if bad.any() else -1
-        shown = f"row {first}: {float(values[first])}" if first >= 0 else "a null"
-        raise InputError(f"{where}: {int(bad.sum())} weights are NaN, null, infinite or outside [0, 1] ({shown}); "
-                         "the table is damaged or not pairclean's: rescore or re-export it", uri=where)
-    return np.clip(values, 0.0, 1.0)
-
-
 class WeightStore:
     """Weights and noisy flags of one job's output folder, loaded lazily per shard.
 

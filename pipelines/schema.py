@@ -10,6 +10,8 @@ import pyarrow as pa
 from numpy.typing import NDArray
 
 __all__ = [
+    "WEIGHT_TOLERANCE",
+    "checked_weights",
     "ok_mask",
     "SHARD_COMMITTED",
     "SHARD_QUARANTINED",
@@ -199,3 +201,27 @@ def ok_mask(status: pa.Table | pa.ChunkedArray | pa.Array | Sequence[Any]) -> ND
         status = status.column(COL_STATUS)
     values = status.to_pylist() if isinstance(status, (pa.ChunkedArray, pa.Array)) else list(status)
     return np.fromiter((v == STATUS_OK for v in values), dtype=bool, count=len(values))
+
+
+#: Weights within this of [0, 1] are clamped into it (float rounding); beyond, refused.
+WEIGHT_TOLERANCE = 1e-6
+
+
+def checked_weights(weights: Any, where: str) -> NDArray[np.float64]:
+    """The weight column of a table as float64, checked: every weight a finite number in
+    [0, 1] (what pairclean writes; within ``WEIGHT_TOLERANCE`` it is clamped). A null,
+    NaN, infinite, negative or larger weight comes from a damaged or foreign table and
+    would reach a training loss as is: ``InputError`` naming ``where``, how many and the
+    first row, rather than any silent repair."""
+    from pairclean.errors import InputError
+
+    column = weights.combine_chunks() if isinstance(weights, pa.ChunkedArray) else weights
+    nulls = column.null_count if isinstance(column, pa.Array) else 0
+    values = np.asarray(column.to_numpy(zero_copy_only=False) if isinstance(column, pa.Array) else column, dtype=np.float64)
+    bad = ~np.isfinite(values) | (values < -WEIGHT_TOLERANCE) | (values > 1 + WEIGHT_TOLERANCE)
+    if nulls or bad.any():
+        first = int(np.flatnonzero(bad)[0]) if bad.any() else -1
+        shown = f"row {first}: {float(values[first])}" if first >= 0 else "a null"
+        raise InputError(f"{where}: {int(bad.sum())} weights are NaN, null, infinite or outside [0, 1] ({shown}); "
+                         "the table is damaged or not pairclean's: rescore or re-export it", uri=where)
+    return np.clip(values, 0.0, 1.0)

@@ -26,7 +26,6 @@ import numpy as np
 from pairclean import schema
 from pairclean.errors import InputError
 from pairclean.output.folder import OutputDir
-from pairclean.sampler import checked_weights
 
 __all__ = ["UID_DTYPE", "ExportReport", "export", "uid_records", "write_exports"]
 
@@ -92,7 +91,7 @@ def export(
         clean = ok & ~table.column(schema.COL_NOISY).to_numpy(zero_copy_only=False).astype(bool)
         sizes[name] = table.num_rows if sizes_of == "all" else int(clean.sum())
         # Checked as the trainer's WeightStage checks them: NaN would make the JSON invalid.
-        sums[name] = float(checked_weights(table.column(schema.COL_WEIGHT), out.store.url(record.output)).sum())
+        sums[name] = float(schema.checked_weights(table.column(schema.COL_WEIGHT), out.store.url(record.output)).sum())
         folder = _local_folder(record.shard)
         if folder is not None and folder not in shard_folders:
             shard_folders.append(folder)
