@@ -121,18 +121,48 @@ def get_result(ref: Any) -> Any:
         raise
 
 
+#: Ray's variable choosing its authentication mode ("token" or "disabled").
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
+
 def init_ray(options: RayOptions) -> None:
     """Connect to ``options.address`` / ``$RAY_ADDRESS``, or start a local Ray in-process."""
+    address = options.address or os.environ.get("RAY_ADDRESS") or None
+    if address is None and RAY_AUTH_MODE_ENV not in os.environ:
+        _token_auth_for_local_ray()
     import ray
 
     if ray.is_initialized():
         return
-    address = options.address or os.environ.get("RAY_ADDRESS") or None
     kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": False}
     runtime_env = _with_cpu_env(options.runtime_env)
     if runtime_env:
         kwargs["runtime_env"] = runtime_env
     ray.init(address=address, **kwargs)
+
+
+def _token_auth_for_local_ray() -> None:
+    """Say ``RAY_AUTH_MODE=token`` for a local cluster this process starts.
+
+    Ray turns token authentication on by default for a new local cluster and warns about
+    it on every start while the variable is unset. Setting it keeps exactly that (Ray
+    creates ``~/.ray/auth_token`` when missing) without the warning; a user's own value
+    (``disabled``) is never replaced. Ray reads the variable into its C++ config when
+    ``ray`` is first imported: if it already was, the config is re-read, as Ray's own
+    ``_enable_token_auth`` does; if that private call is gone, the variable is taken back
+    (and Ray warns as before) rather than leaving the two disagreeing.
+    """
+    import sys
+
+    os.environ[RAY_AUTH_MODE_ENV] = "token"
+    if "ray._raylet" not in sys.modules:
+        return
+    try:
+        from ray._raylet import Config
+
+        Config.initialize("")
+    except (ImportError, AttributeError, RuntimeError):
+        del os.environ[RAY_AUTH_MODE_ENV]
 
 
 def _with_cpu_env(runtime_env: dict[str, Any]) -> dict[str, Any]:
