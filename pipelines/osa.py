@@ -14,8 +14,9 @@ Beta recipes (how ``beta`` is measured):
 
 Weighting functions (``s``, ``beta`` -> weight in [0, 1]):
 
-- ``p-clean`` (default): the pair's clean probability under the calibration's mixture
-  (``mixture_posterior_clean``), so confidently clean pairs weigh about 1. Chosen because
+- ``p-clean`` (default): the pair's clean probability under the calibration's
+  ``p_clean`` curve (``pairclean.calibrate.p_clean``; jobs calibrated before it: the pinned
+  mixture, ``mixture_posterior_clean``), so confidently clean pairs weigh about 1. Chosen because
   it trains best in ``benchmarks/downstream.py`` (docs/methods.md, "Default weighting");
   without a mixture (fewer than 16 calibration pairs) it is the hard ``s > beta``.
 - ``paper``: eq. 5, ``d^2 (1 - d)`` for ``d > 0``, rescaled by 27/4. Its maximum on a real
@@ -297,6 +298,9 @@ class WeightingParams:
     batch_size: int | None = None
     #: ``p-clean``'s mixture: ((noise mean, clean mean), (noise std, clean std), noise weight).
     mixture: tuple[tuple[float, float], tuple[float, float], float] | None = None
+    #: ``p-clean``'s curve (similarity knots, p_clean knots), interpolated linearly; when
+    #: given it wins over ``mixture`` (``pairclean.calibrate.p_clean``).
+    curve: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
 
 def weighting_params(
@@ -322,6 +326,10 @@ def weighting_params(
 def apply_weighting(s: FloatArray, beta: float, params: WeightingParams) -> FloatArray:
     """Weights for (N,) similarities under ``params``: (N,) -> (N,) float32."""
     if params.name == "p-clean":
+        if params.curve is not None:
+            x = np.asarray(s, dtype=np.float64)
+            p = np.interp(np.nan_to_num(x, nan=-np.inf), np.asarray(params.curve[0]), np.asarray(params.curve[1]))
+            return np.where(np.isfinite(x), p, 0.0).astype(np.float32)
         if params.mixture is None:
             return (~noisy_flags(s, beta)).astype(np.float32)
         means, stds, noise_weight = params.mixture

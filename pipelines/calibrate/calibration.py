@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 from pairclean import osa
+from pairclean.calibrate import p_clean as p_clean_model
 from pairclean.storage import write_file_atomic
 
 __all__ = ["Calibration", "needs_corpus", "calibrate", "cache_dir", "cached_random_beta"]
@@ -56,9 +57,18 @@ class Calibration:
         means, stds = self.extra["gmm_means"], self.extra["gmm_stds"]
         return (float(means[0]), float(means[1])), (float(stds[0]), float(stds[1])), float(self.extra["gmm_noise_weight"])
 
+    def p_clean_curve(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """The ``p_clean`` curve recorded in ``extra["p_clean"]`` (similarity knots, p_clean
+        knots); None for a calibration without one (fewer than 16 pairs, no embeddings, or
+        written before the curve existed: those keep the pinned mixture)."""
+        doc = self.extra.get("p_clean")
+        if not doc:
+            return None
+        return tuple(map(float, doc["knots_s"])), tuple(map(float, doc["knots_p"]))
+
     def p_clean_params(self) -> osa.WeightingParams:
         """The ``p-clean`` weighting of this calibration: what every table's ``p_clean`` is."""
-        return osa.WeightingParams("p-clean", mixture=self.mixture())
+        return osa.WeightingParams("p-clean", mixture=self.mixture(), curve=self.p_clean_curve())
 
     def weighting_params(self) -> osa.WeightingParams:
         """The weighting as frozen here (``p-clean`` takes ``mixture()``; without one it is
@@ -151,6 +161,11 @@ def calibrate(
         osa.check_method(beta_recipe, weighting)
         raise AssertionError("unreachable: check_method raised")
     params = osa.weighting_params(weighting, sims, beta, batch_size, gmm)
+    curve = None
+    if noise is not None and image_emb is not None and text_emb is not None and np.isfinite(sims).sum() >= MIN_MIXTURE_PAIRS:
+        # p_clean from what the corpus shows (random and near-miss pairs), not a pinned Gaussian
+        refs = p_clean_model.noise_references(image_emb, text_emb, noise, seed)
+        curve = p_clean_model.fit_p_clean(sims, refs, seed).to_json()
     return Calibration(
         beta=float(beta),
         recipe=beta_recipe,
@@ -161,6 +176,6 @@ def calibrate(
         weighting_batch_size=params.batch_size,
         noise_rate=osa.estimate_noise_rate(sims, seed, noise) if gmm else None,
         calibration_pairs=int(sims.size),
-        extra={**fallback, **({"gmm_means": list(gmm.means), "gmm_stds": list(gmm.stds), "gmm_noise_weight": gmm.noise_rate,
+        extra={**fallback, **({"p_clean": curve} if curve else {}), **({"gmm_means": list(gmm.means), "gmm_stds": list(gmm.stds), "gmm_noise_weight": gmm.noise_rate,
                                  "gmm_boundary": gmm.boundary} if gmm else {})},
     )

@@ -17,6 +17,17 @@ from pairclean.calibrate.calibration import Calibration
 __all__ = ["scores_table", "embeddings_table", "read_embeddings", "output_metadata"]
 
 
+def _p_clean_doc(calibration: Calibration) -> dict[str, Any]:
+    """How this table's ``p_clean`` was made: the recipe, its version and parameters."""
+    doc = calibration.extra.get("p_clean")
+    if doc:
+        return dict(doc)
+    mixture = calibration.mixture()
+    if mixture is not None:
+        return {"recipe": "pinned-mixture", "version": 0, "means": list(mixture[0]), "stds": list(mixture[1]), "noise_weight": mixture[2]}
+    return {"recipe": "hard", "version": 0, "rule": "similarity > beta"}
+
+
 def output_metadata(model_info: dict[str, Any], calibration: Calibration, extra: dict[str, Any]) -> dict[bytes, bytes]:
     """The Parquet key-value metadata: one JSON document under ``schema.META_KEY``.
 
@@ -42,6 +53,7 @@ def output_metadata(model_info: dict[str, Any], calibration: Calibration, extra:
         },
         "seed": calibration.seed,
         "noisy_rule": "similarity <= beta",
+        "p_clean": _p_clean_doc(calibration),
         **extra,
     }
     return {schema.META_KEY: json.dumps(doc, sort_keys=True).encode()}
@@ -71,8 +83,9 @@ def scores_table(
     ``extra_scores``: (N,) float32 columns written after ``p_clean`` (the judge's score).
 
     Rows that are not ``ok`` get weight 0, ``p_clean`` 0 and ``noisy = True`` (a trainer
-    must not use them as clean pairs). ``p_clean`` is the posterior of the calibration's
-    pinned mixture (``osa.mixture_posterior_clean``); a calibration without a mixture
+    must not use them as clean pairs). ``p_clean`` is the calibration's ``p_clean`` curve
+    (``pairclean.calibrate.p_clean``), else (calibrations written before it) the posterior
+    of its pinned mixture (``osa.mixture_posterior_clean``); a calibration without either
     (fewer than 16 ok pairs, or written before mixtures were recorded) gives the hard
     ``1 - noisy``.
     """

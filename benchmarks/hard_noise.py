@@ -1,0 +1,287 @@
+"""Hard noise on Flickr8k dev: what `pairclean score` catches beyond random caption swaps.
+
+One pair per dev image (its first caption); a fraction (20%, 50%) of the pairs gets a
+wrong caption of one kind:
+
+- ``random``: the captions of the chosen pairs are permuted among them (a derangement);
+- ``near-image``: the first caption of the most alike *other* image (cosine of the
+  estimator's image embeddings);
+- ``near-text``: the caption of another image most alike the own caption (cosine of the
+  estimator's text embeddings, over all five captions of every other image);
+- ``edit``: a one-word edit of the own caption (object, colour/attribute, count, action,
+  swapped roles; ``pairclean.judge.edits``, cycling through its kinds);
+- ``mix``: the chosen pairs split evenly over the four kinds above.
+
+Each (kind, rate) becomes WebDataset shards scored by the real CLI (``pairclean score
+--executor local``; ``--judge MODE`` is passed through when the CLI has that option). It
+prints one row per (kind, rate): ROC-AUC of ``similarity``, ``weight`` and ``p_clean``
+(clean = positive); noise recall and clean accuracy of the ``noisy`` flag; ECE (15 bins)
+and Brier score of ``p_clean``; mean ``p_clean`` of clean and of noisy pairs; the largest
+share of pairs tied on one ``p_clean`` value; the job's noise-rate estimate; pairs/s of
+the whole command (start-up and model load included).
+
+Embeddings (for the neighbours) and shards are cached under ``--cache`` (default
+``/work/cache/hard_noise``, outside the repository). ``--ceiling`` prints 100
+nearest-image-caption pairs with the image's five human captions, to count by eye how
+many still describe their image. ``--rescore`` reruns only ``pairclean rescore`` on the
+score folders of an earlier run, copied (no re-embedding: for a calibration change;
+pairs/s is then the earlier run's).
+
+    python benchmarks/hard_noise.py [--quick] [--kinds ...] [--rates 0.2 0.5] [--judge band]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from _common import flickr_root
+from _embed_dev import embed_dev
+
+KINDS = ("random", "near-image", "near-text", "edit", "mix")
+PER_SHARD = 250
+
+
+#: The pairclean executable the benchmark runs (``--cli``; default: beside this Python).
+CLI: list[str] = []
+
+
+def _cli() -> str:
+    if CLI:
+        return CLI[0]
+    exe = Path(sys.executable).parent / "pairclean"
+    return str(exe) if exe.exists() else (shutil.which("pairclean") or "pairclean")
+
+
+def _nearest(emb: np.ndarray, exclude_self: bool = True) -> np.ndarray:
+    """Index of the most alike other row (cosine) for each row of (N, D) normalised rows."""
+    sims = emb @ emb.T
+    if exclude_self:
+        np.fill_diagonal(sims, -np.inf)
+    return np.asarray(sims.argmax(1))
+
+
+def _near_text(txt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each image i: (image j != i, caption c) whose caption embedding is most alike i's first caption."""
+    n, c, d = txt.shape
+    flat = txt.reshape(n * c, d)
+    sims = txt[:, 0, :] @ flat.T  # (n, n*c)
+    owner = np.repeat(np.arange(n), c)
+    sims[np.arange(n)[:, None] == owner[None, :]] = -np.inf
+    best = sims.argmax(1)
+    return owner[best], best % c
+
+
+def _edit_module() -> Any:
+    try:
+        from pairclean.judge import edits
+    except ImportError:
+        return None
+    return edits
+
+
+def make_pairing(kind: str, rate: float, images: list[Any], emb: dict[str, np.ndarray], seed: int) -> tuple[list[str], np.ndarray, list[str]]:
+    """(captions, noisy flags, noise kind per pair ("" when clean)) for one (kind, rate)."""
+    n = len(images)
+    rng = np.random.default_rng([seed, KINDS.index(kind), int(rate * 1000)])
+    captions = [img.captions[0] for img in images]
+    labels = [""] * n
+    chosen = rng.choice(n, size=int(round(rate * n)), replace=False)
+    if kind == "mix":
+        parts = np.array_split(chosen, 4)
+        plan = dict(zip(("random", "near-image", "near-text", "edit"), parts))
+    else:
+        plan = {kind: chosen}
+    near_img = _nearest(emb["img"])
+    near_txt_img, near_txt_cap = _near_text(emb["txt"])
+    edits = _edit_module()
+    out = list(captions)
+    for k, idx in plan.items():
+        if k == "random":
+            for dst, src in zip(idx, np.roll(idx, 1)):
+                out[dst] = captions[src]
+                labels[dst] = k
+        elif k == "near-image":
+            for i in idx:
+                out[i] = images[near_img[i]].captions[0]
+                labels[i] = k
+        elif k == "near-text":
+            for i in idx:
+                out[i] = images[near_txt_img[i]].captions[near_txt_cap[i]]
+                labels[i] = k
+        elif k == "edit":
+            if edits is None:
+                raise SystemExit("the edit kind needs pairclean.judge.edits (not in this tree yet); pass --kinds without edit/mix")
+            kinds = list(edits.EDIT_KINDS)
+            for pos, i in enumerate(idx):
+                for shift in range(len(kinds)):
+                    edited = edits.edit_caption(captions[i], kinds[(pos + shift) % len(kinds)], rng)
+                    if edited is not None and edited != captions[i]:
+                        out[i] = edited
+                        labels[i] = f"edit:{kinds[(pos + shift) % len(kinds)]}"
+                        break
+                # a caption no edit applies to stays clean (and is labelled so)
+    noisy = np.array([bool(lab) for lab in labels])
+    return out, noisy, labels
+
+
+def write_shards(folder: Path, images: list[Any], captions: list[str], noisy: np.ndarray, labels: list[str]) -> list[str]:
+    """Shards of ``PER_SHARD`` pairs under ``folder`` (reused when already complete) and labels.json."""
+    from pairclean.lite.evaldata import write_shard
+
+    meta = folder / "labels.json"
+    doc = {"keys": [f"{i:05d}" for i in range(len(images))], "noisy": noisy.tolist(), "kind": labels, "captions": captions,
+           "images": [img.image for img in images]}
+    paths = [folder / f"part-{s // PER_SHARD:05d}.tar" for s in range(0, len(images), PER_SHARD)]
+    if meta.exists() and json.loads(meta.read_text()) == doc and all(p.exists() for p in paths):
+        return [str(p) for p in paths]
+    folder.mkdir(parents=True, exist_ok=True)
+    for s, path in zip(range(0, len(images), PER_SHARD), paths):
+        samples = [{"__key__": f"{i:05d}", "jpg": images[i].path.read_bytes(), "txt": captions[i]} for i in range(s, min(s + PER_SHARD, len(images)))]
+        write_shard(path, samples)
+    meta.write_text(json.dumps(doc))
+    return [str(p) for p in paths]
+
+
+def ece(p: np.ndarray, y: np.ndarray, bins: int = 15) -> float:
+    """Expected calibration error (equal-width bins) of probabilities ``p`` for outcomes ``y``."""
+    idx = np.clip(np.digitize(p, np.linspace(0, 1, bins + 1)[1:-1]), 0, bins - 1)
+    return float(sum((idx == b).mean() * abs(p[idx == b].mean() - y[idx == b].mean()) for b in range(bins) if (idx == b).any()))
+
+
+def evaluate(out: Path, labels: dict[str, Any]) -> dict[str, Any]:
+    """The metrics of one scored folder against its labels (ok rows only)."""
+    import pandas as pd
+    from sklearn.metrics import roc_auc_score
+
+    df = pd.read_parquet(out)
+    df = df[df["status"] == "ok"].set_index("key")
+    truth = pd.Series(labels["noisy"], index=labels["keys"]).reindex(df.index).to_numpy(bool)
+    clean = ~truth
+    p = df["p_clean"].to_numpy(np.float64)
+    flag = df["noisy"].to_numpy(bool)
+    _, counts = np.unique(p, return_counts=True)
+    cal = json.loads((out / "_pairclean" / "calibration.json").read_text()) if (out / "_pairclean" / "calibration.json").exists() else {}
+    row = {
+        "pairs": int(len(df)),
+        "auc_similarity": roc_auc_score(clean, df["similarity"]),
+        "auc_weight": roc_auc_score(clean, df["weight"]),
+        "auc_p_clean": roc_auc_score(clean, p),
+        "noise_recall": float(flag[truth].mean()),
+        "clean_accuracy": float((~flag)[clean].mean()),
+        "ece": ece(p, clean.astype(float)),
+        "brier": float(((p - clean) ** 2).mean()),
+        "p_clean_clean": float(p[clean].mean()),
+        "p_clean_noisy": float(p[truth].mean()),
+        "max_tie": float(counts.max() / len(p)),
+        "noise_rate_est": cal.get("noise_rate"),
+        "true_noise_rate": float(truth.mean()),
+    }
+    if "judge_score" in df.columns:
+        row["auc_judge"] = roc_auc_score(clean, df["judge_score"].fillna(-1.0))
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
+
+
+def run_cli(shards: list[str], out: Path, judge: str | None, threads: int) -> float:
+    """Score ``shards`` into ``out`` with the real CLI; returns wall seconds."""
+    cmd = [_cli(), "score", *shards, "--out", str(out), "--executor", "local", "--overwrite", "--no-progress", "--threads", str(threads)]
+    if judge:
+        cmd += ["--judge", judge]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"pairclean score failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return time.perf_counter() - t0
+
+
+def run_rescore(out: Path) -> None:
+    """Recalibrate a scored folder with the CLI (``pairclean rescore``, no re-embedding)."""
+    cal = json.loads((out / "_pairclean" / "calibration.json").read_text())
+    cmd = [_cli(), "rescore", str(out), "--beta-recipe", cal["recipe"], "--weighting", cal["weighting"]]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"pairclean rescore failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+
+
+def judge_supported() -> bool:
+    """Whether this CLI has ``score --judge``."""
+    proc = subprocess.run([_cli(), "score", "--help"], capture_output=True, text=True)
+    return "--judge" in proc.stdout
+
+
+def print_ceiling(images: list[Any], emb: dict[str, np.ndarray], count: int, seed: int) -> None:
+    """``count`` nearest-image-caption pairs: the image, the borrowed caption, the image's own five."""
+    near = _nearest(emb["img"])
+    rng = np.random.default_rng(seed)
+    for i in rng.choice(len(images), size=min(count, len(images)), replace=False):
+        print(json.dumps({"image": images[i].image, "borrowed": images[near[i]].captions[0], "from": images[near[i]].image,
+                          "own": list(images[i].captions)}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="300 images instead of all 1,000 dev images")
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    ap.add_argument("--rates", nargs="+", type=float, default=[0.2, 0.5])
+    ap.add_argument("--judge", default=None, help="pass --judge MODE to pairclean score (when it has that option)")
+    ap.add_argument("--cache", default="/work/cache/hard_noise")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rescore-from", default=None, metavar="TAG",
+                    help="copy the score folders of an earlier run (runs/TAG) and only rerun `pairclean rescore` on them")
+    ap.add_argument("--tag", default=None, help="name of this run's folder under CACHE/runs (default: from the image count and judge)")
+    ap.add_argument("--cli", default=None, help="the pairclean executable to run (default: the one beside this Python)")
+    ap.add_argument("--ceiling", action="store_true", help="print 100 nearest-image-caption pairs to judge by eye, then exit")
+    args = ap.parse_args()
+    from pairclean.lite.evaldata import load_flickr8k
+
+    cache = Path(args.cache)
+    images = load_flickr8k(flickr_root(), "dev")
+    data = embed_dev(cache / "dev_lite.npz")
+    n = 300 if args.quick else len(images)
+    images, emb = images[:n], {"img": data["img"][:n], "txt": data["txt"][:n]}
+    if args.ceiling:
+        print_ceiling(images, emb, 100, args.seed)
+        return
+    if args.cli:
+        CLI.append(args.cli)
+    judge = args.judge
+    if judge and not judge_supported():
+        print(f"# this CLI has no --judge option; scoring without it (asked: {judge})", file=sys.stderr)
+        judge = None
+    tag = args.tag or (f"n{n}" + (f"-judge-{judge}" if judge else "") + (f"-rescored-{args.rescore_from}" if args.rescore_from else ""))
+    print(f"# {_cli()} score SHARDS --out OUT --executor local --threads {args.threads}" + (f" --judge {judge}" if judge else "")
+          + (f" (copied from runs/{args.rescore_from}, then {_cli()} rescore OUT)" if args.rescore_from else ""), flush=True)
+    for kind in args.kinds:
+        for rate in args.rates:
+            captions, noisy, labels = make_pairing(kind, rate, images, emb, args.seed)
+            name = f"{kind}-{int(rate * 100)}"
+            shards = write_shards(cache / "shards" / f"n{n}" / name, images, captions, noisy, labels)
+            out = cache / "runs" / tag / name
+            speed_file = out.parent / f"{name}.seconds"
+            if args.rescore_from:
+                source = cache / "runs" / args.rescore_from / name
+                if out.exists():
+                    shutil.rmtree(out)
+                shutil.copytree(source, out)
+                run_rescore(out)
+                old = source.parent / f"{name}.seconds"
+                seconds = float(old.read_text()) if old.exists() else float("nan")
+            else:
+                seconds = run_cli(shards, out, judge, args.threads)
+                speed_file.write_text(str(seconds))
+            lab = json.loads((cache / "shards" / f"n{n}" / name / "labels.json").read_text())
+            row = {"kind": kind, "rate": rate, **evaluate(out, lab), "pairs_per_s": round(n / seconds, 1)}
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
