@@ -77,15 +77,14 @@ def noisy_pairs(data: dict[str, np.ndarray], noise: float, seed: int) -> tuple[n
 
 
 def osa_row(img: np.ndarray, txt: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """OSA as ``pairclean score`` runs it for pairclean-lite: gmm beta, pinned-mixture p_clean."""
+    """OSA as ``pairclean score`` runs it for pairclean-lite: gmm beta, the calibration's p_clean."""
     from pairclean import osa
     from pairclean.calibrate.calibration import calibrate
 
     sims = osa.cosine_rows(img, txt)
     cal = calibrate(beta_recipe="gmm", k=256, seed=seed, weighting="paper", batch_size=64, similarities=sims[:4096],
                     image_emb=img[:4096], text_emb=txt[:4096], random_beta=lambda: 0.0)
-    e = cal.extra
-    return sims, osa.mixture_posterior_clean(sims, tuple(e["gmm_means"]), tuple(e["gmm_stds"]), e["gmm_noise_weight"])
+    return sims, osa.apply_weighting(sims, cal.beta, cal.p_clean_params())
 
 
 def evaluate_methods(img: np.ndarray, txt: np.ndarray, noisy: np.ndarray, methods: list[str], seed: int) -> Iterator[dict[str, Any]]:

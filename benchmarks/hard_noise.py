@@ -23,7 +23,7 @@ the whole command (start-up and model load included).
 Embeddings (for the neighbours) and shards are cached under ``--cache`` (default
 ``/work/cache/hard_noise``, outside the repository). ``--ceiling`` prints 100
 nearest-image-caption pairs with the image's five human captions, to count by eye how
-many still describe their image. ``--rescore`` reruns only ``pairclean rescore`` on the
+many still describe their image. ``--rescore-from TAG`` reruns only ``pairclean rescore`` on the
 score folders of an earlier run, copied (no re-embedding: for a calibration change;
 pairs/s is then the earlier run's).
 
@@ -260,6 +260,7 @@ def main() -> None:
     tag = args.tag or (f"n{n}" + (f"-judge-{judge}" if judge else "") + (f"-rescored-{args.rescore_from}" if args.rescore_from else ""))
     print(f"# {_cli()} score SHARDS --out OUT --executor local --threads {args.threads}" + (f" --judge {judge}" if judge else "")
           + (f" (copied from runs/{args.rescore_from}, then {_cli()} rescore OUT)" if args.rescore_from else ""), flush=True)
+    rows = []
     for kind in args.kinds:
         for rate in args.rates:
             captions, noisy, labels = make_pairing(kind, rate, images, emb, args.seed)
@@ -281,6 +282,20 @@ def main() -> None:
             lab = json.loads((cache / "shards" / f"n{n}" / name / "labels.json").read_text())
             row = {"kind": kind, "rate": rate, **evaluate(out, lab), "pairs_per_s": round(n / seconds, 1)}
             print(json.dumps(row), flush=True)
+            rows.append(row)
+    print(markdown(rows))
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The rows as the README's table."""
+    head = ("| noise | rate | AUC sim. | AUC weight | AUC p_clean | noise recall | clean acc. | ECE | Brier "
+            "| p_clean clean | p_clean noisy | largest tie | pairs/s |\n|" + "---|" * 13)
+    lines = [head]
+    for r in rows:
+        lines.append(f"| {r['kind']} | {r['rate']:.0%} | {r['auc_similarity']:.3f} | {r['auc_weight']:.3f} | {r['auc_p_clean']:.3f} "
+                     f"| {r['noise_recall']:.3f} | {r['clean_accuracy']:.3f} | {r['ece']:.3f} | {r['brier']:.3f} "
+                     f"| {r['p_clean_clean']:.3f} | {r['p_clean_noisy']:.3f} | {r['max_tie']:.1%} | {r['pairs_per_s']:.1f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

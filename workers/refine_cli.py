@@ -90,4 +90,9 @@ def cmd_refine(args: argparse.Namespace) -> int:
     how = f"fitted on {report.sample_pairs} pairs in {report.fit_seconds:.1f} s" if report.fitted else "heads reused"
     print(f"refined {out.uri} with {report.method} ({how}; heads {report.heads}, sha256 {report.heads_sha256[:12]}): "
           f"{report.refined} shards rewritten, {report.skipped} already done; {report.pairs} pairs at {rate:.0f} pairs/s", file=sys.stdout)
+    if report.choice:
+        c = report.choice
+        weights = ", ".join(f"{k} {v:.2f}" for k, v in c["member_weights"].items())
+        print(f"members used on this corpus: {c['used']} (learned share {c['blend']:g}, chosen on {c['held_out_pairs']} held-out "
+              f"pairs; weights {weights})", file=sys.stdout)
     return 0

@@ -2,9 +2,19 @@
 
 Every member's raw score is standardised with the mean and standard deviation it has on
 the fit sample, and the ensemble score is their weighted mean. A member's weight is its
-*separation* on the sample: fit a seeded 2-component mixture on its standardised scores
+*separation* on held-out pairs: fit a seeded 2-component mixture on its standardised scores
 and take ``|mu_1 - mu_0| / sqrt((var_0 + var_1) / 2)`` (a d'). A member whose scores do not
-split into two groups gets little weight; no label is used anywhere. ``p_clean`` is the
+split into two groups gets little weight; no label is used anywhere.
+
+Never worse than OSA (issue 21): the learned members are fitted on a seeded
+``1 - HOLDOUT`` share of the sample and judged on the rest, which they never saw. The
+ensemble is ``(1 - blend) * OSA + blend * learned``, where ``learned`` is the
+separation-weighted mean of the learned members and ``blend`` the value of ``BLENDS`` whose
+score separates the held-out pairs best (d' as above). Where the learned members do not
+split the held-out pairs better than the estimator's own cosine (in the estimator's
+domain, typically) the blend falls to 0 and refine is OSA; off domain, where they do, it
+rises. The choice, with every candidate's held-out separation, is in ``doc["choice"]``.
+Samples of fewer than ``MIN_HOLDOUT_SAMPLE`` pairs hold nothing out (judged in-sample). ``p_clean`` is the
 posterior of a seeded 2-component mixture fitted on the sample's ensemble scores; the
 package's ``fit`` replaces it by its ``p_clean`` curve, and each member keeps its own
 curve, so ``_member_heads`` gives the member as a lone fit would.
@@ -25,6 +35,14 @@ __all__ = ["MEMBERS", "fit", "apply", "SCORE_COLUMN"]
 SCORE_COLUMN = "ensemble_score"
 #: The members; "osa" is the estimator's own cosine (nothing fitted).
 MEMBERS = ("osa", "ncr", "disncl", "sdcmr")
+#: Share of the sample held out to judge the members (never fitted on).
+HOLDOUT = 0.3
+#: Fewer sample pairs than this and nothing is held out.
+MIN_HOLDOUT_SAMPLE = 200
+#: Candidate shares of the learned members in the ensemble score (the rest is OSA's cosine).
+BLENDS = (0.0, 0.25, 0.5, 0.75, 1.0)
+#: How much better (relative d') a blend must separate the held-out pairs than OSA alone.
+MIN_GAIN = 0.02
 
 
 def _member_raw(name: str, heads: Heads | None, img: FloatArray, txt: FloatArray) -> FloatArray:
@@ -44,35 +62,72 @@ def _separation(z: FloatArray, seed: int) -> float:
     return float(abs(mix.means[1] - mix.means[0]) / spread)
 
 
+def _split(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(fit indices, held-out indices) of a sample of ``n`` pairs; both all pairs when small."""
+    if n < MIN_HOLDOUT_SAMPLE:
+        every = np.arange(n)
+        return every, every
+    perm = np.random.default_rng([seed, 21]).permutation(n)
+    hold = int(round(HOLDOUT * n))
+    return np.sort(perm[hold:]), np.sort(perm[:hold])
+
+
+def choose_blend(z_osa: FloatArray, z_learned: FloatArray, seed: int) -> tuple[float, dict[str, float]]:
+    """The blend of OSA's and the learned members' standardised held-out scores (N,) each
+    that separates them best (see the module docstring), and each candidate's d'."""
+    seps = {f"{b:g}": _separation(((1 - b) * z_osa + b * z_learned).astype(np.float32), seed) for b in BLENDS}
+    base = seps["0"]
+    best = max(BLENDS, key=lambda b: seps[f"{b:g}"])
+    if seps[f"{best:g}"] < base * (1 + MIN_GAIN):
+        best = 0.0  # not clearly better than the estimator's own cosine: use that
+    return float(best), seps
+
+
 def fit(img: FloatArray, txt: FloatArray, seed: int, settings: dict[str, Any] | None = None) -> Heads:
-    """Fit every learned member (``settings``: per-member settings objects by name), then
-    the standardisation, weights and mixture; deterministic given ``seed``."""
+    """Fit every learned member (``settings``: per-member settings objects by name) on the
+    fit part of the sample, then weights, blend and mixture on the held-out part;
+    deterministic given ``seed``."""
     from pairclean.refine import METHOD_MODULES, p_clean_curve
 
     settings = settings or {}
+    fit_idx, hold_idx = _split(len(img), seed)
+    img_f, txt_f, img_h, txt_h = img[fit_idx], txt[fit_idx], img[hold_idx], txt[hold_idx]
     arrays: dict[str, np.ndarray] = {}
     members: dict[str, Any] = {}
     epoch_seconds: list[float] = []
-    zs = []
+    held: dict[str, np.ndarray] = {}
     for name in MEMBERS:
         heads = None
         if name != "osa":
-            heads = METHOD_MODULES[name].fit(img, txt, seed, settings.get(name))
-            heads.doc["p_clean"] = p_clean_curve(heads, img, txt, seed)  # as a lone fit has it
+            heads = METHOD_MODULES[name].fit(img_f, txt_f, seed, settings.get(name))
+            heads.doc["p_clean"] = p_clean_curve(heads, img_f, txt_f, seed)  # as a lone fit has it
             arrays.update({f"{name}/{k}": v for k, v in heads.arrays.items()})
             epoch_seconds += heads.epoch_seconds
-        raw = _member_raw(name, heads, img, txt)
+        raw = _member_raw(name, heads, img_f, txt_f)
         mean, std = float(np.mean(raw)), float(np.std(raw)) or 1.0
-        z = (raw - mean) / std
-        members[name] = {"doc": heads.doc if heads else {}, "mean": mean, "std": std, "weight": _separation(z, seed)}
-        zs.append(z)
-    total = sum(m["weight"] for m in members.values()) or 1.0
-    for m in members.values():
-        m["weight"] = m["weight"] / total
-    score = sum(members[name]["weight"] * z for name, z in zip(MEMBERS, zs))
-    doc = {"settings": {"members": list(MEMBERS)}, "seed": seed, "sample_pairs": int(len(img)), "members": members,
+        z = ((_member_raw(name, heads, img_h, txt_h) - mean) / std).astype(np.float32)
+        members[name] = {"doc": heads.doc if heads else {}, "mean": mean, "std": std, "held_out_separation": _separation(z, seed)}
+        held[name] = z
+    learned = [m for m in MEMBERS if m != "osa"]
+    total = sum(members[m]["held_out_separation"] for m in learned) or 1.0
+    z_learned = sum((members[m]["held_out_separation"] / total) * held[m] for m in learned)
+    blend, seps = choose_blend(held["osa"], np.asarray(z_learned, np.float32), seed)
+    members["osa"]["weight"] = 1.0 - blend
+    for m in learned:
+        members[m]["weight"] = blend * members[m]["held_out_separation"] / total
+    score = sum(members[m]["weight"] * ((_member_raw(m, None if m == "osa" else _member_heads_of(arrays, members, m), img, txt)
+                                          - members[m]["mean"]) / members[m]["std"]) for m in MEMBERS if members[m]["weight"] > 0)
+    choice = {"blend": blend, "used": "osa" if blend == 0 else ("learned" if blend == 1 else "blend"),
+              "held_out_pairs": int(len(hold_idx)), "fit_pairs": int(len(fit_idx)), "held_out_separation": seps,
+              "member_weights": {m: round(float(members[m]["weight"]), 4) for m in MEMBERS}}
+    doc = {"settings": {"members": list(MEMBERS)}, "seed": seed, "sample_pairs": int(len(img)), "members": members, "choice": choice,
            "mixture": fit_mixture(np.asarray(score, np.float32), seed, clean="high").to_json()}
     return Heads("ensemble", arrays, doc, epoch_seconds)
+
+
+def _member_heads_of(arrays: dict[str, np.ndarray], members: dict[str, Any], name: str) -> Heads:
+    prefix = f"{name}/"
+    return Heads(name, {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}, members[name]["doc"])
 
 
 def _member_heads(heads: Heads, name: str) -> Heads:
@@ -86,6 +141,8 @@ def apply(heads: Heads, img: FloatArray, txt: FloatArray) -> tuple[FloatArray, F
     score = np.zeros(len(img), dtype=np.float64)
     for name in MEMBERS:
         m = heads.doc["members"][name]
+        if m["weight"] == 0:
+            continue  # not used on this corpus (doc["choice"]): skip its cost
         raw = _member_raw(name, None if name == "osa" else _member_heads(heads, name), img, txt)
         score += m["weight"] * (raw - m["mean"]) / m["std"]
     raw = guard_finite(score.astype(np.float32), -10.0)

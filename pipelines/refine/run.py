@@ -107,6 +107,8 @@ class RefineReport:
     skipped: int
     pairs: int
     apply_seconds: float
+    #: How the method uses its members on this corpus (the ensemble's held-out choice); None otherwise.
+    choice: dict[str, Any] | None = None
 
 
 #: ``executor(records, heads_bytes, refine_doc)`` applies heads to each record's shard
@@ -248,6 +250,7 @@ def refine_doc(heads: Heads, sha: str) -> dict[str, Any]:
     return {"method": heads.method, "settings": heads.doc.get("settings"), "sample_pairs": heads.doc.get("sample_pairs"),
             "seed": heads.doc.get("seed"), "heads_sha256": sha, "heads": _heads_name(heads.method, sha),
             "score_column": score_column(heads.method), "p_clean": f"{heads.method} clean posterior",
+            **({"choice": heads.doc["choice"]} if "choice" in heads.doc else {}),
             "weight_rule": "weight = p_clean", "noisy_rule": "p_clean <= 0.5"}
 
 
@@ -381,4 +384,4 @@ def _refine_locked(out: OutputDir, view: JobView, options: RefineOptions, execut
                              for r in view.records])
     return RefineReport(heads.method, _heads_name(heads.method, sha), sha, fitted, int(heads.doc.get("sample_pairs") or 0),
                         round(fit_seconds, 3), [round(t, 3) for t in heads.epoch_seconds], len(todo),
-                        len(view.records) - len(todo), pairs, round(apply_seconds, 3))
+                        len(view.records) - len(todo), pairs, round(apply_seconds, 3), heads.doc.get("choice"))

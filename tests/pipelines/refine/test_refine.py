@@ -131,3 +131,31 @@ def test_osa_p_clean_is_the_mixture_posterior() -> None:
     p = osa.mixture_posterior_clean(s, (0.0, 0.3), (0.05, 0.08), 0.4)
     assert p.dtype == np.float32 and (np.diff(p[:-1]) >= 0).all() and p[-1] == 0.0
     assert p[0] < 0.01 and p[5] > 0.99
+
+
+def test_ensemble_falls_back_to_osa_where_the_learned_methods_are_worse() -> None:
+    """Learned members that never trained (lr 0: random heads) separate the held-out pairs
+    worse than the cosine: refine's ensemble is then OSA (issue 21: never worse than OSA)."""
+    img, txt, noisy = planted(n=800, noise=0.3, seed=7)
+    crippled = {name: {**FAST[name], "lr": 0.0} for name in FAST}
+    heads = refine.fit("ensemble", img, txt, seed=0, overrides=crippled)
+    choice = heads.doc["choice"]
+    assert choice["used"] == "osa" and choice["blend"] == 0.0, choice
+    assert choice["held_out_pairs"] == 240 and choice["fit_pairs"] == 560
+    assert choice["member_weights"]["osa"] == 1.0
+    raw, _ = refine.apply(heads, img, txt)
+    osa = (img * txt).sum(1)
+    assert abs(roc_auc_score(~noisy, raw) - roc_auc_score(~noisy, osa)) < 1e-6  # the same ranking as the cosine
+
+
+def test_choose_blend_uses_the_learned_members_only_where_they_separate_better() -> None:
+    from pairclean.refine.ensemble import choose_blend
+
+    rng = np.random.default_rng(0)
+    labels = rng.random(2000) < 0.3
+    weak = np.where(labels, -1.0, 1.0) + rng.normal(0, 1.0, 2000)  # d' about 2
+    strong = np.where(labels, -1.0, 1.0) + rng.normal(0, 0.3, 2000)  # d' about 6
+    noise = rng.normal(0, 1.0, 2000)
+    z = lambda a: ((a - a.mean()) / a.std()).astype(np.float32)  # noqa: E731
+    assert choose_blend(z(strong), z(noise), 0)[0] == 0.0  # learned is noise: OSA alone
+    assert choose_blend(z(weak), z(strong), 0)[0] >= 0.75  # learned separates far better: mostly learned
