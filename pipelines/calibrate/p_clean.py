@@ -162,11 +162,13 @@ def _density(ref: FloatArray, grid: FloatArray) -> FloatArray:
     half = int(np.ceil(4 * bw / step))
     kernel = np.exp(-0.5 * (np.arange(-half, half + 1) * step / bw) ** 2)
     dens = np.convolve(hist.astype(np.float64), kernel / kernel.sum(), mode="same")
-    return np.maximum(dens / max(dens.sum() * step, 1e-300), 1e-12)
+    out: FloatArray = np.maximum(dens / max(dens.sum() * step, 1e-300), 1e-12)
+    return out
 
 
 def _normal(x: FloatArray, mean: float, std: float) -> FloatArray:
-    return np.exp(-0.5 * ((x - mean) / std) ** 2) / (std * np.sqrt(2 * np.pi))
+    out: FloatArray = np.exp(-0.5 * ((x - mean) / std) ** 2) / (std * np.sqrt(2 * np.pi))
+    return out
 
 
 def fit_mixture_3(x: FloatArray, f_random: FloatArray, f_near: FloatArray, near_share: float, iters: int = 300) -> dict[str, float]:
@@ -270,9 +272,10 @@ def fit_p_clean(
     ramp = 1.0 / (1.0 + np.exp(-(grid - centre) / scale))
     post = (1 - RAMP) * post + RAMP * ramp  # strictly rising: p_clean ranks exactly as the similarity
     knots = np.linspace(0, grid.size - 1, KNOTS).round().astype(int)
-    summary = {k: float(np.mean([f[k] for f in fits])) for k in fits[0]}
+    summary: dict[str, Any] = {k: float(np.mean([f[k] for f in fits])) for k in fits[0]}
     summary.update({"near_share": q, "near_share_source": "given" if near_share is not None else "profile",
-                    "share_profile": [round(v - profile[0], 2) for v in profile] if profile else [], "pi_random_spread": float(np.std([f["pi_random"] for f in fits])), "bootstraps": len(fits),
+                    "share_profile": [round(v - profile[0], 2) for v in profile] if profile else [],
+                    "pi_random_spread": float(np.std([f["pi_random"] for f in fits])), "bootstraps": len(fits),
                     "calibration_pairs": int(x.size), "random_pairs": int(refs.random.size), "near_miss_pairs": int(near.size),
                     "near_miss_mean": float(near.mean()), "random_mean": float(refs.random.mean())})
     return PCleanCurve(tuple(float(v) for v in grid[knots]), tuple(float(v) for v in post[knots]), fit=summary)

@@ -56,6 +56,7 @@ def test_score_writes_one_keyed_parquet_per_shard_with_metadata(make_shards, tmp
     assert meta["model"]["model_id"] == "pairclean-tiny-test"
     assert meta["beta"]["recipe"] == "random-inputs" and meta["beta"]["k"] == 256
     assert meta["weighting"]["name"] == "p-clean" and meta["pairclean_version"]
+    assert meta["p_clean"] == {"recipe": "hard", "version": 0, "rule": "similarity > beta"}
     # the default weight is p_clean (here the hard s > beta: 9 ok pairs are too few for a mixture)
     assert all(r["weight"] == r["p_clean"] == (0.0 if r["noisy"] else 1.0) for r in first)
     emb = pq.read_table(out / "_emb" / "part-00000.parquet")
@@ -100,9 +101,13 @@ def test_rescore_agrees_with_a_fresh_score(make_shards, tmp_path: Path) -> None:
             a, b = _rows(fresh, stem), _rows(redo, stem)
             assert [r["key"] for r in a] == [r["key"] for r in b]
             np.testing.assert_allclose([r["weight"] for r in a], [r["weight"] for r in b], atol=1e-6)
+            np.testing.assert_allclose([r["p_clean"] for r in a], [r["p_clean"] for r in b], atol=1e-6)
             assert [r["noisy"] for r in a] == [r["noisy"] for r in b]
         meta = json.loads(pq.read_schema(redo / "part-00000.parquet").metadata[schema.META_KEY])
         assert meta["beta"]["recipe"] == recipe and meta["weighting"]["name"] == weighting
+        ok_pairs = sum(r["status"] == "ok" for stem in ("part-00000", "part-00001") for r in _rows(redo, stem))
+        # p_clean is self-describing: the corpus-mixture curve (refitted from the sidecars) when 16+ ok pairs
+        assert meta["p_clean"]["recipe"] == ("corpus-mixture" if ok_pairs >= 16 else "hard")
         # rerunning `score` with the rescored options resumes instead of refusing
         assert _score(shards, redo, "--beta-recipe", recipe, "--weighting", weighting, "--beta-k", "16") == 0
 
