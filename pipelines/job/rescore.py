@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from pairclean import osa, schema
-from pairclean.calibrate.calibration import calibrate
+from pairclean.calibrate.calibration import calibrate, needs_corpus
 from pairclean.errors import InputError
 from pairclean.calibrate.calibration import Calibration
 from pairclean.spec import JobSpec, spec_digest
@@ -67,10 +67,12 @@ def rescore(
         ]
         for _, t in tables
     ]
-    n = spec.calibration_pairs
+    # As a fresh score: a recipe and weighting that need no corpus calibrate on none (so
+    # p_clean is the same hard s > beta a fresh job of these options writes).
+    n = spec.calibration_pairs if needs_corpus(beta_recipe, weighting) else 0
     sims = np.concatenate(ok_sims)[:n].astype(np.float32)
     img = txt = None
-    if beta_recipe in ("shuffled", "gmm") or spec.embeddings:
+    if n and (beta_recipe in ("shuffled", "gmm") or spec.embeddings):
         img, txt = _embeddings(out, [r for r, _ in tables])
         img, txt = img[:n], txt[:n]
     calibration = calibrate(

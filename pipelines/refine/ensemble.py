@@ -42,7 +42,7 @@ MIN_HOLDOUT_SAMPLE = 200
 #: Candidate shares of the learned members in the ensemble score (the rest is OSA's cosine).
 BLENDS = (0.0, 0.25, 0.5, 0.75, 1.0)
 #: How much better (relative d') a blend must separate the held-out pairs than OSA alone.
-MIN_GAIN = 0.02
+MIN_GAIN = 0.1
 
 
 def _member_raw(name: str, heads: Heads | None, img: FloatArray, txt: FloatArray) -> FloatArray:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
@@ -140,7 +142,7 @@ def test_ensemble_falls_back_to_osa_where_the_learned_methods_are_worse() -> Non
     crippled = {name: {**FAST[name], "lr": 0.0} for name in FAST}
     heads = refine.fit("ensemble", img, txt, seed=0, overrides=crippled)
     choice = heads.doc["choice"]
-    assert choice["used"] == "osa" and choice["blend"] == 0.0, choice
+    assert choice["used"] == "osa" and choice["blend"] == 0.0, json.dumps(choice)
     assert choice["held_out_pairs"] == 240 and choice["fit_pairs"] == 560
     assert choice["member_weights"]["osa"] == 1.0
     raw, _ = refine.apply(heads, img, txt)
