@@ -186,7 +186,10 @@ def evaluate(out: Path, labels: dict[str, Any]) -> dict[str, Any]:
         "true_noise_rate": float(truth.mean()),
     }
     if "judge_score" in df.columns:
-        row["auc_judge"] = roc_auc_score(clean, df["judge_score"].fillna(-1.0))
+        judged = df["judge_score"].notna().to_numpy()
+        row["judged_share"] = float(judged.mean())
+        if judged.any() and 0 < clean[judged].mean() < 1:  # the judge's AUC on the pairs it judged
+            row["auc_judge_on_judged"] = roc_auc_score(clean[judged], df["judge_score"].to_numpy()[judged])
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
 
 
