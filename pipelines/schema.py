@@ -63,6 +63,11 @@ __all__ = [
     "HEADS_DIR",
     "REFINE_DIR",
     "PSEUDO_DIR",
+    "SIDE_SUFFIX",
+    "SIDE_FOLDERS",
+    "side_folder",
+    "side_name",
+    "local_side_path",
 ]
 
 #: A shard of a job is committed (its completion record exists), quarantined (kept
@@ -131,9 +136,13 @@ COL_TEXT_EMB: Final = "text_emb"
 #: ``pairclean.output.folder.score_metadata``) so that readers need one ``json.loads``.
 META_KEY: Final = b"pairclean"
 
-# The output folder's layout (see ``pairclean.output.folder``). Names starting with "_" are skipped by
-# pyarrow's dataset discovery, pandas, duckdb's OUT/*.parquet and Ray Data: OUT reads as
-# exactly the score tables.
+# The output folder's layout (see ``pairclean.output.folder``). In code, everything that is not a score
+# table has a logical name starting with one of ``SIDE_FOLDERS``; on disk those live in the
+# sibling folder ``OUT.pairclean/`` (``side_folder``), so ``OUT`` holds the score tables and
+# nothing else. Why outside OUT: polars' ``scan_parquet(OUT)`` reads every file below OUT,
+# hidden ones too, and Hugging Face ``datasets`` reads ``_`` folders; no name is skipped by
+# every reader. Folders written before (issue 23) keep them inside OUT (the "legacy" layout,
+# still read and resumed in place).
 STATE_DIR: Final = "_pairclean"
 EMB_DIR: Final = "_emb"
 EXPORT_DIR: Final = "_export"
@@ -149,6 +158,50 @@ HEADS_DIR: Final = f"{STATE_DIR}/heads"
 REFINE_DIR: Final = f"{STATE_DIR}/refine"
 #: ``pairclean pseudo-pair``'s tables (``<image shard stem>.parquet``) and completion record.
 PSEUDO_DIR: Final = "_pseudo"
+#: ``OUT`` -> ``OUT.pairclean``: the job's state, sidecars, exports and pseudo-pairs.
+SIDE_SUFFIX: Final = ".pairclean"
+#: Logical folder -> its name inside ``OUT.pairclean/``.
+SIDE_FOLDERS: Final = {STATE_DIR: "state", EMB_DIR: "emb", EXPORT_DIR: "export", PSEUDO_DIR: "pseudo"}
+
+
+def side_folder(out: str) -> str:
+    """The sibling folder of output ``out`` that holds everything but the score tables:
+    ``/data/weights`` -> ``/data/weights.pairclean``, ``s3://b/w/`` -> ``s3://b/w.pairclean``.
+
+    Raises ``ValueError`` for a filesystem or bucket root, which has no sibling.
+    """
+    from urllib.parse import urlparse
+
+    trimmed = out.rstrip("/")
+    parsed = urlparse(trimmed)
+    path = parsed.path if len(parsed.scheme) > 1 else trimmed
+    if path.strip("/") in ("", ".") or (len(parsed.scheme) > 1 and parsed.scheme != "file" and not path.strip("/")):
+        raise ValueError(f"output {out!r} is a root: pick a folder inside it (e.g. {trimmed}/weights), so that "
+                         f"the job's state can go beside it in a sibling folder")
+    return trimmed + SIDE_SUFFIX
+
+
+def side_name(name: str) -> str | None:
+    """Where the logical ``name`` (``_emb/x.parquet``) lies inside ``OUT.pairclean/``
+    (``emb/x.parquet``); None for a name that lives in ``OUT`` itself (a score table)."""
+    head, sep, rest = name.partition("/")
+    folder = SIDE_FOLDERS.get(head)
+    if folder is None:
+        return None
+    return f"{folder}{sep}{rest}"
+
+
+def local_side_path(out: Any, name: str) -> Any:
+    """The local path of the logical ``name`` of the job in local folder ``out``: inside
+    ``OUT.pairclean/`` or, for a folder written before that layout (``OUT/_pairclean/job.json``
+    present), inside ``OUT``. For trainer-side readers that take a local folder."""
+    from pathlib import Path
+
+    root = Path(out)
+    if (root / JOB_FILE).is_file():
+        return root / name
+    physical = side_name(name)
+    return Path(side_folder(str(root))) / physical if physical is not None else root / name
 
 
 def scores_schema(with_uid: bool, with_url: bool, extra_scores: tuple[str, ...] = (), with_members: bool = False) -> pa.Schema:

@@ -55,7 +55,13 @@ def parquet_bytes(table: pa.Table) -> bytes:
     tables and sidecars of a shard are tens of MB at most.
     """
     sink = io.BytesIO()
-    pq.write_table(table, sink, compression="zstd")
+    if table.num_rows == 0:
+        # No row group at all, rather than one of 0 rows: Hugging Face datasets sizes its
+        # batches by the first row group and fails on an empty one ("BatchSize must be
+        # greater than 0"), so an empty shard's table would break OUT for it.
+        pq.ParquetWriter(sink, table.schema, compression="zstd").close()
+    else:
+        pq.write_table(table, sink, compression="zstd")
     return sink.getvalue()
 
 
@@ -66,11 +72,14 @@ def _scheme(uri: str) -> str:
 class Store:
     """A folder at ``uri`` (created on demand); names are ``/``-separated paths inside it.
 
-    Raises ``UnsupportedSchemeError`` for schemes outputs cannot go to and
+    ``side``: a second folder on the same filesystem (``OUT.pairclean``) that holds the
+    names under ``schema.SIDE_FOLDERS`` (``_pairclean/...`` is stored as
+    ``side/state/...``, see ``schema.side_name``): callers keep one set of logical names
+    whatever the layout. Raises ``UnsupportedSchemeError`` for schemes outputs cannot go to and
     ``InputError`` when the filesystem's package is missing.
     """
 
-    def __init__(self, uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, uri: str, storage_options: Mapping[str, Any] | None = None, side: str | None = None) -> None:
         scheme = _scheme(uri)
         if scheme not in OUTPUT_SCHEMES:
             raise UnsupportedSchemeError(
@@ -94,20 +103,39 @@ class Store:
                 raise InputError(f"writing to {uri!r} needs an extra package: {exc}", uri=uri) from exc
             self.root = root.rstrip("/")
             self.scheme = scheme
+        self.side = side
+        self.side_root: str | None = None
+        if side is not None:
+            if _scheme(side) != scheme:
+                raise InputError(f"the side folder {side!r} of {uri!r} must be on the same filesystem", uri=side)
+            self.side_root = os.path.abspath(urlparse(side).path if scheme == "file" else side) if self.local else (
+                self.fs._strip_protocol(side).rstrip("/"))
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Ray ships a Store to workers: rebuild the filesystem there rather than pickle it.
-        return (Store, (self.uri, self.storage_options))
+        return (Store, (self.uri, self.storage_options, self.side))
 
     # -- names ------------------------------------------------------------------------------
+    def _where(self, name: str) -> tuple[str, str]:
+        """(root, name inside it) of the logical ``name``: the side folder for side names."""
+        if self.side_root is not None and name:
+            from .schema import side_name
+
+            physical = side_name(name)
+            if physical is not None:
+                return self.side_root, physical
+        return self.root, name
+
     def path(self, name: str = "") -> str:
-        """The filesystem path of ``name`` inside the folder."""
-        return f"{self.root}/{name}" if name else self.root
+        """The filesystem path of ``name`` inside the folder (or its side folder)."""
+        root, name = self._where(name)
+        return f"{root}/{name}" if name else root
 
     def url(self, name: str = "") -> str:
         """A URI users can paste (``s3://b/out/x.parquet`` or a local path)."""
         if self.local:
-            return os.path.join(self.root, name) if name else self.root
+            root, physical = self._where(name)
+            return os.path.join(root, physical) if physical else root
         return f"{self.scheme}://{self.path(name)}"
 
     # -- writing ----------------------------------------------------------------------------

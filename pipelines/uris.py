@@ -43,6 +43,7 @@ __all__ = [
     "HTTP_ALLOWED_ENV",
     "SocketWatch",
     "watched_opener",
+    "SHARD_EXTENSIONS",
 ]
 
 #: When ``expand_shards`` gets no ``max_shards``, this variable (if set) is the limit: the
@@ -146,7 +147,9 @@ def expand_shards(
     """Expand shard specs into a de-duplicated, ordered list of shard URIs.
 
     Each spec is a URI, a brace range (``shard-{00000..00127}.tar``), a glob
-    (``/data/*.tar``, ``s3://b/p/*.tar``) or ``@list.txt`` (one spec a line; ``#`` comments).
+    (``/data/*.tar``, ``s3://b/p/*.tar``), a folder (a local one, or a remote one ending
+    with ``/``: its ``.tar``/``.tar.gz``/``.tgz`` files, sorted by name) or ``@list.txt``
+    (one spec a line; ``#`` comments).
     Local shards must exist (checked here, so a typo fails before any work); remote
     shards are checked when opened. Raises ``InputError`` subclasses naming the spec.
 
@@ -219,14 +222,50 @@ def _expand_one(
                 check(uri)
             yield from _expand_glob(uri, scheme, storage_options, budget, check)
             continue
-        budget.take(1, spec)
         if check is not None:
             check(uri)
+        if scheme in LOCAL_SCHEMES and os.path.isdir(local_path(uri)):
+            yield from _expand_folder(uri, budget, check)
+            continue
+        if scheme in REMOTE_SCHEMES - {"http", "https"} and uri.endswith("/"):
+            yield from _expand_glob(uri + "*", scheme, storage_options, budget, check, folder=True)
+            continue
+        budget.take(1, spec)
         if scheme in LOCAL_SCHEMES:
             path = local_path(uri)
             if not os.path.isfile(path):
                 raise ShardNotFoundError(f"shard not found: {uri!r}", uri=uri)
         yield uri
+
+
+#: What a folder given as input expands to: its WebDataset shards (not recursive).
+SHARD_EXTENSIONS = (".tar", ".tar.gz", ".tgz")
+
+
+def _expand_folder(uri: str, budget: _Budget, check: Callable[[str], None] | None) -> Iterator[str]:
+    """A local folder -> its shards (``SHARD_EXTENSIONS``, hidden files skipped), sorted by
+    name; img2dataset's other files beside them (``.parquet``, ``_stats.json``) are not shards.
+    Raises ``ShardNotFoundError`` saying what to type when the folder holds none."""
+    folder = local_path(uri)
+    prefix = "file://" if scheme_of(uri) == "file" else ""
+    found = []
+    with os.scandir(folder) as entries:  # lazily: the limit stops a huge folder early
+        for entry in entries:
+            if entry.name.startswith(".") or not entry.name.endswith(SHARD_EXTENSIONS) or not entry.is_file():
+                continue
+            budget.take(1, uri)
+            found.append(entry.name)
+    if not found:
+        base = uri.rstrip("/")
+        raise ShardNotFoundError(
+            f"{uri!r} is a folder with no shards in it (*.tar, *.tar.gz, *.tgz); name the shards instead, "
+            f"e.g. '{base}/*.tar', '{base}/{{00000..00127}}.tar' or @list.txt", uri=uri,
+        )
+    for name in sorted(found):
+        match = prefix + os.path.join(folder, name)
+        if check is not None:
+            check(match)  # a match may be a symlink that leads elsewhere
+        yield match
 
 
 _INT_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?$")
@@ -324,8 +363,11 @@ def _expand_list_file(
 
 
 def _expand_glob(
-    uri: str, scheme: str, storage_options: Mapping[str, Any], budget: _Budget, check: Callable[[str], None] | None
+    uri: str, scheme: str, storage_options: Mapping[str, Any], budget: _Budget, check: Callable[[str], None] | None,
+    folder: bool = False,
 ) -> Iterator[str]:
+    """Matches of a glob, sorted; ``folder``: ``uri`` is ``PREFIX/*`` made from a remote
+    folder given as input, so only ``SHARD_EXTENSIONS`` files count."""
     if scheme in LOCAL_SCHEMES:
         prefix = "file://" if scheme == "file" else ""
         matches = []
@@ -343,7 +385,13 @@ def _expand_glob(
         except ImportError as exc:
             raise UnsupportedSchemeError(f"reading {uri!r} needs an extra package: {exc}", uri=uri) from exc
         found = [f"{scheme}://{p}" for p in sorted(fs.glob(path))]
+        if folder:
+            found = [f for f in found if f.endswith(SHARD_EXTENSIONS) and not PurePosixPath(f).name.startswith(".")]
         budget.take(len(found), uri)
+    if not found and folder:
+        base = uri[: -len("/*")]
+        raise ShardNotFoundError(f"{base + '/'!r} holds no shards (*.tar, *.tar.gz, *.tgz); name them instead, "
+                                 f"e.g. '{base}/*.tar' or '{base}/{{00000..00127}}.tar'", uri=uri)
     if not found:
         raise ShardNotFoundError(f"no shard matches {uri!r}", uri=uri)
     for match in found:

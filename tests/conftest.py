@@ -132,3 +132,42 @@ def tiny_judge() -> Callable[..., Path]:
         return path
 
     return make
+
+
+@pytest.fixture
+def img2dataset_folder(tmp_path: Path) -> Path:
+    """A demo-like img2dataset output (DataComp-style 32-hex uids, keys ``000NNNNNN``), built
+    from the bundled sample: ``00000.tar`` empty (every download failed: it sorts first),
+    ``00001.tar`` json members only, ``00002.tar`` and ``00003.tar`` 10 pairs each (the
+    sample's, its swapped captions included), and img2dataset's ``<shard>.parquet`` and
+    ``<shard>_stats.json`` beside them."""
+    import hashlib
+    import json
+    import tarfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pairclean.shards import iter_raw_samples
+
+    sample = REPO / "pipelines" / "data" / "sample" / "demo-000000.tar"
+    pairs = [(s.files["jpg"], s.files["txt"].decode()) for s in iter_raw_samples(str(sample))]
+    folder = tmp_path / "img2dataset"
+    folder.mkdir()
+    tarfile.open(folder / "00000.tar", "w").close()  # a valid tar with no members
+    for shard in range(1, 4):
+        samples = []
+        for i, (jpg, caption) in enumerate(pairs):
+            uid = hashlib.md5(f"{shard}-{i}".encode()).hexdigest()
+            meta = {"uid": uid, "url": f"https://example.org/{shard}/{i}.jpg", "status": "success"}
+            key = f"{shard:05d}{i:04d}"
+            if shard == 1:
+                samples.append({"__key__": key, "json": {**meta, "status": "failed_to_download"}})
+            else:
+                samples.append({"__key__": key, "jpg": jpg, "txt": caption, "json": meta})
+        write_shard(folder / f"{shard:05d}.tar", samples)
+    for shard in range(4):
+        ok = 0 if shard < 2 else len(pairs)
+        pq.write_table(pa.table({"key": pa.array([], pa.string()), "status": pa.array([], pa.string())}), folder / f"{shard:05d}.parquet")
+        (folder / f"{shard:05d}_stats.json").write_text(json.dumps({"count": 0 if shard == 0 else len(pairs), "successes": ok}))
+    return folder

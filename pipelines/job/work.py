@@ -237,6 +237,9 @@ class ShardWork:
             result.uri, result.keys, result.idx, result.status, result.error,
             result.similarity, calibration, meta, result.uid, result.url, result.members,
             second_stage=second_stage, extra_scores=extra_scores,
+            # One schema per job (issue 23); folders of the older layout keep their rule so a
+            # redone shard rewrites the same bytes.
+            uid_url=not self.out.legacy,
         )
         emb_name = emb_bytes = None
         if self.spec.embeddings:

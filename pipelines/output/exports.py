@@ -1,5 +1,6 @@
-"""Files trainers read beside a job's output, in ``OUT/_export/``: sizes, per-shard weight
-sums, DataComp keep list. (The ``_`` folder keeps them out of ``OUT`` read as a dataset.)
+"""Files trainers read beside a job's output, in ``OUT.pairclean/export/`` (``OUT/_export/`` for
+folders of the older layout): sizes, per-shard weight sums, DataComp keep list. (Outside
+``OUT``, so ``OUT`` reads as exactly the score tables.)
 
 - ``sizes.json``: ``{"<shard file name>": number of samples}`` (all rows, or the kept
   ones), as open_clip's ``get_dataset_size`` reads it, from the folder of the first
@@ -65,7 +66,7 @@ def export(
 ) -> ExportReport:
     """Compute every export file, check it, then write them all (none when a check fails).
 
-    Files go to ``OUT/_export/`` (their names recorded in the job's state folder so
+    Files go to ``OUT.pairclean/export/`` (their names recorded in the job's state folder so
     ``--overwrite`` removes them). ``sizes_of``: ``all`` rows of each shard, or ``kept``
     (status ok and not flagged noisy: the count open_clip should use with mode ``keep``).
     open_clip reads ``sizes.json`` from the folder of the first training shard, so a copy
@@ -81,7 +82,9 @@ def export(
     sizes: dict[str, int] = {}
     sums: dict[str, float] = {}
     keep: list[str] = []
-    has_uid = True
+    # Whether the job carries uids is decided over the whole job: an empty shard (img2dataset
+    # writes one when every download failed) has no rows, so it says nothing either way.
+    no_uid = 0  # kept pairs without a uid (never in the keep file)
     bad: list[tuple[str, str, str]] = []  # (uid, key, shard) of kept pairs with a non-DataComp uid
     shard_folders: list[str] = []
     for record in out.iter_committed():
@@ -95,12 +98,15 @@ def export(
         folder = _local_folder(record.shard)
         if folder is not None and folder not in shard_folders:
             shard_folders.append(folder)
-        if schema.COL_UID not in table.column_names or table.column(schema.COL_UID).null_count == table.num_rows:
-            has_uid = False
+        if schema.COL_UID not in table.column_names:
+            no_uid += int(clean.sum())
             continue
         keys = table.column(schema.COL_KEY).to_pylist()
         for uid, key, kept in zip(table.column(schema.COL_UID).to_pylist(), keys, clean):
-            if not kept or uid is None:
+            if not kept:
+                continue
+            if uid is None:
+                no_uid += 1
                 continue
             if _is_datacomp_uid(uid):
                 keep.append(uid)
@@ -108,6 +114,7 @@ def export(
                 bad.append((uid, key, record.shard))
     if not sizes:
         raise InputError(f"{out.uri} holds no committed shard")
+    has_uid = bool(keep or bad)
     if bad and not keep:
         # No uid is DataComp's (the demo's are names): no keep list, the rest is written.
         has_uid = False
@@ -124,6 +131,8 @@ def export(
         name: json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode()
         for name, doc in (("sizes.json", sizes), ("shard_weights.json", sums))
     }
+    if has_uid and no_uid:
+        report.notes.append(f"{no_uid} kept pairs have no uid: they are not in datacomp_keep.npy")
     if has_uid:
         buf = io.BytesIO()
         np.save(buf, uid_records(keep))
@@ -193,7 +202,7 @@ def _check_sizes_target(folder: Path, previous: dict[str, str]) -> None:
         if previous.get(str(target)) != digest:
             raise InputError(
                 f"{str(target)!r} exists and pairclean did not write it: not replaced (move it away, "
-                "or copy OUT/_export/sizes.json there yourself)"
+                "or copy the job's export/sizes.json there yourself)"
             )
 
 

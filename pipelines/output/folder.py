@@ -12,8 +12,13 @@ Layout of ``OUT/`` (any fsspec location, see ``pairclean.storage``)::
     _pairclean/lock.json              the running job's lock and heartbeat
     _pairclean/exports.json           names written by ``pairclean export``
 
-Folders starting with ``_`` are skipped by pyarrow's dataset discovery, pandas, duckdb's
-``OUT/*.parquet`` and Ray Data, so ``OUT`` reads as exactly the score tables.
+The names above are the logical ones the code uses. On disk, everything but the score
+tables lives in the sibling folder ``OUT.pairclean/`` (``_pairclean/`` as ``state/``, ``_emb/``
+as ``emb/``, ``_export/`` as ``export/``, ``_pseudo/`` as ``pseudo/``; ``Store`` maps the
+names), so ``OUT`` holds the score tables only and reads as exactly them in pyarrow, pandas,
+duckdb, polars, Ray Data and Hugging Face ``datasets`` (polars reads every file below a
+folder, ``datasets`` reads ``_`` folders). A folder written before that layout (state in
+``OUT/_pairclean/``) is read and resumed in place (``legacy``); ``migrate_layout`` moves it.
 
 Workers write a shard's data files; only the driver writes completion records, so a shard
 is committed exactly once. A data file without a completion record is a leftover of a
@@ -123,9 +128,21 @@ class OutputDir:
     ``storage_options`` are fsspec options (endpoint, credentials) for remote folders.
     """
 
-    def __init__(self, uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
-        self.store = Store(uri, storage_options)
+    def __init__(self, uri: str, storage_options: Mapping[str, Any] | None = None, legacy: bool | None = None) -> None:
+        base = Store(uri, storage_options)
+        #: A folder written before issue 23 keeps its state inside OUT (``OUT/_pairclean/``).
+        self.legacy = base.exists(schema.JOB_FILE) if legacy is None else legacy
+        if self.legacy:
+            self.store = base
+        else:
+            try:
+                side = schema.side_folder(base.uri)
+            except ValueError as exc:
+                raise InputError(str(exc), uri=uri) from exc
+            self.store = Store(uri, storage_options, side=side)
         self.uri = self.store.url()
+        #: Where everything but the score tables lives (``OUT.pairclean``; OUT itself for legacy folders).
+        self.side_uri = self.uri if self.legacy else self.store.url().rstrip("/") + schema.SIDE_SUFFIX
         # The compacted manifest as last read or written (records and segment names), and
         # records committed since.
         self._compacted: dict[str, ShardRecord] | None = None
@@ -136,7 +153,7 @@ class OutputDir:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Workers get a fresh handle on the same folder (no cached records).
-        return (OutputDir, (self.store.uri, self.store.storage_options))
+        return (OutputDir, (self.store.uri, self.store.storage_options, self.legacy))
 
     # -- names ----------------------------------------------------------------------------
     @staticmethod
@@ -207,6 +224,10 @@ class OutputDir:
                 uri=self.uri,
             )
         foreign = [name for name in entries if name != schema.STATE_DIR]
+        if not self.legacy:
+            # The side folder: only our own lock (state/) may be there before job.json is.
+            state = schema.side_name(schema.STATE_DIR)
+            foreign += [f"{self.side_uri}/{n}" for n in self._side_entries() if n != state]
         if foreign:
             shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
             raise ForeignOutputError(
@@ -214,6 +235,11 @@ class OutputDir:
                 "pairclean never mixes its outputs with other files: choose an empty or new folder",
                 uri=self.uri,
             )
+
+    def _side_entries(self) -> list[str]:
+        """Entries directly inside the side folder (new layout only)."""
+        side = Store(self.side_uri, self.store.storage_options)
+        return side.list()
 
     def prepare(self, spec: JobSpec, overwrite: bool) -> None:
         """Claim the folder for ``spec``: new, same spec (resume) or ``overwrite`` (start over).

@@ -73,8 +73,13 @@ def scores_table(
     members: Mapping[str, Sequence[int | None]] | None = None,
     second_stage: NDArray[np.float32] | None = None,
     extra_scores: Mapping[str, NDArray[np.float32]] | None = None,
+    uid_url: bool = False,
 ) -> pa.Table:
     """The scores Parquet table: weights and flags from similarities and the calibration.
+
+    ``uid_url``: always write the ``uid`` and ``url`` columns (null where the shard has
+    none), so every table of a job has one schema, whether or not a shard (an empty one,
+    say) carries them; False keeps the older rule (columns only when the shard has them).
 
     ``members``: the ``schema.MEMBER_COLUMNS`` by name (where each pair's members lie in
     its tar), written last when given. ``second_stage``: (N,) a second stage's p_clean (the
@@ -116,6 +121,9 @@ def scores_table(
     }
     extra = dict(extra_scores or {})
     columns.update((name, np.asarray(values, np.float32)) for name, values in extra.items())
+    if uid_url:
+        uid = uid if uid is not None else [None] * len(keys)
+        url = url if url is not None else [None] * len(keys)
     if uid is not None:
         columns[schema.COL_UID] = uid
     if url is not None:

@@ -1,0 +1,108 @@
+"""Issue 23: pairclean's output where data teams' own tools read it. An img2dataset folder
+whose first shard is empty (every download failed) and whose second holds json members only,
+scored as a folder, read by pyarrow, pandas, duckdb, polars, Ray Data and Hugging Face
+``datasets`` with each one's default call, exported for DataComp's resharder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pairclean import schema
+from pairclean.job import OutputDir
+from pairclean_workers.cli import main
+
+TINY = ["--model", "pairclean-tiny-test", "--no-progress", "--batch-size", "4", "--executor", "local"]
+COLUMNS = ["key", "shard", "idx", "status", "error", "similarity", "weight", "noisy", "p_clean", "uid", "url",
+           "image_offset", "image_size", "caption_offset", "caption_size"]
+ROWS = 30  # 0 + 10 json-only + 10 + 10
+
+
+@pytest.fixture
+def scored(img2dataset_folder: Path, tmp_path: Path) -> Path:
+    """The img2dataset folder scored as a folder (``pairclean score FOLDER``) into OUT."""
+    out = tmp_path / "weights"
+    assert main(["score", str(img2dataset_folder), "--out", str(out), *TINY]) == 0
+    return out
+
+
+def test_a_folder_expands_to_its_shards_in_name_order(img2dataset_folder: Path, scored: Path) -> None:
+    spec = OutputDir(str(scored)).read_spec()
+    assert spec is not None
+    assert [Path(s).name for s in spec.shards] == ["00000.tar", "00001.tar", "00002.tar", "00003.tar"]
+    assert sorted(p.name for p in scored.iterdir()) == [f"{i:05d}.parquet" for i in range(4)]
+
+
+def test_a_folder_without_shards_says_what_to_type(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.txt").write_text("x")
+    assert main(["score", str(tmp_path / "empty"), "--out", str(tmp_path / "o"), *TINY]) == 1
+    err = capsys.readouterr().err
+    assert "no shards in it" in err and f"'{tmp_path / 'empty'}/*.tar'" in err and "Traceback" not in err
+
+
+def test_every_table_has_one_schema_even_the_empty_shards(scored: Path) -> None:
+    schemas = {p.name: pq.read_schema(p).names for p in sorted(scored.glob("*.parquet"))}
+    assert all(names == COLUMNS for names in schemas.values()), schemas
+    assert pq.read_metadata(scored / "00000.parquet").num_rows == 0
+    first = pq.read_table(scored / "00001.parquet")
+    assert set(first.column("status").to_pylist()) == {"missing_image"} and first.column("uid").null_count == 0
+
+
+def test_out_reads_as_exactly_the_score_tables_in_each_reader(scored: Path) -> None:
+    assert main(["export", str(scored)]) == 0  # exports must not disturb readers
+    import pyarrow.dataset as ds
+
+    assert ds.dataset(scored).schema.names == COLUMNS and ds.dataset(scored).count_rows() == ROWS
+    pd = pytest.importorskip("pandas")
+    frame = pd.read_parquet(scored)
+    assert list(frame.columns) == COLUMNS and len(frame) == ROWS and frame["uid"].notna().sum() == ROWS
+    duckdb = pytest.importorskip("duckdb")
+    for source in (f"'{scored}/*.parquet'", f"read_parquet('{scored}')"):
+        got = duckdb.sql(f"select count(*), count(uid), count(distinct shard) from {source}").fetchall()
+        assert got == [(ROWS, ROWS, 3)], source
+    pl = pytest.importorskip("polars")
+    assert pl.scan_parquet(scored).collect().columns == COLUMNS
+    assert pl.read_parquet(scored).shape == (ROWS, len(COLUMNS))
+    datasets = pytest.importorskip("datasets")
+    datasets.disable_progress_bars()
+    loaded = datasets.load_dataset("parquet", data_dir=str(scored), cache_dir=str(scored.parent / "hf-cache"))
+    assert loaded["train"].column_names == COLUMNS and loaded["train"].num_rows == ROWS
+
+
+@pytest.mark.ray
+def test_ray_data_reads_out_as_the_score_tables(scored: Path) -> None:
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        from ray.data import DataContext
+
+        DataContext.get_current().enable_progress_bars = False
+        rd = ray.data.read_parquet(str(scored))
+        assert rd.schema().names == COLUMNS and rd.count() == ROWS
+    finally:
+        ray.shutdown()
+
+
+def test_the_state_sidecars_and_exports_live_beside_out(scored: Path) -> None:
+    side = Path(f"{scored}{schema.SIDE_SUFFIX}")
+    assert (side / "state" / "job.json").is_file()
+    assert sorted(p.name for p in (side / "emb").iterdir()) == [f"{i:05d}.parquet" for i in range(4)]
+    assert main(["export", str(scored)]) == 0
+    assert sorted(p.name for p in (side / "export").iterdir()) == ["datacomp_keep.npy", "shard_weights.json", "sizes.json"]
+
+
+def test_export_keeps_the_datacomp_file_when_a_shard_is_empty(img2dataset_folder: Path, scored: Path) -> None:
+    assert main(["export", str(scored)]) == 0
+    side = Path(f"{scored}{schema.SIDE_SUFFIX}") / "export"
+    keep = np.load(side / "datacomp_keep.npy")
+    table = pq.read_table(scored, columns=["uid", "status", "noisy"]).to_pylist()
+    kept = sorted(r["uid"] for r in table if r["status"] == "ok" and not r["noisy"])
+    assert keep.dtype == np.dtype("u8,u8") and len(keep) == len(kept) > 0
+    assert [f"{hi:016x}{lo:016x}" for hi, lo in keep.tolist()] == kept  # sorted as the resharder needs
+    sizes = json.loads((side / "sizes.json").read_text())
+    assert sizes == {"00000.tar": 0, "00001.tar": 10, "00002.tar": 10, "00003.tar": 10}
