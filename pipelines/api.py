@@ -8,7 +8,13 @@
 The same data flow as a job (decode -> embeddings -> similarity -> calibration -> weight),
 on arrays instead of shards: images that cannot be decoded get a status, never an
 exception. Calibration uses the pairs given (the first ``calibration_pairs`` ok ones), so
-a batch of pairs is calibrated like a job of one shard.
+a batch of pairs is calibrated like a job of one shard; or pass ``calibration=`` (a scored
+job's folder, a saved calibration file, or a ``Calibration``) to apply a frozen one, so a
+pair's weight does not depend on the batch it came in (what a Ray Data ``map_batches``
+step needs: see ``pairclean.ray_data.ScorePairs``). A batch of fewer than
+``MIN_SELF_CALIBRATION_PAIRS`` ok pairs is too small to calibrate itself (its mixture needs
+them; below that the weights would fall back to a hard 0/1): refused unless
+``allow_small_calibration=True``.
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["PairScores", "load_estimator", "score_pairs"]
+__all__ = ["MIN_SELF_CALIBRATION_PAIRS", "PairScores", "load_calibration", "load_estimator", "save_calibration", "score_pairs"]
+
+#: Fewer ok pairs than this cannot calibrate a batch by themselves (``calibration.MIN_MIXTURE_PAIRS``).
+MIN_SELF_CALIBRATION_PAIRS = 16
 
 
 def load_estimator(model: str = "pairclean-lite", *, checkpoint: str | None = None, precision: str = "auto", device: str = "auto") -> Any:
@@ -59,10 +68,56 @@ class PairScores:
                              "p_clean": self.p_clean, "status": self.status, "error": self.error})
 
 
+def load_calibration(source: Any, *, model: str | None = None, storage_options: Any = None) -> Any:
+    """A frozen ``Calibration`` from a scored job's output folder (local or object store),
+    a JSON file (``save_calibration``'s, or a job's ``OUT.pairclean/state/calibration.json``),
+    or a ``Calibration`` as is. ``model``: the estimator's model id; a job or file that
+    names another model is refused (its beta means nothing for this one). Raises
+    ``InputError`` when there is no calibration to read."""
+    import json
+
+    from .errors import InputError
+    from .job import Calibration, OutputDir
+
+    if isinstance(source, Calibration):
+        return source
+    path = os.fspath(source)
+    if os.path.isfile(path):
+        with open(path, "rb") as fh:
+            doc = json.loads(fh.read())
+        found_model = doc.get("model") if "calibration" in doc else None
+        calibration = Calibration(**(doc["calibration"] if "calibration" in doc else doc))
+    else:
+        out = OutputDir(path, storage_options)
+        spec = out.read_spec()
+        calibration = out.read_calibration()
+        if spec is None or calibration is None:
+            raise InputError(f"{path} holds no calibration: give a scored job's output folder or a saved calibration file")
+        found_model = spec.model
+    if model is not None and found_model is not None and found_model != model:
+        raise InputError(f"the calibration in {path} was made with model {found_model!r}, not {model!r}: "
+                         "score with the same model, or calibrate on a job of this one")
+    return calibration
+
+
+def save_calibration(calibration: Any, path: str | os.PathLike[str], *, model: str) -> None:
+    """Write ``calibration`` (e.g. ``PairScores.calibration``) with its model id, for
+    ``load_calibration``/``score_pairs(calibration=path)`` elsewhere (atomically)."""
+    import json
+
+    from .storage import write_file_atomic
+
+    write_file_atomic(path, json.dumps({"model": model, "calibration": calibration.to_json()}, indent=2).encode())
+
+
 def _image_bytes(image: Any) -> bytes:
-    """Encoded bytes of a path, bytes, or PIL image (re-encoded losslessly as PNG)."""
+    """Encoded bytes of a path, bytes, PIL image (re-encoded losslessly as PNG) or a decoded
+    uint8 array (``H x W``, ``H x W x 3`` or ``x 4``, as Ray Data's readers give; stored as
+    uncompressed PPM/PGM, which costs a copy, not a compression)."""
     if isinstance(image, (bytes, bytearray, memoryview)):
         return bytes(image)
+    if isinstance(image, np.ndarray):
+        return _array_bytes(image)
     if isinstance(image, (str, os.PathLike)):
         with open(image, "rb") as fh:
             return fh.read()
@@ -70,7 +125,23 @@ def _image_bytes(image: Any) -> bytes:
         buf = io.BytesIO()
         image.save(buf, format="PNG")
         return buf.getvalue()
-    raise TypeError(f"an image must be a path, bytes or a PIL image, not {type(image).__name__}")
+    raise TypeError(f"an image must be a path, bytes, a PIL image or a uint8 array, not {type(image).__name__}")
+
+
+def _array_bytes(array: NDArray[Any]) -> bytes:
+    from PIL import Image
+
+    if array.dtype == object and array.ndim == 0:
+        return _image_bytes(array.item())
+    if array.dtype != np.uint8 or array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[2] not in (1, 3, 4)):
+        raise TypeError(f"an image array must be uint8 H x W or H x W x 1/3/4, not {array.dtype} {array.shape}")
+    if array.ndim == 3 and array.shape[2] == 1:
+        array = array[:, :, 0]
+    if array.ndim == 3 and array.shape[2] == 4:
+        array = array[:, :, :3]  # alpha dropped, as decoding a PNG with alpha to RGB does
+    buf = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(array)).save(buf, format="PPM")
+    return buf.getvalue()
 
 
 def score_pairs(
@@ -85,13 +156,21 @@ def score_pairs(
     batch_size: int = 64,
     calibration_pairs: int = 4096,
     max_pixels: int | None = None,
+    calibration: Any = None,
+    allow_small_calibration: bool = False,
 ) -> PairScores:
     """Score ``images[i]`` against ``captions[i]`` for every i.
 
-    ``images``: paths, encoded bytes or PIL images. ``estimator``: a loaded estimator
-    (``load_estimator``), a model name, or None for pairclean-lite. ``beta_recipe``: None
-    picks the estimator's measured default. Raises ``InputError`` when the lengths differ
-    or no pair can be scored with a corpus recipe.
+    ``images``: paths, encoded bytes, PIL images or decoded uint8 arrays. ``estimator``: a
+    loaded estimator (``load_estimator``), a model name, or None for pairclean-lite.
+    ``beta_recipe``: None picks the estimator's measured default. ``calibration``: a frozen
+    calibration (``load_calibration``'s sources: a scored job's folder, a saved file); then
+    ``beta_recipe``/``weighting``/``beta_k`` are the calibration's and nothing is fitted on
+    the batch. Without it, the batch calibrates itself, which needs at least
+    ``MIN_SELF_CALIBRATION_PAIRS`` ok pairs for recipes and weightings fitted on the pairs
+    (``allow_small_calibration=True`` accepts fewer: hard 0/1 weights). Raises
+    ``InputError`` when the lengths differ, no pair can be scored with a corpus recipe, or
+    the batch is too small to calibrate itself.
     """
     from pairclean import schema
     from pairclean.calibrate.calibration import needs_corpus
@@ -107,15 +186,27 @@ def score_pairs(
     if len(images) != len(captions):
         raise InputError(f"{len(images)} images but {len(captions)} captions: they must pair up one to one")
     est = load_estimator(estimator) if isinstance(estimator, str) else (estimator or load_estimator())
-    recipe = beta_recipe or default_beta_recipe(est.info.model_id)
+    frozen = load_calibration(calibration, model=est.info.model_id) if calibration is not None else None
+    recipe = frozen.recipe if frozen is not None else (beta_recipe or default_beta_recipe(est.info.model_id))
+    weighting = frozen.weighting if frozen is not None else weighting
     samples = [_pair(i, image, caption, PairSample, schema) for i, (image, caption) in enumerate(zip(images, captions))]
     options = ScoreOptions(batch_size=batch_size, max_pixels=max_pixels or DEFAULT_MAX_PIXELS)
     result = _score_samples(samples, est, options)
     spec = JobSpec(("in-memory",), est.info.model_id, None, None, est.info.precision, recipe, beta_k, weighting, seed,
                    batch_size, options.max_pixels, None, False, calibration_pairs)
-    if needs_corpus(recipe, weighting) and not result.ok_mask.any():
-        raise InputError("no pair could be scored (every image failed to decode or every caption was empty)")
-    calibration = calibrate_on([result], spec, random_beta_fn(est, beta_k, seed), int(est.info.embed_dim))
+    if frozen is not None:
+        calibration = frozen
+    else:
+        ok = int(result.ok_mask.sum())
+        if needs_corpus(recipe, weighting) and not ok:
+            raise InputError("no pair could be scored (every image failed to decode or every caption was empty)")
+        if needs_corpus(recipe, weighting) and ok < MIN_SELF_CALIBRATION_PAIRS and not allow_small_calibration:
+            raise InputError(
+                f"{ok} ok pairs are too few to calibrate themselves (at least {MIN_SELF_CALIBRATION_PAIRS}; below that the "
+                "weights fall back to a hard 0/1 and depend on the batch): pass calibration= (a scored job's output "
+                "folder or a saved calibration), or allow_small_calibration=True"
+            )
+        calibration = calibrate_on([result], spec, random_beta_fn(est, beta_k, seed), int(est.info.embed_dim))
     table = scores_table("in-memory", result.keys, result.idx, result.status, result.error, result.similarity, calibration, {})
     return PairScores(
         similarity=result.similarity, weight=table.column(schema.COL_WEIGHT).to_numpy(),

@@ -83,7 +83,7 @@ def kill_after_commits(cmd: list[str], out: Any, commits: int, timeout: float = 
         if isinstance(out, OutputDir):
             if len(out.committed()) >= commits:
                 break
-        elif (out / "_pairclean").exists() and len(OutputDir(str(out)).committed()) >= commits:
+        elif (Path(f"{out}.pairclean") / "state").exists() and len(OutputDir(str(out)).committed()) >= commits:
             break
         time.sleep(0.05)
     if proc.poll() is not None:

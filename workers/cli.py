@@ -83,7 +83,7 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     score.add_argument("--caption-field", default=None, help="take the caption from this json field")
     score.add_argument("--decode-device", default="cpu", help="cpu (PIL, on --cpus-per-actor threads) or cuda (batched nvJPEG on the GPU, CPU fallback for PNG/WebP/corrupt images)")
     score.add_argument("--calibration-pairs", type=int, default=4096, help="ok pairs that corpus recipes calibrate on")
-    score.add_argument("--embeddings", action=argparse.BooleanOptionalAction, default=True, help="write the embedding sidecars OUT/_emb/<shard>.parquet")
+    score.add_argument("--embeddings", action=argparse.BooleanOptionalAction, default=True, help="write the embedding sidecars OUT.pairclean/emb/<shard>.parquet")
     score.add_argument("--overwrite", action="store_true", help="delete what this job wrote into --out earlier (only files its records list) and start over")
     score.add_argument("--max-failed-fraction", type=float, default=0.05, help="a job with at most this fraction of failed shards ends PARTIAL, not FAILED")
     add_storage_arg(score)
@@ -116,7 +116,7 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     add_storage_arg(inspect)
 
-    export = sub.add_parser("export", help="write sizes.json, shard_weights.json and datacomp_keep.npy into OUT/_export/")
+    export = sub.add_parser("export", help="write sizes.json, shard_weights.json and datacomp_keep.npy into OUT.pairclean/export/")
     export.add_argument("out")
     export.add_argument("--sizes-of", choices=("all", "kept"), default="all", help="count all rows, or only the kept (ok, not noisy) ones")
     export.add_argument("--sizes-dir", action="append", default=[], metavar="DIR", help="also write sizes.json into DIR (open_clip reads it from the folder of the first shard)")
@@ -326,6 +326,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     )
     for name, path in report.written.items():
         print(f"wrote {name}: {path}")
+    print(f"kept pairs (ok, not noisy): {report.kept} of {report.rows}: open_clip --train-num-samples {report.kept} "
+          "trains on them (mode keep, or the shards DataComp's resharder makes with datacomp_keep.npy)")
     if report.skipped_uids:
         print(f"skipped {report.skipped_uids} uids that are not 32 hex digits")
     for note in report.notes:

@@ -2,7 +2,7 @@
 
 Reads the job's score tables and embedding sidecars, pairs each pool image with its
 nearest pool caption and each pool caption with its nearest pool image (FAISS), scores
-the pseudo-pairs with the job's own calibration and writes ``OUT/_pseudo/<shard>.parquet``
+the pseudo-pairs with the job's own calibration and writes ``OUT.pairclean/pseudo/<shard>.parquet``
 (see ``pairclean.pseudo.pairing``). Holds the folder's run lock while it runs, so it never races a
 ``score`` or ``rescore`` of the same folder. With ``--executor ray`` (the default, as for
 ``score`` and ``refine``) the queries of a pool of at least ``--ray-min-pool`` pairs are
@@ -36,7 +36,7 @@ def add_pseudo_parser(sub: Any) -> None:
     from pairclean.pseudo.pairing import POOLS
     from pairclean_workers.pseudo_exec import RAY_MIN_POOL
 
-    p = sub.add_parser("pseudo-pair", help="pair noisy images with their nearest noisy captions (RCSL) into OUT/_pseudo/")
+    p = sub.add_parser("pseudo-pair", help="pair noisy images with their nearest noisy captions (RCSL) into OUT.pairclean/pseudo/")
     p.add_argument("out", help="a scored job's output folder (scored with --embeddings, the default)")
     p.add_argument("--pool", choices=POOLS, default="noisy", help="unpaired pool: ok pairs flagged noisy (default) or every ok pair")
     p.add_argument("--mutual", action="store_true", help="keep only mutual nearest neighbours")

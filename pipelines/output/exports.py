@@ -54,6 +54,10 @@ class ExportReport:
     written: dict[str, str] = field(default_factory=dict)
     skipped_uids: int = 0
     notes: list[str] = field(default_factory=list)
+    #: Rows of the job, and the kept ones (status ok, not noisy): open_clip's
+    #: ``--train-num-samples`` for the kept pairs (mode keep, or shards resharded with the keep file).
+    rows: int = 0
+    kept: int = 0
 
 
 def export(
@@ -93,6 +97,8 @@ def export(
         ok = schema.ok_mask(table)
         clean = ok & ~table.column(schema.COL_NOISY).to_numpy(zero_copy_only=False).astype(bool)
         sizes[name] = table.num_rows if sizes_of == "all" else int(clean.sum())
+        report.rows += table.num_rows
+        report.kept += int(clean.sum())
         # Checked as the trainer's WeightStage checks them: NaN would make the JSON invalid.
         sums[name] = float(schema.checked_weights(table.column(schema.COL_WEIGHT), out.store.url(record.output)).sum())
         folder = _local_folder(record.shard)
@@ -144,6 +150,8 @@ def export(
             f"and these shards have none{example}"
         )
     copies = list(dict.fromkeys([*sizes_dirs, *(shard_folders if sizes_beside_shards else [])]))
+    if sizes_of == "kept":
+        _refuse_kept_beside_shards(copies, shard_folders, report.kept)
     previous = _previous_copies(out)
     for folder in copies:  # every refusal before the first write
         _check_sizes_target(Path(folder), previous)
@@ -164,6 +172,20 @@ def export(
             f"{report.written['sizes.json']} to {where}/ (or pass --sizes-beside-shards / --sizes-dir DIR)"
         )
     return report
+
+
+def _refuse_kept_beside_shards(copies: Sequence[str], shard_folders: Sequence[str], kept: int) -> None:
+    """Kept counts never go into a folder of scored shards: DataComp's resharder reads
+    ``INPUT_DIR/sizes.json`` as the input shards' sample counts (and plans its workers by
+    them), and open_clip reads the same file; both need every sample counted there."""
+    clash = [f for f in copies if os.path.abspath(f) in shard_folders]
+    if clash:
+        raise InputError(
+            f"--sizes-of kept would put kept counts into {clash[0]!r}, beside the shards: DataComp's resharder and "
+            f"open_clip read sizes.json there as the shards' sample counts. Write all counts there (--sizes-of all) and "
+            f"give open_clip --train-num-samples {kept} for the kept pairs (python -m pairclean.open_clip_train "
+            f"--pairclean-mode keep sets it itself)"
+        )
 
 
 def write_exports(out: OutputDir, **options: object) -> dict[str, str]:

@@ -18,7 +18,7 @@ as ``emb/``, ``_export/`` as ``export/``, ``_pseudo/`` as ``pseudo/``; ``Store``
 names), so ``OUT`` holds the score tables only and reads as exactly them in pyarrow, pandas,
 duckdb, polars, Ray Data and Hugging Face ``datasets`` (polars reads every file below a
 folder, ``datasets`` reads ``_`` folders). A folder written before that layout (state in
-``OUT/_pairclean/``) is read and resumed in place (``legacy``); ``migrate_layout`` moves it.
+``OUT/_pairclean/``) is read and resumed in place (``legacy``).
 
 Workers write a shard's data files; only the driver writes completion records, so a shard
 is committed exactly once. A data file without a completion record is a leftover of a

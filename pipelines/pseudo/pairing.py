@@ -19,9 +19,9 @@ Decisions (visible as options, recorded in each file's metadata):
 - ``rank`` is the caption's position among the image's neighbours (``i2t`` rows) or the
   image's among the caption's (``t2i`` rows), 0 = nearest; ``neighbours`` > 1 writes more.
 
-The output is under ``_pseudo/`` (not ``pseudo/`` as first proposed): folders starting with
-"_" are skipped by pyarrow, pandas, duckdb and Ray Data, so ``OUT`` still reads as exactly
-the score tables.
+The output has the logical name ``_pseudo/``, stored beside OUT in ``OUT.pairclean/pseudo/``
+(``schema.side_name``; inside OUT for folders of the older layout), so ``OUT`` still reads
+as exactly the score tables. Paths below say ``OUT/_pseudo`` for the logical name.
 
 Memory: the pool's embeddings are copied, float16, into memory-mapped scratch files
 (2 bytes x dim per vector and modality, on disk, unlinked once mapped), indexes are built
@@ -565,10 +565,13 @@ class PseudoCaptions:
     """
 
     def __init__(self, output_dir: str | os.PathLike[str], caption_key: str = "txt", max_cached_shards: int = 64) -> None:
-        self.root = Path(output_dir) / PSEUDO_DIR
+        from . import schema
+
+        # OUT.pairclean/pseudo/ (OUT/_pseudo/ in folders of the older layout)
+        self.root = Path(schema.local_side_path(output_dir, PSEUDO_DIR))
         if not self.root.is_dir():
             raise FileNotFoundError(f"no pseudo-pairs in {output_dir}: run pairclean pseudo-pair {output_dir} first")
-        if not (Path(output_dir) / RECORD).is_file():
+        if not Path(schema.local_side_path(output_dir, RECORD)).is_file():
             # Files without the record are a mix of an interrupted run's and an older run's.
             raise FileNotFoundError(f"the pseudo-pairs in {output_dir} are incomplete (a pseudo-pair run was interrupted): "
                                     f"run pairclean pseudo-pair {output_dir} again")

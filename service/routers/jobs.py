@@ -150,6 +150,7 @@ def _check_output_owner(output: str, key: str, who: Principal, store: JobStore) 
 def expand(request: JobRequest, settings: ServiceSettings) -> list[str]:
     """Allow-list every location before it is touched and expand the shards; 422 otherwise."""
     from pairclean.errors import PaircleanError
+    from pairclean.schema import side_folder
     from pairclean.uris import expand_shards
 
     def allowed_input(uri: str) -> None:
@@ -161,6 +162,11 @@ def expand(request: JobRequest, settings: ServiceSettings) -> list[str]:
                 raise UriRefused(f"{spec!r}: '#' is not accepted in shard URIs")
             allowed_input(spec[1:] if spec.startswith("@") else spec)
         check_uri(request.output, settings.allowed_outputs)
+        # The job's state goes beside the output (OUT.pairclean): it must be allowed too.
+        try:
+            check_uri(side_folder(request.output), settings.allowed_outputs)
+        except ValueError as exc:
+            raise UriRefused(str(exc)) from exc
         target = local_target(request.output)
         if target is not None and os.path.exists(target) and not os.path.isdir(target):
             raise UriRefused(f"output {request.output!r} exists and is not a folder")

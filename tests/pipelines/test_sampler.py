@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pairclean import schema
 from pairclean.sampler import WeightedSampler, weight_stage
 
 
@@ -183,15 +184,20 @@ def test_export_sizes_where_open_clip_looks_and_never_over_foreign_files(scored,
     beside = shards[0].parent / "sizes.json"
     report = export(OutputDir(str(out)))
     assert not beside.exists() and any(str(shards[0].parent) in n for n in report.notes)  # says where to copy it
-    report = export(OutputDir(str(out)), sizes_of="kept", sizes_beside_shards=True)
+    # kept counts beside the shards would mislead DataComp's resharder and open_clip (issue 23)
     rows = {p.stem: pq.read_table(p).to_pylist() for p in out.glob("sh-*[0-9].parquet")}
-    kept = {f"{stem}.tar": sum(r["status"] == "ok" and not r["noisy"] for r in rs) for stem, rs in rows.items()}
-    assert json.loads(beside.read_text()) == kept
+    kept = sum(r["status"] == "ok" and not r["noisy"] for rs in rows.values() for r in rs)
+    with pytest.raises(InputError, match=f"--train-num-samples {kept} "):
+        export(OutputDir(str(out)), sizes_of="kept", sizes_beside_shards=True)
+    assert not beside.exists()
+    report = export(OutputDir(str(out)), sizes_of="kept", sizes_dirs=[str(tmp_path)])
+    assert sum(json.loads((tmp_path / "sizes.json").read_text()).values()) == kept == report.kept
+    (tmp_path / "sizes.json").unlink()
     assert main(["export", str(out), "--sizes-beside-shards"]) == 0  # ours: replaced
     assert json.loads(beside.read_text()) == {"sh-00000.tar": 10, "sh-00001.tar": 10}
     foreign = tmp_path / "sizes.json"
     foreign.write_text('{"mine": 1}')
-    exported = out / "_export" / "sizes.json"
+    exported = schema.local_side_path(out, "_export/sizes.json")
     exported.unlink()
     with pytest.raises(InputError, match="did not write"):
         export(OutputDir(str(out)), sizes_dirs=[str(tmp_path)])
@@ -223,8 +229,9 @@ def test_export_on_the_demo_job_without_datacomp_uids(tmp_path: Path, capsys) ->
     printed = capsys.readouterr().out
     assert "datacomp_keep.npy not written" in printed and "'astronaut'" in printed
     assert "open_clip reads sizes.json from the folder of the first training shard" in printed
-    assert json.loads((out / "_export" / "sizes.json").read_text()) == {"demo-000000.tar": 10}
-    assert (out / "_export" / "shard_weights.json").exists() and not (out / "_export" / "datacomp_keep.npy").exists()
+    export_dir = schema.local_side_path(out, schema.EXPORT_DIR)
+    assert json.loads((export_dir / "sizes.json").read_text()) == {"demo-000000.tar": 10}
+    assert (export_dir / "shard_weights.json").exists() and not (export_dir / "datacomp_keep.npy").exists()
 
 
 def test_export_names_a_bad_uid_and_writes_nothing_unless_told_to_skip(dev_images: list, tmp_path: Path, capsys) -> None:
@@ -246,9 +253,9 @@ def test_export_names_a_bad_uid_and_writes_nothing_unless_told_to_skip(dev_image
     assert main(["export", str(out)]) == 1
     err = capsys.readouterr().err
     assert "not-a-datacomp-uid-" in err and "k-0" in err and "bad-00000.tar" in err and "Traceback" not in err
-    assert not (out / "_export").exists()  # nothing written
+    assert not schema.local_side_path(out, schema.EXPORT_DIR).exists()  # nothing written
     assert main(["export", str(out), "--skip-bad-uids"]) == 0
-    keep = np.load(out / "_export" / "datacomp_keep.npy")
+    keep = np.load(schema.local_side_path(out, "_export/datacomp_keep.npy"))
     assert len(keep) == len(kept) - len(bad)
 
 

@@ -106,3 +106,21 @@ def test_export_keeps_the_datacomp_file_when_a_shard_is_empty(img2dataset_folder
     assert [f"{hi:016x}{lo:016x}" for hi, lo in keep.tolist()] == kept  # sorted as the resharder needs
     sizes = json.loads((side / "sizes.json").read_text())
     assert sizes == {"00000.tar": 0, "00001.tar": 10, "00002.tar": 10, "00003.tar": 10}
+
+
+def test_a_folder_of_the_older_layout_still_reads_resumes_and_exports(img2dataset_folder: Path, scored: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """State inside OUT (``OUT/_pairclean``, ``OUT/_emb``), as pairclean wrote it before issue 23."""
+    import pairclean
+
+    side = Path(f"{scored}{schema.SIDE_SUFFIX}")
+    for physical, logical in (("state", "_pairclean"), ("emb", "_emb")):
+        (side / physical).rename(scored / logical)
+    side.rmdir()
+    out = OutputDir(str(scored))
+    assert out.legacy and len(out.committed()) == 4
+    assert pairclean.read_scores(scored).num_rows == ROWS
+    capsys.readouterr()
+    assert main(["score", str(img2dataset_folder), "--out", str(scored), *TINY]) == 0  # a resume, in place
+    assert "4 already done" in capsys.readouterr().out
+    assert main(["export", str(scored)]) == 0
+    assert (scored / "_export" / "datacomp_keep.npy").is_file() and not side.exists()

@@ -69,11 +69,12 @@ def test_s3_in_s3_out_reads_as_one_dataset_and_resumes_after_kill_9(make_shards,
     for record in records:
         data = fs.cat_file(f"weights/job/{record.output}")
         assert len(data) == record.bytes and __import__("hashlib").sha256(data).hexdigest() == record.sha256
-    # every object is a finished file: score tables, sidecars, state; nothing else
+    # every object is a finished file: score tables in OUT, sidecars and state beside it; nothing else
     objects = sorted(p[len("weights/job/"):] for p in fs.find("weights/job"))
-    assert [o for o in objects if not o.startswith("_")] == [f"{i:05d}.parquet" for i in range(10)]
-    assert [o for o in objects if o.startswith("_emb/")] == [f"_emb/{i:05d}.parquet" for i in range(10)]
-    assert any(o.startswith(schema.MANIFEST_DIR) for o in objects) and schema.LOCK_FILE not in objects
+    assert objects == [f"{i:05d}.parquet" for i in range(10)]
+    side = sorted(p[len("weights/job.pairclean/"):] for p in fs.find("weights/job.pairclean"))
+    assert [o for o in side if o.startswith("emb/")] == [f"emb/{i:05d}.parquet" for i in range(10)]
+    assert any(o.startswith("state/manifest/") for o in side) and "state/lock.json" not in side
     # OUT on S3 reads as exactly the score tables
     dataset = ds.dataset("weights/job", filesystem=fs, format="parquet")
     assert dataset.schema.names == SCORE_COLUMNS and dataset.count_rows() == 40
@@ -110,7 +111,7 @@ def test_out_reads_as_exactly_the_score_tables_in_every_reader(make_shards, tmp_
     finally:
         ray.shutdown()
     # the sidecars read as their own dataset
-    emb = ds.dataset(out / "_emb")
+    emb = ds.dataset(schema.local_side_path(out, schema.EMB_DIR))
     assert emb.schema.names == ["key", "image_emb", "text_emb"] and emb.count_rows() == 15
 
 
@@ -126,7 +127,7 @@ def test_a_folder_of_other_files_is_refused_and_left_untouched(make_shards, tmp_
         err = capsys.readouterr().err
         assert "did not write" in err and "00000.parquet" in err and "Traceback" not in err
         assert _snapshot(folder) == before
-        assert not (folder / schema.STATE_DIR).exists()
+        assert not (folder / schema.STATE_DIR).exists() and not Path(f"{folder}{schema.SIDE_SUFFIX}").exists()
 
 
 def test_overwrite_deletes_only_what_the_job_wrote(make_shards, tmp_path: Path) -> None:
@@ -136,20 +137,23 @@ def test_overwrite_deletes_only_what_the_job_wrote(make_shards, tmp_path: Path) 
     assert main(["export", str(out)]) == 0
     # a user's files put into the job's folder afterwards
     (out / "notes.txt").write_text("mine")
-    (out / "_emb" / "mine.parquet").write_bytes(b"PAR1 not really")
+    side = Path(f"{out}{schema.SIDE_SUFFIX}")
+    (side / "emb" / "mine.parquet").write_bytes(b"PAR1 not really")
     import pyarrow as pa
 
     pq.write_table(pa.table({"x": [1]}), out / "user-table.parquet")
-    mine = {name: data for name, (_, data) in _snapshot(out).items() if name in ("notes.txt", "_emb/mine.parquet", "user-table.parquet")}
+    mine = {name: data for name, (_, data) in _snapshot(out).items() if name in ("notes.txt", "user-table.parquet")}
+    mine_side = {name: data for name, (_, data) in _snapshot(side).items() if name == "emb/mine.parquet"}
     # a leftover of a crashed attempt: a score table with no completion record
     stray = out / "part-00009.parquet"
     stray.write_bytes((out / "part-00002.parquet").read_bytes())
     assert main(["score", *shards[:2], "--out", str(out), *TINY, "--weighting", "reference", "--overwrite"]) == 0
-    left = _snapshot(out)
+    left, left_side = _snapshot(out), _snapshot(side)
     assert {name: left[name][1] for name in mine} == mine  # untouched
-    assert "part-00002.parquet" not in left and "_emb/part-00002.parquet" not in left  # the old job's shard
+    assert {name: left_side[name][1] for name in mine_side} == mine_side and mine_side
+    assert "part-00002.parquet" not in left and "emb/part-00002.parquet" not in left_side  # the old job's shard
     assert "part-00009.parquet" not in left  # its metadata named the old job as writer
-    assert not any(name.startswith(schema.EXPORT_DIR) for name in left)  # the old job's exports
+    assert not any(name.startswith("export/") for name in left_side)  # the old job's exports
     assert [r.stem for r in OutputDir(str(out)).iter_committed()] == ["part-00000", "part-00001"]
 
 
@@ -179,7 +183,7 @@ def test_a_second_run_is_refused_while_the_first_lives_and_takes_over_after_kill
     first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 120
-        while not (out / schema.LOCK_FILE).exists() and time.time() < deadline:
+        while not schema.local_side_path(out, schema.LOCK_FILE).exists() and time.time() < deadline:
             time.sleep(0.05)
         second = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert second.returncode == 1
@@ -192,4 +196,4 @@ def test_a_second_run_is_refused_while_the_first_lives_and_takes_over_after_kill
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert sorted(r.stem for r in OutputDir(str(out)).iter_committed()) == [f"part-{i:05d}" for i in range(6)]
-    assert not (out / schema.LOCK_FILE).exists()
+    assert not schema.local_side_path(out, schema.LOCK_FILE).exists()

@@ -40,8 +40,13 @@ def job(tmp_path_factory: pytest.TempPathFactory, dev_images: list) -> tuple[Pat
     return out, shards, captions
 
 
+def _pseudo(out: Path) -> Path:
+    """Where the pseudo-pairs of the job in ``out`` lie (``OUT.pairclean/pseudo/``)."""
+    return Path(schema.local_side_path(out, "_pseudo"))
+
+
 def _read_all(out: Path) -> dict[str, object]:
-    return {p.name: pq.read_table(p) for p in sorted((out / "_pseudo").glob("*.parquet"))}
+    return {p.name: pq.read_table(p) for p in sorted(_pseudo(out).glob("*.parquet"))}
 
 
 def test_pseudo_pair_writes_scored_pairs_beside_an_unchanged_dataset(job, capsys) -> None:
@@ -56,7 +61,7 @@ def test_pseudo_pair_writes_scored_pairs_beside_an_unchanged_dataset(job, capsys
     report = json.loads(capsys.readouterr().out)
     assert report["pool_size"] == 24 and report["pairs"] >= 24
     assert ds.dataset(str(out)).schema.names == names_before  # OUT still reads as the score tables
-    assert not (out / schema.LOCK_FILE).exists()  # lock released
+    assert not schema.local_side_path(out, schema.LOCK_FILE).exists()  # lock released
     tables = _read_all(out)
     assert sorted(tables) == ["part-00000.parquet", "part-00001.parquet"]
     rows = [r for t in tables.values() for r in t.to_pylist()]
@@ -85,9 +90,9 @@ def test_pseudo_pair_writes_scored_pairs_beside_an_unchanged_dataset(job, capsys
 def test_deterministic_and_mutual_filter(job) -> None:
     out, _, _ = job
     assert main(["pseudo-pair", str(out), "--pool", "all", "--index", "ivf"]) == 0
-    first = {n: (out / "_pseudo" / n).read_bytes() for n in sorted(p.name for p in (out / "_pseudo").iterdir())}
+    first = {n: (_pseudo(out) / n).read_bytes() for n in sorted(p.name for p in _pseudo(out).iterdir())}
     assert main(["pseudo-pair", str(out), "--pool", "all", "--index", "ivf"]) == 0
-    assert {n: (out / "_pseudo" / n).read_bytes() for n in first} == first
+    assert {n: (_pseudo(out) / n).read_bytes() for n in first} == first
     assert main(["pseudo-pair", str(out), "--pool", "all", "--mutual"]) == 0
     rows = [r for t in _read_all(out).values() for r in t.to_pylist()]
     assert rows and all(r["mutual"] and r["direction"] == "i2t" for r in rows)
@@ -134,7 +139,7 @@ def test_clear_errors(job, tmp_path: Path, dev_images: list, capsys) -> None:
     assert main(["pseudo-pair", str(tmp_path / "plain")]) == 1
     err = capsys.readouterr().err.strip()
     assert "not a pairclean output folder" in err and "\n" not in err
-    assert not (tmp_path / "plain" / "_pairclean").exists()  # no lock written into it
+    assert not (tmp_path / "plain" / "_pairclean").exists() and not (tmp_path / "plain.pairclean").exists()  # no lock written
     # a job scored without sidecars
     shard = write_shard(tmp_path / "a-00000.tar", [{"__key__": f"k{i}", "jpg": dev_images[i].path.read_bytes(), "txt": dev_images[i].captions[0]} for i in range(4)])
     assert main(["score", str(shard), "--out", str(tmp_path / "noemb"), "--no-embeddings", *TINY]) == 0
@@ -152,7 +157,7 @@ def test_clear_errors(job, tmp_path: Path, dev_images: list, capsys) -> None:
 # -- crash safety, executors, object stores ---------------------------------------------------
 def _snapshot(out: Path) -> dict[str, bytes]:
     """Every file under OUT/_pseudo (record included), by name."""
-    return {p.name: p.read_bytes() for p in sorted((out / "_pseudo").iterdir())}
+    return {p.name: p.read_bytes() for p in sorted(_pseudo(out).iterdir())}
 
 
 #: Runs the CLI and SIGKILLs itself (a real kill -9: no cleanup, no finally) inside the
@@ -161,7 +166,7 @@ _KILL_ON_NTH_WRITE = """
 import os, signal, sys
 nth, seen, replace = int(sys.argv[1]), [0], os.replace
 def killing_replace(src, dst, *a, **kw):
-    if "/_pseudo/" in str(dst) and str(dst).endswith(".parquet"):
+    if "/pseudo/" in str(dst) and str(dst).endswith(".parquet"):
         seen[0] += 1
         if seen[0] == nth:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -194,7 +199,7 @@ def test_resume_after_kill_9_writes_what_an_uncrashed_run_writes(job, tmp_path: 
     env = {**os.environ, "TMPDIR": str(scratch)}
     crashed = subprocess.run([sys.executable, "-c", _KILL_ON_NTH_WRITE, "2", *args], env=env, capture_output=True, text=True, timeout=300)
     assert crashed.returncode == -9, crashed.stderr[-2000:]
-    after = {p.name for p in (out / "_pseudo").iterdir()}
+    after = {p.name for p in _pseudo(out).iterdir()}
     temporaries = [n for n in after if ".tmp-" in n]
     assert len(temporaries) == 1 and "_run.json" not in after  # killed mid-write: no record
     assert _snapshot(out)["part-00000.parquet"] == uncrashed["part-00000.parquet"]  # the first file is new,
@@ -202,12 +207,12 @@ def test_resume_after_kill_9_writes_what_an_uncrashed_run_writes(job, tmp_path: 
     with pytest.raises(FileNotFoundError, match="incomplete"):
         PseudoCaptions(out)  # trainers refuse the mix
     assert list(scratch.iterdir()) == []  # the pool's scratch files died with the process
-    assert (out / schema.LOCK_FILE).exists()  # the dead run's lock: taken over below (same host, pid gone)
+    assert schema.local_side_path(out, schema.LOCK_FILE).exists()  # the dead run's lock: taken over below (same host, pid gone)
     rerun = subprocess.run([sys.executable, "-m", "pairclean_workers.cli", *args], env=env, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert _snapshot(out) == uncrashed  # byte for byte, temporaries gone, record back
-    assert not (out / schema.LOCK_FILE).exists() and list(scratch.iterdir()) == []
-    assert (out / RECORD).exists() and PseudoCaptions(out).get(str(job[1][0]), "s0/000") is not None
+    assert not schema.local_side_path(out, schema.LOCK_FILE).exists() and list(scratch.iterdir()) == []
+    assert schema.local_side_path(out, RECORD).exists() and PseudoCaptions(out).get(str(job[1][0]), "s0/000") is not None
 
 
 def test_query_searcher_reads_its_rows_from_the_sidecars(job, tmp_path: Path) -> None:
@@ -288,14 +293,14 @@ def test_a_pool_in_the_loopback_s3_store(job, ray_session, s3_endpoint: str, tmp
     common = ["pseudo-pair", "s3://pseudo-weights/job", "--pool", "all", "--neighbours", "2", "--chunk", "7", *storage]
 
     def objects() -> dict[str, bytes]:
-        return {p.rsplit("/", 1)[1]: fs.cat_file(p) for p in sorted(fs.find("pseudo-weights/job/_pseudo"))}
+        return {p.rsplit("/", 1)[1]: fs.cat_file(p) for p in sorted(fs.find("pseudo-weights/job.pairclean/pseudo"))}
 
     assert main([*common, "--executor", "local"]) == 0
     on_s3 = objects()
     assert sorted(on_s3) == ["_run.json", "part-00000.parquet", "part-00001.parquet"]
     record = json.loads(on_s3["_run.json"])
     assert record["files"] == {f"_pseudo/{n}": hashlib.sha256(b).hexdigest() for n, b in on_s3.items() if n != "_run.json"}
-    assert not fs.exists(f"pseudo-weights/job/{schema.LOCK_FILE}")
+    assert not fs.exists("pseudo-weights/job.pairclean/state/lock.json")
     assert main([*common, "--executor", "ray", "--ray-min-pool", "0", "--num-actors", "2"]) == 0
     assert objects() == on_s3
     # The same pairs as the local folder's job (the same shards, scored the same way).

@@ -96,7 +96,7 @@ def test_refine_planted_job_local_is_good_deterministic_and_idempotent(tmp_path:
     assert table.schema.names[:11] == ["key", "shard", "idx", "status", "error", "similarity", "weight", "noisy", "p_clean", "ncr_score"][:11]
     meta = json.loads(table.schema.metadata[schema.META_KEY])
     assert meta["refine"]["method"] == "ncr" and meta["refine"]["seed"] == 5 and meta["refine"]["sample_pairs"] == 396
-    heads = tmp_path / "a" / meta["refine"]["heads"]
+    heads = schema.local_side_path(tmp_path / "a", meta["refine"]["heads"])  # a logical name: OUT.pairclean/state/heads/
     assert hashlib.sha256(heads.read_bytes()).hexdigest() == meta["refine"]["heads_sha256"]
     rows = pq.read_table(tmp_path / "a", columns=["key", "status", "p_clean", "ncr_score", "weight", "noisy"]).to_pylist()
     ok = [r for r in rows if r["status"] == "ok"]
@@ -146,13 +146,13 @@ def test_resume_after_kill_9_in_the_middle_of_a_refine(tmp_path: Path) -> None:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
-        if len(glob.glob(str(out / "_pairclean" / "refine" / "*-*" / "*.json"))) >= 5:
+        if len(glob.glob(str(schema.local_side_path(out, "_pairclean/refine") / "*-*" / "*.json"))) >= 5:
             break
         time.sleep(0.01)
     assert proc.poll() is None, "refine ended before it could be killed"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    done = len(glob.glob(str(out / "_pairclean" / "refine" / "*-*" / "*.json")))
+    done = len(glob.glob(str(schema.local_side_path(out, "_pairclean/refine") / "*-*" / "*.json")))
     assert 5 <= done < 120
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-2000:]

@@ -59,13 +59,13 @@ def test_score_writes_one_keyed_parquet_per_shard_with_metadata(make_shards, tmp
     assert meta["p_clean"] == {"recipe": "hard", "version": 0, "rule": "similarity > beta"}
     # the default weight is p_clean (here the hard s > beta: 9 ok pairs are too few for a mixture)
     assert all(r["weight"] == r["p_clean"] == (0.0 if r["noisy"] else 1.0) for r in first)
-    emb = pq.read_table(out / "_emb" / "part-00000.parquet")
+    emb = pq.read_table(schema.local_side_path(out, "_emb/part-00000.parquet"))
     assert emb.column("key").to_pylist() == [r["key"] for r in first]
     assert emb.column("image_emb").null_count == 3
     manifest = _manifest(out)
     assert [m["stem"] for m in manifest] == ["part-00000", "part-00001"]
     assert manifest[0]["statuses"] == {"decode_error": 1, "empty_text": 1, "missing_image": 1, "ok": 3}
-    job = json.loads((out / schema.JOB_FILE).read_text())
+    job = json.loads(schema.local_side_path(out, schema.JOB_FILE).read_text())
     assert job["spec"]["shards"] == [str(s) for s in shards]
 
 
@@ -170,7 +170,7 @@ def test_kill_9_mid_job_then_rerun_commits_every_shard_exactly_once(make_shards,
     assert all((out / f"{stem}.parquet").stat().st_mtime_ns == t for stem, t in before.items())
     visible = sorted(p.name for p in out.iterdir() if not p.name.startswith("_"))
     assert visible == sorted(f"part-{i:05d}.parquet" for i in range(8))
-    assert sorted(p.name for p in (out / "_emb").iterdir()) == sorted(f"part-{i:05d}.parquet" for i in range(8))
+    assert sorted(p.name for p in schema.local_side_path(out, schema.EMB_DIR).iterdir()) == sorted(f"part-{i:05d}.parquet" for i in range(8))
     assert not list(out.rglob(".*"))  # no temporary left behind
     for m in manifest:
         data = (out / m["output"]).read_bytes()

@@ -31,12 +31,12 @@ def test_completions_are_compacted_into_the_manifest_and_their_files_removed(tmp
     for i in range(25):
         out.record_completion(_record(i))
     # two compactions happened (at 10 and 20): 5 records wait in their own files
-    assert len(os.listdir(tmp_path / schema.COMPLETIONS_DIR)) == 5
+    assert len(os.listdir(schema.local_side_path(tmp_path, schema.COMPLETIONS_DIR))) == 5
     fresh = OutputDir(str(tmp_path))  # a resuming run: manifest + 5 records
     assert sorted(fresh.committed()) == [f"{i:06d}" for i in range(25)]
     assert fresh.committed()["000003"] == _record(3)
     out.compact()
-    assert os.listdir(tmp_path / schema.COMPLETIONS_DIR) == []
+    assert os.listdir(schema.local_side_path(tmp_path, schema.COMPLETIONS_DIR)) == []
     assert len(OutputDir(str(tmp_path)).committed()) == 25
 
 
@@ -46,7 +46,7 @@ def test_a_crash_between_manifest_and_cleanup_leaves_harmless_duplicates(tmp_pat
         out.record_completion(_record(i))
     out.compact()
     # as if the run died after writing the manifest but before deleting the records
-    (tmp_path / schema.COMPLETIONS_DIR / "000001.json").write_text(json.dumps(_record(1).to_json()))
+    (schema.local_side_path(tmp_path, schema.COMPLETIONS_DIR) / "000001.json").write_text(json.dumps(_record(1).to_json()))
     committed = OutputDir(str(tmp_path)).committed()
     assert sorted(committed) == ["000000", "000001", "000002"]
 
