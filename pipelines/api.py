@@ -219,7 +219,14 @@ def score_pairs(
 def _pair(i: int, image: Any, caption: str, pair_cls: Any, schema: Any) -> Any:
     text = caption.strip() if isinstance(caption, str) else ""
     status, error = (schema.STATUS_OK, None) if text else (schema.STATUS_EMPTY_TEXT, "empty caption")
-    return pair_cls(key=f"{i:09d}", idx=i, image=_image_bytes(image), text=text or None, status=status, error=error)
+    try:
+        data = _image_bytes(image)
+    except TypeError as exc:
+        if not isinstance(image, np.ndarray):
+            raise  # a wrong kind of argument, not a bad sample
+        # An array that is no image (wrong dtype or channels) is one bad pair, not a failed batch.
+        return pair_cls(key=f"{i:09d}", idx=i, image=None, text=text or None, status=schema.STATUS_DECODE_ERROR, error=str(exc))
+    return pair_cls(key=f"{i:09d}", idx=i, image=data, text=text or None, status=status, error=error)
 
 
 def _score_samples(samples: list[Any], estimator: Any, options: Any) -> Any:
