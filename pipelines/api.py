@@ -76,8 +76,9 @@ def load_calibration(source: Any, *, model: str | None = None, storage_options: 
     ``InputError`` when there is no calibration to read."""
     import json
 
-    from .errors import InputError
-    from .job import Calibration, OutputDir
+    from pairclean.calibrate.calibration import Calibration
+    from pairclean.errors import InputError
+    from pairclean.output.folder import OutputDir
 
     if isinstance(source, Calibration):
         return source
@@ -89,11 +90,10 @@ def load_calibration(source: Any, *, model: str | None = None, storage_options: 
         calibration = Calibration(**(doc["calibration"] if "calibration" in doc else doc))
     else:
         out = OutputDir(path, storage_options)
-        spec = out.read_spec()
-        calibration = out.read_calibration()
-        if spec is None or calibration is None:
+        spec, frozen = out.read_spec(), out.read_calibration()
+        if spec is None or frozen is None:
             raise InputError(f"{path} holds no calibration: give a scored job's output folder or a saved calibration file")
-        found_model = spec.model
+        calibration, found_model = frozen, spec.model
     if model is not None and found_model is not None and found_model != model:
         raise InputError(f"the calibration in {path} was made with model {found_model!r}, not {model!r}: "
                          "score with the same model, or calibrate on a job of this one")
@@ -105,7 +105,7 @@ def save_calibration(calibration: Any, path: str | os.PathLike[str], *, model: s
     ``load_calibration``/``score_pairs(calibration=path)`` elsewhere (atomically)."""
     import json
 
-    from .storage import write_file_atomic
+    from pairclean.storage import write_file_atomic
 
     write_file_atomic(path, json.dumps({"model": model, "calibration": calibration.to_json()}, indent=2).encode())
 

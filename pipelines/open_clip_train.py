@@ -31,7 +31,7 @@ Unless ``--train-num-samples`` is given, it is set from ``OUT`` for the shards n
 ``--train-data``: all rows (``weight``), the kept ones (``keep``), or the expected number
 kept (``sample``), so open_clip's schedule counts what the loader yields; DataComp's
 resharder and open_clip both read ``sizes.json`` beside the shards as *all* samples
-(see ``pairclean.exports``), so the kept count never goes there.
+(see ``pairclean.output.exports``), so the kept count never goes there.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def expected_samples(out: str | Path, train_data: str, mode: str) -> int:
     Raises ``FileNotFoundError`` naming a shard the job did not score."""
     import pyarrow.parquet as pq
 
-    from .uris import shard_stems
+    from pairclean.uris import shard_stems
 
     total = 0.0
     for stem in shard_stems(train_data):
@@ -203,8 +203,8 @@ def _check(options: argparse.Namespace, args: argparse.Namespace) -> None:
 def patched(oc_main: Any, weights: str, mode: str, missing: str, holder: WeightHolder) -> Iterator[WeightHolder]:
     """``open_clip_train.main``'s ``get_data`` and ``create_loss`` replaced for the block
     (see the module docstring), restored after it."""
-    from .openclip import weigh_pipeline
-    from .sampler import WeightStage
+    from pairclean.openclip import weigh_pipeline
+    from pairclean.sampler import WeightStage
 
     original_get_data, original_create_loss = oc_main.get_data, oc_main.create_loss
 

@@ -58,7 +58,7 @@ class ScorePairs:
         batch_size: int = 64,
         storage_options: Any = None,
     ) -> None:
-        from .api import load_calibration, load_estimator
+        from pairclean.api import load_calibration, load_estimator
 
         _set_threads(threads)
         self.estimator = load_estimator(model, checkpoint=checkpoint, precision=precision, device=device)
@@ -68,7 +68,7 @@ class ScorePairs:
         self.batch_size = batch_size
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
-        from .api import score_pairs
+        from pairclean.api import score_pairs
 
         missing = [c for c in (self.image_column, self.caption_column) if c not in batch]
         if missing:

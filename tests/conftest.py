@@ -148,7 +148,7 @@ def img2dataset_folder(tmp_path: Path) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pairclean.shards import iter_raw_samples
+    from pairclean.read.shards import iter_raw_samples
 
     sample = REPO / "pipelines" / "data" / "sample" / "demo-000000.tar"
     pairs = [(s.files["jpg"], s.files["txt"].decode()) for s in iter_raw_samples(str(sample))]

@@ -565,7 +565,7 @@ class PseudoCaptions:
     """
 
     def __init__(self, output_dir: str | os.PathLike[str], caption_key: str = "txt", max_cached_shards: int = 64) -> None:
-        from . import schema
+        from pairclean import schema
 
         # OUT.pairclean/pseudo/ (OUT/_pseudo/ in folders of the older layout)
         self.root = Path(schema.local_side_path(output_dir, PSEUDO_DIR))

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pairclean import schema
-from pairclean.job import OutputDir
+from pairclean.output.folder import OutputDir
 from pairclean_workers.cli import main
 
 TINY = ["--model", "pairclean-tiny-test", "--no-progress", "--batch-size", "4", "--executor", "local"]

@@ -4,14 +4,13 @@ Data's readers give them, one model per actor, the frozen calibration of an exis
 from __future__ import annotations
 
 import io
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import pairclean
-from pairclean.shards import iter_raw_samples
+from pairclean.read.shards import iter_raw_samples
 
 SAMPLE = Path(pairclean.__file__).parent / "data" / "sample" / "demo-000000.tar"
 ray = pytest.importorskip("ray")
