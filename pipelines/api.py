@@ -219,6 +219,8 @@ def score_pairs(
 def _pair(i: int, image: Any, caption: str, pair_cls: Any, schema: Any) -> Any:
     text = caption.strip() if isinstance(caption, str) else ""
     status, error = (schema.STATUS_OK, None) if text else (schema.STATUS_EMPTY_TEXT, "empty caption")
+    if image is None:  # a row without an image (a failed download in img2dataset's output, say)
+        return pair_cls(key=f"{i:09d}", idx=i, image=None, text=text or None, status=schema.STATUS_MISSING_IMAGE, error="no image")
     try:
         data = _image_bytes(image)
     except TypeError as exc:

@@ -150,7 +150,8 @@ def WeightedClipLoss(holder: WeightHolder, **kwargs: Any) -> Any:  # noqa: N802 
 def expected_samples(out: str | Path, train_data: str, mode: str) -> int:
     """How many samples the loader yields per pass over ``train_data`` (open_clip's
     ``--train-data``, ``::`` and brace lists allowed) in ``mode``, from the job in ``out``:
-    all rows, the kept ones (status ok, not noisy), or ``sum(min(1, weight))``.
+    the ok rows (open_clip drops samples without an image or caption, and those it cannot
+    decode), the kept ones (status ok, not noisy), or ``sum(min(1, weight))``.
     Raises ``FileNotFoundError`` naming a shard the job did not score."""
     import pyarrow.parquet as pq
 
@@ -162,10 +163,10 @@ def expected_samples(out: str | Path, train_data: str, mode: str) -> int:
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: the pairclean job in {out} did not score shard {stem!r} of --train-data")
         table = pq.read_table(path, columns=["status", "weight", "noisy"])
+        ok = np.asarray(table.column("status").to_pylist()) == "ok"
         if mode == "weight":
-            total += table.num_rows
+            total += int(ok.sum())
         elif mode == "keep":
-            ok = np.asarray(table.column("status").to_pylist()) == "ok"
             total += int((ok & ~table.column("noisy").to_numpy(zero_copy_only=False).astype(bool)).sum())
         else:
             total += float(np.minimum(1.0, table.column("weight").to_numpy()).sum())

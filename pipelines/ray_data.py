@@ -70,12 +70,15 @@ class ScorePairs:
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         from pairclean.api import score_pairs
 
-        missing = [c for c in (self.image_column, self.caption_column) if c not in batch]
-        if missing:
-            raise KeyError(f"ScorePairs: the batch has no column {missing[0]!r} (it has {sorted(batch)}): "
-                           "pass image_column= / caption_column=")
-        images = _rows(batch[self.image_column])
-        captions = [c.decode("utf-8", "replace") if isinstance(c, (bytes, bytearray)) else str(c) for c in _rows(batch[self.caption_column])]
+        if self.image_column not in batch and self.caption_column not in batch:
+            raise KeyError(f"ScorePairs: the batch has neither {self.image_column!r} nor {self.caption_column!r} "
+                           f"(it has {sorted(batch)}): pass image_column= / caption_column=")
+        n = len(next(iter(batch.values())))
+        # A block without one of the columns (samples of a shard whose downloads all failed)
+        # gives rows with a missing_image / empty_text status, not a failed batch.
+        images = _rows(batch[self.image_column]) if self.image_column in batch else [None] * n
+        raw = _rows(batch[self.caption_column]) if self.caption_column in batch else [None] * n
+        captions = [c.decode("utf-8", "replace") if isinstance(c, (bytes, bytearray)) else ("" if c is None else str(c)) for c in raw]
         result = score_pairs(images, captions, estimator=self.estimator, calibration=self.calibration, batch_size=self.batch_size)
         out = {k: v for k, v in batch.items() if not (self.drop_image and k == self.image_column)}
         out.update(similarity=result.similarity, weight=result.weight, noisy=result.noisy, p_clean=result.p_clean,

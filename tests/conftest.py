@@ -136,6 +136,17 @@ def tiny_judge() -> Callable[..., Path]:
 
 @pytest.fixture
 def img2dataset_folder(tmp_path: Path) -> Path:
+    """``write_img2dataset_folder(tmp_path / "img2dataset")``."""
+    return write_img2dataset_folder(tmp_path / "img2dataset")
+
+
+@pytest.fixture(scope="session")
+def img2dataset_writer() -> Callable[[Path], Path]:
+    """``write_img2dataset_folder``, for fixtures of a wider scope."""
+    return write_img2dataset_folder
+
+
+def write_img2dataset_folder(folder: Path) -> Path:
     """A demo-like img2dataset output (DataComp-style 32-hex uids, keys ``000NNNNNN``), built
     from the bundled sample: ``00000.tar`` empty (every download failed: it sorts first),
     ``00001.tar`` json members only, ``00002.tar`` and ``00003.tar`` 10 pairs each (the
@@ -152,8 +163,7 @@ def img2dataset_folder(tmp_path: Path) -> Path:
 
     sample = REPO / "pipelines" / "data" / "sample" / "demo-000000.tar"
     pairs = [(s.files["jpg"], s.files["txt"].decode()) for s in iter_raw_samples(str(sample))]
-    folder = tmp_path / "img2dataset"
-    folder.mkdir()
+    folder.mkdir(parents=True)
     tarfile.open(folder / "00000.tar", "w").close()  # a valid tar with no members
     for shard in range(1, 4):
         samples = []
