@@ -37,7 +37,10 @@ class ScorePairs:
     ``calibration``: required (see the module docstring). ``image_column`` holds decoded
     uint8 arrays as Ray Data's readers give them (``read_images``, ``read_webdataset``'s
     default decoder: ``H x W x 3``), encoded bytes (``decoder=None``) or paths;
-    ``caption_column`` strings or bytes. ``drop_image``: leave the image column out of
+    ``caption_column`` strings or bytes. On img2dataset folders (json-only samples of failed
+    downloads) read with ``read_webdataset(..., decoder=None)``: Ray Data cannot batch its
+    decoded images beside missing ones, and pairclean decodes each image itself (a bad one
+    is a status row). ``drop_image``: leave the image column out of
     the output (it is the bulk of a batch). ``threads``: torch threads of this actor (Ray
     sets ``OMP_NUM_THREADS=1`` in workers; default: the CPUs Ray gave the actor, at least 1).
     A pair that cannot be scored is a row with its status, never a failed batch.
@@ -76,9 +79,9 @@ class ScorePairs:
         n = len(next(iter(batch.values())))
         # A block without one of the columns (samples of a shard whose downloads all failed)
         # gives rows with a missing_image / empty_text status, not a failed batch.
-        images = _rows(batch[self.image_column]) if self.image_column in batch else [None] * n
+        images = [_missing_as_none(x) for x in _rows(batch[self.image_column])] if self.image_column in batch else [None] * n
         raw = _rows(batch[self.caption_column]) if self.caption_column in batch else [None] * n
-        captions = [c.decode("utf-8", "replace") if isinstance(c, (bytes, bytearray)) else ("" if c is None else str(c)) for c in raw]
+        captions = [_text(c) for c in raw]
         result = score_pairs(images, captions, estimator=self.estimator, calibration=self.calibration, batch_size=self.batch_size)
         out = {k: v for k, v in batch.items() if not (self.drop_image and k == self.image_column)}
         out.update(similarity=result.similarity, weight=result.weight, noisy=result.noisy, p_clean=result.p_clean,
@@ -92,6 +95,19 @@ def _rows(column: Any) -> list[Any]:
     if isinstance(column, np.ndarray):
         return list(column) if column.dtype != object else column.tolist()
     return list(column)
+
+
+def _missing_as_none(value: Any) -> Any:
+    """None for a missing image cell (pandas and Ray put NaN there), else the value."""
+    return None if isinstance(value, float) and value != value else value
+
+
+def _text(value: Any) -> str:
+    """A caption cell as text: bytes decoded, a missing one (None, or the NaN pandas/Ray put
+    into a missing cell) empty, so the pair gets the ``empty_text`` status."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "replace")
+    return value if isinstance(value, str) else ""
 
 
 def _set_threads(threads: int | None) -> None:
