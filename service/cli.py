@@ -82,12 +82,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServiceSettings()
     demo_out = os.path.abspath(os.path.join(args.state_dir, "demo-out"))
     if args.demo:
+        from pairclean.schema import side_folder
         from pairclean_workers.cli import sample_shard
 
         # The bundled sample and the demo's output folder join this process's allow-lists.
         settings = settings.model_copy(update={
             "allowed_inputs": [*settings.allowed_inputs, os.path.dirname(sample_shard()) + "/"],
-            "allowed_outputs": [*settings.allowed_outputs, demo_out + "/"]})
+            # the job's state goes beside its output (OUT.pairclean): both are allowed
+            "allowed_outputs": [*settings.allowed_outputs, demo_out + "/", side_folder(demo_out) + "/"]})
     app = create_app(settings, state_dir=args.state_dir)
     if args.demo:
         _queue_demo(app, demo_out, args.host, args.port)
