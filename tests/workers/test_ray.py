@@ -51,8 +51,8 @@ def test_ray_path_equals_single_process_path(ray_local, make_shards, tmp_path: P
                 and (x["weight"] is None) == (y["weight"] is None) and abs((x["weight"] or 0) - (y["weight"] or 0)) < 1e-6
                 for x, y in zip(a, b, strict=True)
             )
-        assert json.loads((local / schema.CALIBRATION_FILE).read_text())["beta"] == pytest.approx(
-            json.loads((viaray / schema.CALIBRATION_FILE).read_text())["beta"], abs=1e-6
+        assert json.loads(schema.local_side_path(local, schema.CALIBRATION_FILE).read_text())["beta"] == pytest.approx(
+            json.loads(schema.local_side_path(viaray, schema.CALIBRATION_FILE).read_text())["beta"], abs=1e-6
         )
 
 

@@ -110,7 +110,7 @@ def test_a_job_commits_every_shard_with_the_calibration_it_froze(job, make_spec,
     cal = report.calibration
     assert cal is not None and cal == run.out.read_calibration()
     assert (cal.recipe, cal.weighting, cal.calibration_pairs) == ("shuffled", "reference", 6)
-    assert cal == Calibration(**json.loads((run.path / schema.CALIBRATION_FILE).read_text()))
+    assert cal == Calibration(**json.loads(schema.local_side_path(run.path, schema.CALIBRATION_FILE).read_text()))
     # every table, from either phase, carries that calibration and is weighted with it
     for uri in shards:
         table = run.table(_stem(uri))
@@ -120,14 +120,14 @@ def test_a_job_commits_every_shard_with_the_calibration_it_froze(job, make_spec,
         expected = osa.apply_weighting(sims, cal.beta, cal.weighting_params())
         assert np.allclose(table.column(schema.COL_WEIGHT).to_numpy(), expected)
         assert table.column(schema.COL_KEY).to_pylist() == [f"p{i:04d}" for i in range(4 * shards.index(uri), 4 * shards.index(uri) + 4)]
-        assert (run.path / schema.EMB_DIR / f"{_stem(uri)}.parquet").exists()
+        assert (schema.local_side_path(run.path, schema.EMB_DIR) / f"{_stem(uri)}.parquet").exists()
     # committed: the manifest names each table with its checksum; the lock is gone
     committed = run.out.committed()
     assert sorted(committed) == [_stem(u) for u in shards]
     for stem, record in committed.items():
         assert record.sha256 == sha256_file(run.path / record.output) and record.rows == 4
     assert run.out.store.list(schema.COMPLETIONS_DIR) == []  # compacted at the end
-    assert not (run.path / schema.LOCK_FILE).exists()
+    assert not schema.local_side_path(run.path, schema.LOCK_FILE).exists()
     assert events.events[0] == ("start", 5, 0)
     assert sorted(e[1] for e in events.events[1:]) == [_stem(u) for u in shards]
     assert all(e[0] == "done" and e[2] == 4 for e in events.events[1:])
@@ -215,7 +215,7 @@ def test_when_every_shard_fails_nothing_is_calibrated(job, make_spec, write_shar
     report = run.run()
     assert report.state == FAILED and report.committed == 0 and report.calibration is None
     assert sorted(u for u, _ in report.failed) == shards
-    assert run.out.read_calibration() is None and not (run.path / schema.CALIBRATION_FILE).exists()
+    assert run.out.read_calibration() is None and not schema.local_side_path(run.path, schema.CALIBRATION_FILE).exists()
     assert sorted(run.out.quarantined()) == [_stem(u) for u in shards]
 
 
@@ -226,7 +226,9 @@ def test_a_folder_held_by_a_live_run_is_refused_untouched(job, make_spec, write_
     with pytest.raises(OutputBusyError, match="another-host"):
         run.run()
     assert run.sources == []
-    assert sorted(p.relative_to(run.path).as_posix() for p in run.path.rglob("*") if p.is_file()) == [schema.LOCK_FILE]
+    side = Path(f"{run.path}{schema.SIDE_SUFFIX}")  # OUT.pairclean: the holder's lock only; OUT untouched
+    assert not run.path.exists() or not any(run.path.rglob("*"))
+    assert sorted(p.relative_to(side).as_posix() for p in side.rglob("*") if p.is_file()) == ["state/lock.json"]
 
 
 def test_a_folder_of_other_files_is_refused_without_writing(job, make_spec, write_shards) -> None:
