@@ -66,7 +66,7 @@ def test_calibration_phase_uses_the_first_ok_pairs_in_shard_order_and_writes_tho
     assert first.statuses == {schema.STATUS_DECODE_ERROR: 1, schema.STATUS_OK: 2} and second.statuses == {schema.STATUS_OK: 3}
     # beta is exactly the shuffled recipe on the first 5 ok pairs as the sidecars store them
     # (float16), so that a rescore from the sidecars reproduces it
-    parts = [_sidecar(tmp_path / "out" / r.emb_output) for r in (first, second) if r.emb_output]
+    parts = [_sidecar(schema.local_side_path(tmp_path / "out", r.emb_output)) for r in (first, second) if r.emb_output]
     img = np.concatenate([p[0] for p in parts])[:5]
     txt = np.concatenate([p[1] for p in parts])[:5]
     assert len(img) == 5
@@ -76,7 +76,8 @@ def test_calibration_phase_uses_the_first_ok_pairs_in_shard_order_and_writes_tho
         path = tmp_path / "out" / record.output
         assert record.sha256 == sha256_file(path) and record.bytes == path.stat().st_size
         assert _meta(path)["beta"]["value"] == cal.beta
-    assert _files(tmp_path / "out") == sorted([first.output, second.output, str(first.emb_output), str(second.emb_output)])
+    assert _files(tmp_path / "out") == sorted([first.output, second.output])  # OUT: the score tables only
+    assert _files(tmp_path / "out.pairclean" / "emb") == sorted(Path(str(r.emb_output)).name for r in (first, second))
 
 
 def test_calibration_phase_reports_unreadable_shards_and_calibrates_on_the_rest(
