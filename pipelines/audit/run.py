@@ -3,7 +3,7 @@
 - ``population(out)``: the job's ok pairs (shard, key, row, similarity, flag, model
   ``p_clean``) from its committed score tables (a few columns each, nothing decoded).
 - ``make_queue(out, n, seed)``: a stratified sample (``design.draw_design``), saved with
-  its design in ``OUT/_pairclean/audit/design.json`` so the estimate can use its strata
+  its design in ``OUT.pairclean/state/audit/design.json`` so the estimate can use its strata
   and inclusion probabilities; the queue itself is returned (the CLI writes it as CSV).
 - ``read_labels(path)``: a labels file (``key,label`` [``,shard,who,labelled_at``]), CSV
   or Parquet, bounded and checked line by line.

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from pairclean import schema
 from pairclean_workers.cli import _demo_truth, main
 
 pytestmark = pytest.mark.slow
@@ -24,7 +25,8 @@ def demo_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def job(demo_job: Path, tmp_path: Path) -> Path:
-    """A fresh copy of the scored demo job for each test."""
+    """A fresh copy of the scored demo job for each test (OUT and its OUT.pairclean beside it)."""
+    shutil.copytree(f"{demo_job}{schema.SIDE_SUFFIX}", tmp_path / f"job{schema.SIDE_SUFFIX}")
     return Path(shutil.copytree(demo_job, tmp_path / "job"))
 
 
@@ -53,14 +55,14 @@ def test_sample_label_estimate_and_recalibrate(job: Path, tmp_path: Path, capsys
     first = queue.read_bytes()
     assert main(["audit", str(job), "--sample", "10", "--seed", "3", "--out", str(queue)]) == 0
     assert queue.read_bytes() == first  # reproducible from the seed
-    assert (job / "_pairclean" / "audit" / "design.json").is_file()
+    assert schema.local_side_path(job, "_pairclean/audit/design.json").is_file()
     capsys.readouterr()
 
     labels = _label(queue, tmp_path / "labels.csv", swapped)
     assert main(["audit", str(job), "--labels", str(labels), "--threshold", "0.5", "--target", "precision=0.9"]) == 0
     printed = capsys.readouterr().out
     assert "noise rate: 40.0% [40.0, 40.0]" in printed  # 4 of 10 swapped, every pair labelled
-    report = json.loads((job / "_pairclean" / "audit.json").read_text())
+    report = json.loads(schema.local_side_path(job, "_pairclean/audit.json").read_text())
     assert report["status"] == "ok" and report["noise_rate"]["estimate"] == pytest.approx(0.4)
     assert report["noisy_flag"]["precision"]["estimate"] == 1.0 and report["noisy_flag"]["recall"]["estimate"] == 1.0
     assert report["target"]["reached"] and report["threshold"]["threshold"] == 0.5
@@ -95,7 +97,7 @@ def test_too_few_labels_say_how_many_more(job: Path, tmp_path: Path, capsys: pyt
     printed = capsys.readouterr().out
     assert "label 4 more pairs" in printed
     assert (job / "demo-000000.parquet").read_bytes() == before  # nothing applied
-    assert json.loads((job / "_pairclean" / "audit.json").read_text())["labels_needed"] == 4
+    assert json.loads(schema.local_side_path(job, "_pairclean/audit.json").read_text())["labels_needed"] == 4
 
 
 def test_unsure_and_conflicting_labels_are_reported(job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -109,7 +111,7 @@ def test_unsure_and_conflicting_labels_are_reported(job: Path, tmp_path: Path, c
     labels = _label(queue, tmp_path / "labels.csv", swapped, tweak={unsure_key: "unsure"}, extra=[repeat])
     code = main(["audit", str(job), "--labels", str(labels), "--no-apply"])
     printed = capsys.readouterr().out
-    report = json.loads((job / "_pairclean" / "audit.json").read_text())
+    report = json.loads(schema.local_side_path(job, "_pairclean/audit.json").read_text())
     assert report["labels"]["unsure_pairs"] == 1 and report["labels"]["conflicting_pairs"] == 1
     assert "1 only unsure (reported, not counted)" in printed
     assert report["self_agreement"]["repeats"] == 1 and report["self_agreement"]["agreement"] == 0.0
