@@ -66,6 +66,9 @@ _RANK = textwrap.dedent('''
         dist.all_reduce(grad)
         grad /= world  # DDP averages gradients over processes
     json.dump({"loss": out.item(), "grad": grad.flatten().tolist()}, open(f"{path}.{rank}", "w"))
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()  # a clean gloo teardown (leaving it to exit can abort the process)
 ''')
 
 
