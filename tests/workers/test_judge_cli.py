@@ -57,7 +57,7 @@ def test_judge_all_scores_every_pair_and_records_itself(make_shards, tmp_path: P
     before = (out / "part-00000.parquet").read_bytes()
     assert main(["rescore", str(out), "--beta-recipe", "gmm", "--weighting", "p-clean"]) == 1
     assert (out / "part-00000.parquet").read_bytes() == before
-    job = json.loads((out / schema.JOB_FILE).read_text())["spec"]
+    job = json.loads(schema.local_side_path(out, schema.JOB_FILE).read_text())["spec"]
     assert job["judge"] == "all" and job["judge_sha256"] == meta["sha256"] and job["judge_checkpoint"] == str(judge_file)
 
 
@@ -67,7 +67,7 @@ def test_band_judges_its_window_and_keeps_osa_outside(make_shards, tmp_path: Pat
     assert _score(shards, off, "--judge", "off") == 0
     assert _score(shards, band, "--judge", "band", "--judge-budget", "0.5", "--judge-checkpoint", str(judge_file)) == 0
     assert schema.COL_JUDGE_SCORE not in _table(off, "part-00000").column_names
-    assert "judge" not in _meta(off, "part-00000") and "judge" not in json.loads((off / schema.JOB_FILE).read_text())["spec"]
+    assert "judge" not in _meta(off, "part-00000") and "judge" not in json.loads(schema.local_side_path(off, schema.JOB_FILE).read_text())["spec"]
     judged_total = 0
     for stem in ("part-00000", "part-00001"):
         a, b = _table(off, stem).to_pylist(), _table(band, stem).to_pylist()
@@ -102,8 +102,8 @@ def test_resume_with_the_judge_on_and_a_changed_judge_is_refused(make_shards, tm
     assert subprocess.run([*cmd[:cmd.index("--out") + 1], str(fresh), *cmd[cmd.index("--out") + 2:]], capture_output=True, timeout=300).returncode == 0
     for i in range(6):
         assert (out / f"part-{i:05d}.parquet").read_bytes() == (fresh / f"part-{i:05d}.parquet").read_bytes()
-    assert json.loads((out / schema.CALIBRATION_FILE).read_text())["extra"]["judge"]["band"] == \
-        json.loads((fresh / schema.CALIBRATION_FILE).read_text())["extra"]["judge"]["band"]
+    assert json.loads(schema.local_side_path(out, schema.CALIBRATION_FILE).read_text())["extra"]["judge"]["band"] == \
+        json.loads(schema.local_side_path(fresh, schema.CALIBRATION_FILE).read_text())["extra"]["judge"]["band"]
     # another judge setting into the same folder is another job: refused
     capsys.readouterr()
     for changed in (["--judge", "off"], ["--judge", "all", "--judge-checkpoint", str(judge_file)],
@@ -124,7 +124,7 @@ def test_bad_judge_flags_are_clear_errors(make_shards, tmp_path: Path, judge_fil
     assert "judge weights not found" in capsys.readouterr().err
     # the shipped judge reads pairclean-lite's towers: auto turns it off for another model
     assert _score(shards, tmp_path / "c") == 0
-    assert "judge" not in json.loads((tmp_path / "c" / schema.JOB_FILE).read_text())["spec"]
+    assert "judge" not in json.loads(schema.local_side_path(tmp_path / "c", schema.JOB_FILE).read_text())["spec"]
 
 
 @pytest.mark.ray
