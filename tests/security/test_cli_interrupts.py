@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from pairclean import schema
+
 
 class _Trickle(http.server.BaseHTTPRequestHandler):
     body = b""
@@ -61,7 +63,7 @@ def test_ctrl_c_during_a_slow_http_read_exits_130_and_quarantines_nothing(tmp_pa
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.time() + 180
-        while time.time() < deadline and not (out / "_pairclean" / "job.json").exists() and proc.poll() is None:
+        while time.time() < deadline and not schema.local_side_path(out, schema.JOB_FILE).exists() and proc.poll() is None:
             time.sleep(0.2)
         time.sleep(8)  # well inside the read: the shard takes minutes to arrive
         assert proc.poll() is None, proc.communicate()
@@ -72,6 +74,6 @@ def test_ctrl_c_during_a_slow_http_read_exits_130_and_quarantines_nothing(tmp_pa
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
-    failed = out / "_pairclean" / "failed"
+    failed = schema.local_side_path(out, schema.FAILED_DIR)
     assert not failed.exists() or not list(failed.iterdir())
     assert not list(out.glob("*.parquet"))  # and nothing committed: the shard is pending

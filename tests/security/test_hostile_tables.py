@@ -22,6 +22,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from pairclean import schema
+
 from pairclean.errors import InputError
 
 STEM = "demo-000000"
@@ -48,6 +50,8 @@ def scored(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def folder(scored: Path, tmp_path: Path) -> Path:
     out = tmp_path / "out"
     shutil.copytree(scored, out)
+    # a job is its folder and the sibling holding its state and sidecars (OUT.pairclean)
+    shutil.copytree(schema.side_folder(str(scored)), schema.side_folder(str(out)))
     return out
 
 
@@ -88,21 +92,21 @@ def test_refine_refuses_nan_embeddings_and_rewrites_nothing(folder: Path) -> Non
     scikit-learn with its traceback."""
     table = folder / f"{STEM}.parquet"
     before = _sha(table)
-    _rewrite(folder / "_emb" / f"{STEM}.parquet", "image_emb", _nan_embeddings([1, 4]))
+    _rewrite(schema.local_side_path(folder, f"{schema.EMB_DIR}/{STEM}.parquet"), "image_emb", _nan_embeddings([1, 4]))
     r = _cli("refine", str(folder), "--executor", "local")
-    _one_line_error(r, f"_emb/{STEM}.parquet", "2 of", "NaN or infinite embeddings")
+    _one_line_error(r, f"emb/{STEM}.parquet", "2 of", "NaN or infinite embeddings")
     assert _sha(table) == before
 
 
 def test_pseudo_pair_leaves_nan_rows_out_of_its_pool(folder: Path) -> None:
     ok = pq.read_table(folder / f"{STEM}.parquet", columns=["key", "status"]).to_pylist()
     ok_keys = [row["key"] for row in ok if row["status"] == "ok"]
-    _rewrite(folder / "_emb" / f"{STEM}.parquet", "text_emb", _nan_embeddings([0, 3]))
+    _rewrite(schema.local_side_path(folder, f"{schema.EMB_DIR}/{STEM}.parquet"), "text_emb", _nan_embeddings([0, 3]))
     r = _cli("pseudo-pair", str(folder), "--pool", "all", "--executor", "local", "--json")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout.splitlines()[-1])
     assert report["excluded_nonfinite"] == 2 and report["pool_size"] == len(ok_keys) - 2
-    written = pa.concat_tables([pq.read_table(p) for p in (folder / "_pseudo").glob("*.parquet")])
+    written = pa.concat_tables([pq.read_table(p) for p in schema.local_side_path(folder, schema.PSEUDO_DIR).glob("*.parquet")])
     used = set(written.column("key").to_pylist()) if "key" in written.column_names else set()
     assert not {ok_keys[0], ok_keys[3]} & used
 
@@ -117,19 +121,19 @@ def test_export_refuses_non_finite_or_foreign_weights(folder: Path, bad: float |
     _rewrite(folder / f"{STEM}.parquet", "weight", change)
     r = _cli("export", str(folder))
     _one_line_error(r, f"{STEM}.parquet", "outside [0, 1]")
-    assert not (folder / "_export" / "shard_weights.json").exists()
+    assert not schema.local_side_path(folder, f"{schema.EXPORT_DIR}/shard_weights.json").exists()
 
 
 def test_export_writes_strict_json(folder: Path) -> None:
     assert _cli("export", str(folder)).returncode == 0
-    text = (folder / "_export" / "shard_weights.json").read_text()
+    text = schema.local_side_path(folder, f"{schema.EXPORT_DIR}/shard_weights.json").read_text()
     json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in shard_weights.json"))
 
 
 @pytest.mark.parametrize("verb", [["export"], ["refine", "--executor", "local"], ["pseudo-pair", "--executor", "local", "--pool", "all"]])
 @pytest.mark.parametrize("damage", ["cut parquet", "wrong schema", "cut job.json", "edited spec"])
 def test_damaged_folders_are_one_line_errors_naming_the_file(folder: Path, verb: list[str], damage: str) -> None:
-    table, job = folder / f"{STEM}.parquet", folder / "_pairclean" / "job.json"
+    table, job = folder / f"{STEM}.parquet", schema.local_side_path(folder, schema.JOB_FILE)
     if damage == "cut parquet":
         table.write_bytes(table.read_bytes()[:-100])
         named = f"{STEM}.parquet"
@@ -240,4 +244,4 @@ def test_a_write_over_the_file_size_limit_names_the_file(tmp_path: Path) -> None
     r = subprocess.run([sys.executable, "-m", "pairclean_service.cli", "score", sample_shard(), "--out", str(out), "--model",
                         "pairclean-tiny-test", "--executor", "local", "--no-progress"], capture_output=True, text=True,
                        timeout=300, preexec_fn=small_files)
-    _one_line_error(r, "File too large", str(out / "_pairclean"))
+    _one_line_error(r, "File too large", str(out))
