@@ -21,7 +21,7 @@ share of pairs tied on one ``p_clean`` value; the job's noise-rate estimate; pai
 the whole command (start-up and model load included).
 
 Embeddings (for the neighbours) and shards are cached under ``--cache`` (default
-``/work/cache/hard_noise``, outside the repository). ``--ceiling`` prints 100
+``~/.cache/pairclean/hard_noise`` or ``$PAIRCLEAN_CACHE_DIR/hard_noise``, outside the repository). ``--ceiling`` prints 100
 nearest-image-caption pairs with the image's five human captions, to count by eye how
 many still describe their image. ``--rescore-from TAG`` reruns only ``pairclean rescore`` on the
 score folders of an earlier run, copied (no re-embedding: for a calibration change;
@@ -45,6 +45,8 @@ import numpy as np
 
 from _common import flickr_root
 from _embed_dev import embed_dev
+
+from pairclean.calibrate.calibration import cache_dir as _default_cache
 
 KINDS = ("random", "near-image", "near-text", "edit", "mix")
 PER_SHARD = 250
@@ -235,7 +237,7 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     ap.add_argument("--rates", nargs="+", type=float, default=[0.2, 0.5])
     ap.add_argument("--judge", default=None, help="pass --judge MODE to pairclean score (when it has that option)")
-    ap.add_argument("--cache", default="/work/cache/hard_noise")
+    ap.add_argument("--cache", default=str(_default_cache() / "hard_noise"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rescore-from", default=None, metavar="TAG",

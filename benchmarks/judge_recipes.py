@@ -1,7 +1,7 @@
 """Compare judge training recipes on the cached Flickr8k features (train/dev only).
 
 Trains one recipe on the features `pairclean train-judge` caches (``--cache``, default
-/work/cache/judge/lite0 style: images-*.npz, texts-*.npz; see pairclean.lite.judge_data) and
+``pairclean train-judge --features-cache`` style: images-*.npz, texts-*.npz; see pairclean.lite.judge_data) and
 prints, after each epoch, the same dev evaluation as train-judge's report: AUC of the
 judge's logit, clean first captions against each noise kind, and the plain cosine's AUC.
 Nothing is written; image features are never recomputed. A wall-clock ``--budget`` bounds
@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pairclean.calibrate.calibration import cache_dir
 from pairclean.judge.model import Judge, JudgeConfig
 from pairclean.lite import judge_train as jt
 from pairclean.lite.judge_data import SplitFeatures, load_split
@@ -117,7 +118,7 @@ def run(model: nn.Module, train: SplitFeatures, dev: SplitFeatures, args: argpar
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("recipe", choices=["xattn", "xattn_pair", "late"])
-    p.add_argument("--cache", default="/work/cache/judge/lite0")
+    p.add_argument("--cache", default=str(cache_dir() / "judge" / "lite0"))
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch", type=int, default=256)
