@@ -11,23 +11,14 @@ import re
 from pathlib import Path
 
 import pytest
-from test_pages_browser import ARGS, CHROMIUM, SHOTS, Watched
+from test_pages_browser import CHROMIUM, SHOTS, Watched
+from test_pages_browser import browser  # noqa: F401  (the one launch of Chromium, shared as a fixture)
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed (pip install '.[test]')")
 if not CHROMIUM.exists():
     pytest.skip(f"no browser: {CHROMIUM} is missing (apt-get install chromium)", allow_module_level=True)
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_api.sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
 
 
 def _ready(page) -> str:
@@ -41,7 +32,7 @@ def _progress(page) -> int:
     return int(page.inner_text('[data-audit="progress"]').split(" of ")[0])
 
 
-def test_label_20_pairs_with_the_keyboard_and_see_the_estimate(browser, demo_service) -> None:
+def test_label_20_pairs_with_the_keyboard_and_see_the_estimate(browser, demo_service) -> None:  # noqa: F811 (fixture)
     job = demo_service.audit_job("audit-browser")
     watched = Watched(browser, demo_service.url, demo_service.keys["team-a"])
     page = watched.page
@@ -89,7 +80,7 @@ def test_label_20_pairs_with_the_keyboard_and_see_the_estimate(browser, demo_ser
     watched.close()
 
 
-def test_another_tenant_cannot_open_the_labelling_page(browser, demo_service) -> None:
+def test_another_tenant_cannot_open_the_labelling_page(browser, demo_service) -> None:  # noqa: F811 (fixture)
     job = demo_service.job_id
     other = Watched(browser, demo_service.url, demo_service.keys["team-b"])
     for path in (f"/ui/jobs/{job}/audit", f"/ui/jobs/{job}/audit/next.json", f"/ui/jobs/{job}/audit/labels.csv"):
