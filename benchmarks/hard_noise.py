@@ -52,6 +52,9 @@ KINDS = ("random", "near-image", "near-text", "edit", "mix")
 PER_SHARD = 250
 
 
+#: ``pairclean rescore --contrast`` under ``--rescore-from`` (``--rescore-contrast``).
+RESCORE_CONTRAST: list[str] = ["keep"]
+
 #: The pairclean executable the benchmark runs (``--cli``; default: beside this Python).
 CLI: list[str] = []
 
@@ -209,8 +212,11 @@ def run_cli(shards: list[str], out: Path, judge: str | None, threads: int) -> fl
 
 def run_rescore(out: Path) -> None:
     """Recalibrate a scored folder with the CLI (``pairclean rescore``, no re-embedding)."""
-    cal = json.loads((out / "_pairclean" / "calibration.json").read_text())
-    cmd = [_cli(), "rescore", str(out), "--beta-recipe", cal["recipe"], "--weighting", cal["weighting"]]
+    from pairclean.output.folder import OutputDir
+
+    cal = OutputDir(str(out)).read_calibration()
+    assert cal is not None, f"{out} has no calibration"
+    cmd = [_cli(), "rescore", str(out), "--beta-recipe", cal.recipe, "--weighting", cal.weighting, "--contrast", RESCORE_CONTRAST[0]]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"pairclean rescore failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -242,6 +248,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rescore-from", default=None, metavar="TAG",
                     help="copy the score folders of an earlier run (runs/TAG) and only rerun `pairclean rescore` on them")
+    ap.add_argument("--rescore-contrast", default="keep", choices=["keep", "on", "off"],
+                    help="with --rescore-from: rescore with the corpus contrast on, off, or as scored")
     ap.add_argument("--tag", default=None, help="name of this run's folder under CACHE/runs (default: from the image count and judge)")
     ap.add_argument("--cli", default=None, help="the pairclean executable to run (default: the one beside this Python)")
     ap.add_argument("--ceiling", action="store_true", help="print 100 nearest-image-caption pairs to judge by eye, then exit")
@@ -258,11 +266,12 @@ def main() -> None:
         return
     if args.cli:
         CLI.append(args.cli)
+    RESCORE_CONTRAST[0] = args.rescore_contrast
     judge = args.judge
     if judge and not judge_supported():
         print(f"# this CLI has no --judge option; scoring without it (asked: {judge})", file=sys.stderr)
         judge = None
-    tag = args.tag or (f"n{n}" + (f"-judge-{judge}" if judge else "") + (f"-rescored-{args.rescore_from}" if args.rescore_from else ""))
+    tag = args.tag or (f"n{n}" + (f"-judge-{judge}" if judge else "") + (f"-rescored-{args.rescore_from}-{args.rescore_contrast}" if args.rescore_from else ""))
     print(f"# {_cli()} score SHARDS --out OUT --executor local --threads {args.threads}" + (f" --judge {judge}" if judge else "")
           + (f" (copied from runs/{args.rescore_from}, then {_cli()} rescore OUT)" if args.rescore_from else ""), flush=True)
     rows = []
@@ -278,6 +287,10 @@ def main() -> None:
                 if out.exists():
                     shutil.rmtree(out)
                 shutil.copytree(source, out)
+                side = source.parent / f"{name}.pairclean"  # the state folder beside OUT (issue 23 layout)
+                if side.exists():
+                    shutil.rmtree(out.parent / side.name, ignore_errors=True)
+                    shutil.copytree(side, out.parent / side.name)
                 run_rescore(out)
                 old = source.parent / f"{name}.seconds"
                 seconds = float(old.read_text()) if old.exists() else float("nan")

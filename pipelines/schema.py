@@ -38,6 +38,7 @@ __all__ = [
     "COL_NOISY",
     "COL_P_CLEAN",
     "COL_JUDGE_SCORE",
+    "COL_ADJUSTED",
     "COL_UID",
     "COL_URL",
     "COL_IMAGE_OFFSET",
@@ -59,6 +60,7 @@ __all__ = [
     "FAILED_DIR",
     "LOCK_FILE",
     "EXPORTS_FILE",
+    "CONTRAST_BANK_FILE",
     "EXPORT_DIR",
     "HEADS_DIR",
     "REFINE_DIR",
@@ -117,6 +119,10 @@ COL_P_CLEAN: Final = "p_clean"
 #: The judge's score (``--judge band|all``): its log likelihood ratio clean : noisy,
 #: calibrated on Flickr8k dev; NaN for pairs it did not judge (outside the band, not ok).
 COL_JUDGE_SCORE: Final = "judge_score"
+#: The similarity less how well the caption fits the corpus's other images
+#: (``pairclean.calibrate.contrast``): what weight, noisy and p_clean are computed from
+#: when the job's calibration has a contrast; NaN for rows that are not ok.
+COL_ADJUSTED: Final = "adjusted_similarity"
 COL_UID: Final = "uid"
 COL_URL: Final = "url"
 #: Where the pair's members lie in its (uncompressed) tar: the byte offset of the member's
@@ -153,6 +159,8 @@ COMPLETIONS_DIR: Final = f"{STATE_DIR}/completions"
 FAILED_DIR: Final = f"{STATE_DIR}/failed"
 LOCK_FILE: Final = f"{STATE_DIR}/lock.json"
 EXPORTS_FILE: Final = f"{STATE_DIR}/exports.json"
+#: The corpus-contrast bank (``pairclean.calibrate.contrast``): float16 image embeddings, .npy.
+CONTRAST_BANK_FILE: Final = f"{STATE_DIR}/contrast-bank.npy"
 #: ``pairclean refine``'s heads files and its run records.
 HEADS_DIR: Final = f"{STATE_DIR}/heads"
 REFINE_DIR: Final = f"{STATE_DIR}/refine"

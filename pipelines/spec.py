@@ -47,6 +47,9 @@ class JobSpec:
     judge_budget: float | None = None
     judge_checkpoint: str | None = None
     judge_sha256: str | None = None
+    #: Corpus contrast (``pairclean.calibrate.contrast``): weights from the adjusted
+    #: similarity. False for specs written before it (their calibrations have none).
+    contrast: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict (``shards`` as a list). The judge's fields only when it
@@ -56,6 +59,8 @@ class JobSpec:
         if self.judge == "off":
             for name in ("judge", "judge_budget", "judge_checkpoint", "judge_sha256"):
                 del data[name]
+        if not self.contrast:
+            del data["contrast"]  # a job without it keeps the digest it had before contrast existed
         return data
 
     @classmethod

@@ -83,6 +83,9 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     score.add_argument("--caption-field", default=None, help="take the caption from this json field")
     score.add_argument("--decode-device", default="cpu", help="cpu (PIL, on --cpus-per-actor threads) or cuda (batched nvJPEG on the GPU, CPU fallback for PNG/WebP/corrupt images)")
     score.add_argument("--calibration-pairs", type=int, default=4096, help="ok pairs that corpus recipes calibrate on")
+    score.add_argument("--contrast", choices=["auto", "on", "off"], default="auto",
+                       help="weigh by the similarity less how well the caption fits the corpus's other images "
+                            "(docs/methods.md, corpus contrast); auto: on for a new folder, as before when resuming one")
     score.add_argument("--embeddings", action=argparse.BooleanOptionalAction, default=True, help="write the embedding sidecars OUT.pairclean/emb/<shard>.parquet")
     score.add_argument("--overwrite", action="store_true", help="delete what this job wrote into --out earlier (only files its records list) and start over")
     score.add_argument("--max-failed-fraction", type=float, default=0.05, help="a job with at most this fraction of failed shards ends PARTIAL, not FAILED")
@@ -107,6 +110,8 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     rescore.add_argument("--beta-recipe", required=True, choices=osa.BETA_RECIPES)
     rescore.add_argument("--weighting", required=True, choices=osa.WEIGHTINGS)
     rescore.add_argument("--beta-k", type=int, default=None)
+    rescore.add_argument("--contrast", choices=["keep", "on", "off"], default="keep",
+                         help="corpus contrast (needs the embedding sidecars to turn on); keep: as the job was scored")
     rescore.add_argument("--device", default="auto")
     add_storage_arg(rescore)
 
@@ -199,6 +204,22 @@ DEFAULT_JUDGE_MODE = "off"
 DEFAULT_JUDGE_BUDGET = 0.3
 
 
+def _contrast_field(args: argparse.Namespace, storage: dict[str, Any]) -> bool:
+    """``--contrast`` resolved: ``auto`` is on for a new (or overwritten) folder and keeps a
+    resumed folder's setting, so a job started before contrast existed resumes as it began."""
+    if args.contrast != "auto":
+        return bool(args.contrast == "on")
+    if args.overwrite:
+        return True
+    from pairclean.output.folder import OutputDir
+
+    try:
+        existing = OutputDir(args.out, storage).read_spec()
+    except Exception:  # an unreadable folder is reported by the job itself, with its own message
+        existing = None
+    return True if existing is None else existing.contrast
+
+
 def _judge_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The JobSpec's judge fields from the flags (``auto`` resolved; the file hashed)."""
     from pairclean.errors import InputError
@@ -237,7 +258,7 @@ def cmd_score(args: argparse.Namespace) -> int:
         beta_recipe=default_beta_recipe(args.model) if args.beta_recipe == "auto" else args.beta_recipe, beta_k=args.beta_k,
         weighting=args.weighting, seed=args.seed, batch_size=args.batch_size, max_pixels=args.max_pixels,
         caption_field=args.caption_field, embeddings=args.embeddings, calibration_pairs=args.calibration_pairs,
-        decode_device=args.decode_device, **_judge_fields(args),
+        decode_device=args.decode_device, contrast=_contrast_field(args, storage), **_judge_fields(args),
     )
     if args.executor == "local":
         _set_threads(args.threads)
@@ -298,8 +319,10 @@ def cmd_rescore(args: argparse.Namespace) -> int:
         est = load_estimator(EstimatorSpec(spec.model, spec.checkpoint, spec.pretrained, spec.precision, args.device))
         return random_beta_fn(est, spec.beta_k, spec.seed)()
 
-    cal = rescore(OutputDir(args.out, storage_options(args.storage_option)), beta_recipe=args.beta_recipe, weighting=args.weighting, beta_k=args.beta_k, random_beta=random_beta)
-    print(f"rescored {args.out}: beta {cal.beta:+.4f} ({cal.recipe}), weighting {cal.weighting}")
+    cal = rescore(OutputDir(args.out, storage_options(args.storage_option)), beta_recipe=args.beta_recipe, weighting=args.weighting, beta_k=args.beta_k, random_beta=random_beta,
+                  contrast=None if args.contrast == "keep" else args.contrast == "on")
+    print(f"rescored {args.out}: beta {cal.beta:+.4f} ({cal.recipe}), weighting {cal.weighting}, "
+          f"contrast {'on' if 'contrast' in cal.extra else 'off'}")
     return EXIT_OK
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from numpy.typing import NDArray
 from pairclean import osa
 from pairclean.calibrate import p_clean as p_clean_model
+from pairclean.calibrate.contrast import Contrast
 from pairclean.storage import write_file_atomic
 
 __all__ = ["Calibration", "needs_corpus", "calibrate", "cache_dir", "cached_random_beta"]
@@ -82,6 +83,33 @@ class Calibration:
 MIN_MIXTURE_PAIRS = 16
 
 
+#: Random mismatched pairs scored for the noise side under a contrast (each costs a bank pass).
+MAX_CONTRAST_RANDOM = 8192
+
+PairScores = Callable[[NDArray[np.int64], NDArray[np.int64]], NDArray[np.float32]]
+
+
+def _contrast_pair_scores(contrast: Contrast, image_emb: NDArray[np.float32], text_emb: NDArray[np.float32]) -> PairScores:
+    """Adjusted similarity of (image i, caption of pair j) for index arrays ``i``, ``j``: the
+    bank leaves out pair i and the caption's own pair j (real noise's source image is often
+    not in the bank: scoring the references without it keeps p_clean conservative)."""
+
+    def score(i: NDArray[np.int64], j: NDArray[np.int64]) -> NDArray[np.float32]:
+        img, txt = image_emb[i], text_emb[j]
+        source = np.where(j < contrast.bank.shape[1], j, -1).astype(np.int64)
+        return contrast.adjust(osa.cosine_rows(img, txt), img, txt, source=source)
+
+    return score
+
+
+def _random_pair_scores(score: PairScores, n: int, count: int, seed: int) -> NDArray[np.float32]:
+    """``score`` of ``count`` random mismatched pairs (i, j), i != j, drawn as ``osa.shuffled_similarities`` draws."""
+    rng = np.random.default_rng(seed)
+    i = rng.integers(0, n, size=count)
+    j = (i + rng.integers(1, n, size=count)) % n
+    return score(i, j)
+
+
 def needs_corpus(beta_recipe: str, weighting: str) -> bool:
     """Whether calibration must see corpus pairs before any shard can be written."""
     return beta_recipe != "random-inputs" or weighting in ("reference", "p-clean")
@@ -126,6 +154,7 @@ def calibrate(
     image_emb: NDArray[np.float32] | None,
     text_emb: NDArray[np.float32] | None,
     random_beta: RandomBeta,
+    contrast: Contrast | None = None,
 ) -> Calibration:
     """Resolve beta and the weighting parameters from ok-pair arrays.
 
@@ -134,11 +163,21 @@ def calibrate(
     recipes average the same number of cosines at the same K. The mixture (``gmm`` recipe,
     noise-rate estimate) pins its noise component to those mismatched pairs when embeddings
     are given. The noise-rate estimate is reported whenever there are 16 or more pairs.
+
+    ``contrast`` (with embeddings): everything is fitted on the adjusted similarities
+    (``pairclean.calibrate.contrast``), the noise references included; recorded in
+    ``extra["contrast"]``.
     """
     sims = np.asarray(similarities, dtype=np.float32)
     fallback: dict[str, str] = {}
     noise = None
-    if image_emb is not None and text_emb is not None and len(image_emb) >= 2:
+    pair_scores = None
+    if contrast is not None and image_emb is not None and text_emb is not None:
+        sims = contrast.adjust(sims, image_emb[: sims.size], text_emb[: sims.size])
+        pair_scores = _contrast_pair_scores(contrast, image_emb, text_emb)
+        if len(image_emb) >= 2:
+            noise = _random_pair_scores(pair_scores, len(image_emb), min(k * k, MAX_CONTRAST_RANDOM), seed)
+    elif image_emb is not None and text_emb is not None and len(image_emb) >= 2:
         # what random mispairing looks like in this corpus: pins the mixture's noise side
         noise = osa.shuffled_similarities(image_emb, text_emb, k * k, seed)
     gmm = osa.fit_gmm(sims, seed, noise_sims=noise) if np.isfinite(sims).sum() >= MIN_MIXTURE_PAIRS else None
@@ -164,7 +203,7 @@ def calibrate(
     curve = None
     if noise is not None and image_emb is not None and text_emb is not None and np.isfinite(sims).sum() >= MIN_MIXTURE_PAIRS:
         # p_clean from what the corpus shows (random and near-miss pairs), not a pinned Gaussian
-        refs = p_clean_model.noise_references(image_emb, text_emb, noise, seed)
+        refs = p_clean_model.noise_references(image_emb, text_emb, noise, seed, pair_scores=pair_scores)
         curve = p_clean_model.fit_p_clean(sims, refs, seed).to_json()
     return Calibration(
         beta=float(beta),
@@ -176,6 +215,7 @@ def calibrate(
         weighting_batch_size=params.batch_size,
         noise_rate=osa.estimate_noise_rate(sims, seed, noise) if gmm else None,
         calibration_pairs=int(sims.size),
-        extra={**fallback, **({"p_clean": curve} if curve else {}), **({"gmm_means": list(gmm.means), "gmm_stds": list(gmm.stds), "gmm_noise_weight": gmm.noise_rate,
+        extra={**fallback, **({"p_clean": curve} if curve else {}),
+               **({"contrast": contrast.to_json()} if pair_scores is not None and contrast is not None else {}), **({"gmm_means": list(gmm.means), "gmm_stds": list(gmm.stds), "gmm_noise_weight": gmm.noise_rate,
                                  "gmm_boundary": gmm.boundary} if gmm else {})},
     )

@@ -46,6 +46,7 @@ and resume reproduce it without the embeddings.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -140,14 +141,21 @@ def _nearest_other(emb: NDArray[Any], block: int = 1024) -> tuple[NDArray[np.int
     return idx, best
 
 
-def noise_references(image_emb: NDArray[Any], text_emb: NDArray[Any], random_sims: NDArray[Any], seed: int) -> NoiseReferences:
+def noise_references(image_emb: NDArray[Any], text_emb: NDArray[Any], random_sims: NDArray[Any], seed: int,
+                     pair_scores: Callable[[NDArray[np.int64], NDArray[np.int64]], NDArray[Any]] | None = None) -> NoiseReferences:
     """The noise references of step 1 from (N, D) ok-pair embeddings (first
-    ``MAX_NEIGHBOUR_PAIRS`` searched) and the (M,) random mismatched similarities."""
+    ``MAX_NEIGHBOUR_PAIRS`` searched) and the (M,) random mismatched similarities.
+
+    ``pair_scores(i, j)``: the score of image i with the caption of pair j, when the
+    calibration is fitted on another score than the cosine (``contrast``)."""
     img = np.asarray(image_emb, dtype=np.float32)[:MAX_NEIGHBOUR_PAIRS]
     txt = np.asarray(text_emb, dtype=np.float32)[:MAX_NEIGHBOUR_PAIRS]
     parts = []
     for j, _ in (_nearest_other(img), _nearest_other(txt)):
         has = j >= 0
+        if pair_scores is not None:
+            parts.append(np.asarray(pair_scores(np.nonzero(has)[0], j[has]), dtype=np.float64))
+            continue
         parts.append((img[has] * txt[j[has]]).sum(1))
     near = np.concatenate(parts).astype(np.float64) if parts else np.zeros(0)
     rnd = np.asarray(random_sims, dtype=np.float64)

@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from pairclean import osa, schema
 from pairclean.calibrate.calibration import calibrate, needs_corpus
+from pairclean.calibrate.contrast import fit_contrast
 from pairclean.errors import InputError
 from pairclean.calibrate.calibration import Calibration
 from pairclean.spec import JobSpec, spec_digest
@@ -41,12 +42,14 @@ def rescore(
     weighting: str,
     beta_k: int | None,
     random_beta: Callable[[JobSpec], float] | None = None,
+    contrast: bool | None = None,
 ) -> Calibration:
     """Rewrite every committed scores file of ``out`` under a new recipe and weighting.
 
     ``random_beta(spec)`` supplies the random-inputs beta (it needs the model; the CLI
     passes a cached loader). Updates the job's spec, its calibration and the records'
-    checksums; each file is replaced atomically.
+    checksums; each file is replaced atomically. ``contrast``: turn the corpus contrast on
+    or off (None: as the job was scored); on needs the embedding sidecars.
     """
     osa.check_method(beta_recipe, weighting)
     old_spec = out.read_spec()
@@ -56,7 +59,8 @@ def rescore(
         # The judge's scores come from image regions and caption tokens the sidecars do not hold.
         raise InputError(f"{out.uri} was scored with --judge {old_spec.judge}: rescoring a judged job is not "
                          "implemented (its judge scores cannot be recomputed from the embeddings); score it again")
-    spec = replace(old_spec, beta_recipe=beta_recipe, weighting=weighting, beta_k=beta_k or old_spec.beta_k)
+    spec = replace(old_spec, beta_recipe=beta_recipe, weighting=weighting, beta_k=beta_k or old_spec.beta_k,
+                   contrast=old_spec.contrast if contrast is None else contrast)
     committed = list(out.iter_committed())
     if not committed:
         raise InputError(f"{out.uri} holds no committed shard")
@@ -72,31 +76,60 @@ def rescore(
     n = spec.calibration_pairs if needs_corpus(beta_recipe, weighting) else 0
     sims = np.concatenate(ok_sims)[:n].astype(np.float32)
     img = txt = None
+    if spec.contrast and not spec.embeddings:
+        raise InputError(f"{out.uri} has no embedding sidecars: the corpus contrast needs them "
+                         "(score with --embeddings, or rescore with --contrast off)")
+    per_shard = [_shard_embeddings(out, record, table) for record, table in tables] if spec.contrast else None
     if n and (beta_recipe in ("shuffled", "gmm") or spec.embeddings):
         img, txt = _embeddings(out, [r for r, _ in tables])
         img, txt = img[:n], txt[:n]
+    # As a fresh score: the bank is the calibration sample's images (same pairs, same rounding).
+    contrast = fit_contrast(img, txt) if spec.contrast and img is not None and txt is not None else None
     calibration = calibrate(
         beta_recipe=beta_recipe, k=spec.beta_k, seed=spec.seed, weighting=weighting,
         batch_size=spec.batch_size, similarities=sims, image_emb=img, text_emb=txt,
-        random_beta=(lambda: random_beta(spec)) if random_beta else _no_model,
+        random_beta=(lambda: random_beta(spec)) if random_beta else _no_model, contrast=contrast,
     )
+    if "contrast" not in calibration.extra:
+        contrast = None
+    if contrast is not None:
+        out.write_contrast_bank(contrast.bank)
     digest = spec_digest(spec)
-    records = [_rewrite(out, record, table, calibration, digest) for record, table in tables]
+    records = [
+        _rewrite(out, record, table, calibration, digest,
+                 None if contrast is None or per_shard is None else contrast.adjust(
+                     table.column(schema.COL_SIMILARITY).to_numpy(), *per_shard[i]))
+        for i, (record, table) in enumerate(tables)
+    ]
     out.replace_records(records)
     doc = out.read_job_doc() or {}
     doc["spec"] = spec.to_json()
     doc["spec_sha256"] = digest
-    doc.setdefault("rescored_from", []).append({k: old_spec.to_json()[k] for k in ("beta_recipe", "weighting", "beta_k")})
+    doc.setdefault("rescored_from", []).append(
+        {k: old_spec.to_json()[k] for k in ("beta_recipe", "weighting", "beta_k")} | {"contrast": old_spec.contrast})
     out.write_job_doc(doc)
     out.write_calibration(calibration)
     return calibration
+
+
+def _shard_embeddings(out: OutputDir, record: ShardRecord, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """(image, text) (N, D) of every row of ``table`` from its sidecar (zeros where not ok)."""
+    img, txt = read_embeddings(out.read_embeddings_table(record))
+    ok = schema.ok_mask(table)
+    if int(ok.sum()) != len(img):
+        raise InputError(f"{out.uri}: the sidecar of {record.stem} holds {len(img)} embeddings for {int(ok.sum())} ok rows")
+    full_img = np.zeros((len(ok), img.shape[1]), np.float32)
+    full_txt = np.zeros((len(ok), txt.shape[1]), np.float32)
+    full_img[ok], full_txt[ok] = img, txt
+    return full_img, full_txt
 
 
 def _no_model() -> float:
     raise InputError("the random-inputs recipe needs the estimator; none was given")
 
 
-def _rewrite(out: OutputDir, record: ShardRecord, table: pa.Table, calibration: Calibration, digest: str) -> ShardRecord:
+def _rewrite(out: OutputDir, record: ShardRecord, table: pa.Table, calibration: Calibration, digest: str,
+             adjusted: np.ndarray | None = None) -> ShardRecord:
     old_meta = json.loads(table.schema.metadata[schema.META_KEY])
     extra = {k: old_meta[k] for k in ("shard", "recipe") if k in old_meta} | {"job": digest}
     meta = output_metadata(old_meta["model"], calibration, extra)
@@ -113,6 +146,7 @@ def _rewrite(out: OutputDir, record: ShardRecord, table: pa.Table, calibration: 
         uid=table.column(schema.COL_UID).to_pylist() if schema.COL_UID in cols else None,
         url=table.column(schema.COL_URL).to_pylist() if schema.COL_URL in cols else None,
         members={c: table.column(c).to_pylist() for c in schema.MEMBER_COLUMNS} if cols >= set(schema.MEMBER_COLUMNS) else None,
+        adjusted=adjusted,
     )
     info = out.write_table(record.output, new)
     return replace(record, sha256=info.sha256, bytes=info.bytes)

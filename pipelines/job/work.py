@@ -26,9 +26,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from pairclean import __version__, schema
 from pairclean.calibrate.calibration import calibrate, cached_random_beta, needs_corpus
+from pairclean.calibrate.contrast import Contrast, fit_contrast
+from pairclean.calibrate.contrast import from_json as contrast_from_json
 from pairclean.errors import InputError
 from pairclean.embed.estimators import Estimator
 from pairclean.calibrate.calibration import Calibration
@@ -38,7 +41,8 @@ from pairclean.embed.shard import ScoreOptions, ShardResult, score_shard
 from pairclean.output.tables import embeddings_table, output_metadata, scores_table
 from pairclean.uris import shard_size, shard_stem
 
-__all__ = ["ShardOutcome", "CalibrationOutcome", "ShardWork", "random_beta_fn"]
+__all__ = ["ShardOutcome", "CalibrationOutcome", "ShardWork", "random_beta_fn", "calibrate_on", "fit_calibration",
+           "adjusted_similarities"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,12 @@ def _recipe(spec: JobSpec) -> dict[str, Any]:
 
 def calibrate_on(results: Sequence[ShardResult], spec: JobSpec, random_beta: Any, dim: int) -> Calibration:
     """Calibrate on the first ``spec.calibration_pairs`` ok pairs of ``results`` (in order; may be empty)."""
+    return fit_calibration(results, spec, random_beta, dim)[0]
+
+
+def fit_calibration(results: Sequence[ShardResult], spec: JobSpec, random_beta: Any, dim: int) -> tuple[Calibration, Contrast | None]:
+    """``calibrate_on`` and the corpus contrast it was fitted with (``spec.contrast``; None
+    when off or the sample is too small): the caller stores the contrast's bank."""
     masks = [r.ok_mask for r in results]
     n = spec.calibration_pairs
     sims = np.concatenate([np.zeros(0, np.float32)] + [r.similarity[m] for r, m in zip(results, masks)])[:n]
@@ -103,11 +113,14 @@ def calibrate_on(results: Sequence[ShardResult], spec: JobSpec, random_beta: Any
     # Calibrate on float16-rounded embeddings, exactly what the sidecar stores, so that
     # `pairclean rescore` reproduces a fresh score bit for bit.
     img, txt = img.astype(np.float16).astype(np.float32), txt.astype(np.float16).astype(np.float32)
+    contrast = fit_contrast(img, txt) if spec.contrast else None
     try:
-        return calibrate(
+        calibration = calibrate(
             beta_recipe=spec.beta_recipe, k=spec.beta_k, seed=spec.seed, weighting=spec.weighting,
             batch_size=spec.batch_size, similarities=sims, image_emb=img, text_emb=txt, random_beta=random_beta,
+            contrast=contrast,
         )
+        return calibration, contrast
     except ValueError as exc:
         raise InputError(f"cannot calibrate beta recipe {spec.beta_recipe!r} on this job: {exc}") from exc
 
@@ -128,10 +141,12 @@ def _load_judge_runner(estimator: Estimator, spec: JobSpec) -> Any:
     return JudgeRunner(loaded, estimator)
 
 
-def judge_calibration(results: Sequence[ShardResult], spec: JobSpec, calibration: Calibration, identity: dict[str, Any]) -> dict[str, Any]:
+def judge_calibration(results: Sequence[ShardResult], spec: JobSpec, calibration: Calibration, identity: dict[str, Any],
+                      adjusted: Sequence[NDArray[np.float32]] | None = None) -> dict[str, Any]:
     """The judge's frozen part of a calibration, from the calibration phase's judged pairs:
     the corpus prior (``posterior.estimate_prior``) and the band (``posterior.choose_band``;
-    every pair under ``--judge all``). Uses the first ``spec.calibration_pairs`` ok pairs."""
+    every pair under ``--judge all``). Uses the first ``spec.calibration_pairs`` ok pairs;
+    ``adjusted``: the results' adjusted similarities when the calibration has a contrast."""
     from pairclean import osa
     from pairclean.judge.posterior import FULL_BAND, choose_band, estimate_prior, p_clean_of
 
@@ -142,7 +157,8 @@ def judge_calibration(results: Sequence[ShardResult], spec: JobSpec, calibration
     if spec.judge == "all":
         band = FULL_BAND
     else:
-        osa_p = osa.apply_weighting(sims, calibration.beta, calibration.p_clean_params())
+        scored = sims if adjusted is None else np.concatenate([np.zeros(0, np.float32)] + [a[r.ok_mask] for r, a in zip(results, adjusted)])[:n]
+        osa_p = osa.apply_weighting(scored, calibration.beta, calibration.p_clean_params())
         band = choose_band(sims, p_clean_of(llr, prior), osa_p, float(spec.judge_budget or 0.0))
     return {"mode": spec.judge, "budget": spec.judge_budget, "band": [_finite(band[0]), _finite(band[1])],
             "prior_clean": prior, "pairs": int(len(llr)), **identity}
@@ -151,6 +167,13 @@ def judge_calibration(results: Sequence[ShardResult], spec: JobSpec, calibration
 def _finite(x: float) -> float | str:
     """JSON has no infinities: an open end of the band is written as a string."""
     return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
+
+
+def adjusted_similarities(result: ShardResult, contrast: Contrast | None) -> NDArray[np.float32] | None:
+    """(N,) the shard's corpus-contrast adjusted similarities (None without a contrast)."""
+    if contrast is None:
+        return None
+    return contrast.adjust(result.similarity, result.image_emb, result.text_emb)
 
 
 def judge_band(calibration: Calibration) -> tuple[float, float] | None:
@@ -173,6 +196,7 @@ class ShardWork:
         self.model_info = estimator.info.as_dict()
         self.digest = spec_digest(spec)
         self.judge = _load_judge_runner(estimator, spec)
+        self._contrast: tuple[str, Contrast] | None = None  # (bank sha256, contrast), loaded once
 
     def random_beta(self) -> float:
         """beta of the random-inputs recipe for this estimator (cached on disk)."""
@@ -203,9 +227,15 @@ class ShardWork:
             ok += int(result.ok_mask.sum())
         if not held:
             return CalibrationOutcome(None, [ShardOutcome(u, None, e) for u, _, e in outcomes])
-        calibration = calibrate_on(held, self.spec, self.random_beta, dim)
+        calibration, contrast = fit_calibration(held, self.spec, self.random_beta, dim)
+        if contrast is not None and "contrast" in calibration.extra:
+            # the bank first: a worker that sees the calibration can always read its bank
+            self.out.write_contrast_bank(contrast.bank)
+            self._contrast = (contrast.to_json()["bank_sha256"], contrast)
         if self.judge is not None:
-            frozen = judge_calibration(held, self.spec, calibration, self.judge.judge.identity())
+            adjusted = [self._adjusted(r, calibration) for r in held]
+            frozen = judge_calibration(held, self.spec, calibration, self.judge.judge.identity(),
+                                       None if adjusted[0] is None else [a for a in adjusted if a is not None])
             calibration = replace(calibration, extra={**calibration.extra, "judge": frozen})
         written = [
             ShardOutcome(u, self.write(r, calibration) if r is not None else None, e) for u, r, e in outcomes
@@ -233,6 +263,7 @@ class ShardWork:
             second_stage, extra_scores = self._judged(result, calibration)
             extra_meta["judge"] = calibration.extra["judge"]
         meta = output_metadata(self.model_info, calibration, extra_meta)
+        adjusted = self._adjusted(result, calibration)
         scores = scores_table(
             result.uri, result.keys, result.idx, result.status, result.error,
             result.similarity, calibration, meta, result.uid, result.url, result.members,
@@ -240,6 +271,7 @@ class ShardWork:
             # One schema per job (issue 23); folders of the older layout keep their rule so a
             # redone shard rewrites the same bytes.
             uid_url=not self.out.legacy,
+            adjusted=adjusted,
         )
         emb_name = emb_bytes = None
         if self.spec.embeddings:
@@ -259,6 +291,21 @@ class ShardWork:
             rows=len(result), output=self.out.score_name(stem), sha256=info.sha256, bytes=info.bytes,
             statuses=result.status_counts(), emb_output=emb_name, emb_bytes=emb_bytes, timings=timings,
         )
+
+    def contrast_of(self, calibration: Calibration) -> Contrast | None:
+        """The contrast frozen in ``calibration`` (its bank read from the folder once)."""
+        doc = calibration.extra.get("contrast")
+        if doc is None:
+            return None
+        if self._contrast is None or self._contrast[0] != doc["bank_sha256"]:
+            try:
+                self._contrast = (doc["bank_sha256"], contrast_from_json(doc, self.out.read_contrast_bank()))
+            except ValueError as exc:
+                raise InputError(f"{self.out.uri}: {exc}") from exc
+        return self._contrast[1]
+
+    def _adjusted(self, result: ShardResult, calibration: Calibration) -> NDArray[np.float32] | None:
+        return adjusted_similarities(result, self.contrast_of(calibration))
 
     @staticmethod
     def _judged(result: ShardResult, calibration: Calibration) -> tuple[Any, dict[str, Any]]:

@@ -30,13 +30,16 @@ a data file is replaced only when its own Parquet metadata says pairclean wrote 
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+from numpy.typing import NDArray
 from pairclean import __version__, schema
 from pairclean.calibrate.calibration import Calibration
 from pairclean.errors import ForeignOutputError, InputError, SpecMismatchError
@@ -281,7 +284,7 @@ class OutputDir:
         if exports is not None:
             names += list(json.loads(exports).get("written", [])) + [schema.EXPORTS_FILE]
         names += [f"{schema.MANIFEST_DIR}/{n}" for n in self.store.list(schema.MANIFEST_DIR)]
-        names += [schema.CALIBRATION_FILE, schema.JOB_FILE]
+        names += [schema.CALIBRATION_FILE, schema.CONTRAST_BANK_FILE, schema.JOB_FILE]
         removed = [n for n in names if self.store.rm(n)]
         self._compacted, self._pending, self._failed_stems = {}, {}, set()
         return removed
@@ -319,6 +322,25 @@ class OutputDir:
     def write_calibration(self, calibration: Calibration) -> None:
         """Freeze the calibration (atomically)."""
         self.store.put(schema.CALIBRATION_FILE, json.dumps(calibration.to_json(), indent=2).encode())
+
+    def write_contrast_bank(self, bank: NDArray[np.float32]) -> None:
+        """Store the calibration's contrast bank ((2, rows, dim) float16 .npy, atomically)."""
+        buf = io.BytesIO()
+        np.save(buf, np.asarray(bank, dtype=np.float16), allow_pickle=False)
+        self.store.put(schema.CONTRAST_BANK_FILE, buf.getvalue())
+
+    def read_contrast_bank(self) -> NDArray[np.float32]:
+        """The stored contrast bank; raises ``InputError`` naming the file when it is missing or damaged."""
+        data = self.store.get(schema.CONTRAST_BANK_FILE)
+        if data is None:
+            raise InputError(f"{self.store.url(schema.CONTRAST_BANK_FILE)} is missing: the calibration needs its contrast bank")
+        try:
+            arr = np.load(io.BytesIO(data), allow_pickle=False)
+        except ValueError as exc:
+            raise InputError(f"{self.store.url(schema.CONTRAST_BANK_FILE)} is damaged: {exc}") from exc
+        if arr.ndim != 3 or arr.shape[0] != 2 or arr.dtype != np.float16:
+            raise InputError(f"{self.store.url(schema.CONTRAST_BANK_FILE)} is not a (2, rows, dim) float16 array")
+        return arr.astype(np.float32)
 
     # -- data files (written by workers) --------------------------------------------------
     def write_table(self, name: str, table: pa.Table) -> WriteInfo:

@@ -74,6 +74,7 @@ def scores_table(
     second_stage: NDArray[np.float32] | None = None,
     extra_scores: Mapping[str, NDArray[np.float32]] | None = None,
     uid_url: bool = False,
+    adjusted: NDArray[np.float32] | None = None,
 ) -> pa.Table:
     """The scores Parquet table: weights and flags from similarities and the calibration.
 
@@ -86,6 +87,9 @@ def scores_table(
     judge's) where finite: on those ok rows it replaces OSA's ``p_clean``, ``noisy`` becomes
     ``p_clean <= 0.5`` and, under the ``p-clean`` weighting, ``weight = p_clean``.
     ``extra_scores``: (N,) float32 columns written after ``p_clean`` (the judge's score).
+    ``adjusted``: (N,) the corpus-contrast adjusted similarities (a calibration with a
+    contrast): weight, noisy and p_clean are computed from them, and they are written as
+    the ``adjusted_similarity`` column right after ``p_clean``.
 
     Rows that are not ``ok`` get weight 0, ``p_clean`` 0 and ``noisy = True`` (a trainer
     must not use them as clean pairs). ``p_clean`` is the calibration's ``p_clean`` curve
@@ -96,12 +100,15 @@ def scores_table(
     """
     ok = schema.ok_mask(status)
     sims = np.asarray(similarity, dtype=np.float32)
+    if ("contrast" in calibration.extra) != (adjusted is not None):
+        raise ValueError("adjusted similarities go with a calibration that has a contrast, and only with one")
+    scored = sims if adjusted is None else np.asarray(adjusted, dtype=np.float32)
     weight = np.zeros(len(keys), dtype=np.float32)
     # reference-batch batches consecutive ok pairs, as the released code batches its loader.
-    weight[ok] = osa.apply_weighting(sims[ok], calibration.beta, calibration.weighting_params())
-    noisy = osa.noisy_flags(sims, calibration.beta)
+    weight[ok] = osa.apply_weighting(scored[ok], calibration.beta, calibration.weighting_params())
+    noisy = osa.noisy_flags(scored, calibration.beta)
     p_clean = np.zeros(len(keys), dtype=np.float32)
-    p_clean[ok] = osa.apply_weighting(sims[ok], calibration.beta, calibration.p_clean_params())
+    p_clean[ok] = osa.apply_weighting(scored[ok], calibration.beta, calibration.p_clean_params())
     if second_stage is not None:
         judged = ok & np.isfinite(second_stage)
         p_clean[judged] = second_stage[judged]
@@ -119,7 +126,8 @@ def scores_table(
         schema.COL_NOISY: noisy,
         schema.COL_P_CLEAN: p_clean,
     }
-    extra = dict(extra_scores or {})
+    extra = {schema.COL_ADJUSTED: scored} if adjusted is not None else {}
+    extra.update(extra_scores or {})
     columns.update((name, np.asarray(values, np.float32)) for name, values in extra.items())
     if uid_url:
         uid = uid if uid is not None else [None] * len(keys)
