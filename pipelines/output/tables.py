@@ -52,8 +52,10 @@ def output_metadata(model_info: dict[str, Any], calibration: Calibration, extra:
             "batch_size": calibration.weighting_batch_size,
         },
         "seed": calibration.seed,
-        "noisy_rule": "similarity <= beta",
+        "noisy_rule": "adjusted_similarity <= beta" if "contrast" in calibration.extra else "similarity <= beta",
         "p_clean": _p_clean_doc(calibration),
+        # what adjusted_similarity is (pairclean.calibrate.contrast); absent: weights read the similarity
+        **({"contrast": calibration.extra["contrast"]} if "contrast" in calibration.extra else {}),
         **extra,
     }
     return {schema.META_KEY: json.dumps(doc, sort_keys=True).encode()}

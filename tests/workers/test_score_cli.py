@@ -176,3 +176,50 @@ def test_kill_9_mid_job_then_rerun_commits_every_shard_exactly_once(make_shards,
         data = (out / m["output"]).read_bytes()
         assert pq.read_table(out / m["output"]).num_rows == m["rows"] == 8
         assert hashlib.sha256(data).hexdigest() == m["sha256"] and len(data) == m["bytes"]
+
+
+def test_the_corpus_contrast_is_on_by_default_recorded_and_rescored_alike(make_shards, tmp_path: Path) -> None:
+    shards = [str(s) for s in make_shards(n_shards=2, per_shard=12)]
+    fresh, plain = tmp_path / "fresh", tmp_path / "plain"
+    assert _score(shards, fresh) == 0
+    folder = OutputDir(str(fresh))
+    cal = folder.read_calibration()
+    assert cal is not None and cal.extra["contrast"]["recipe"] == "bank-contrast"
+    assert cal.extra["contrast"]["bank_rows"] == 24
+    assert folder.read_contrast_bank().shape[:2] == (2, 24)
+    spec = folder.read_spec()
+    assert spec is not None and spec.contrast
+    meta = json.loads(pq.read_schema(fresh / "part-00000.parquet").metadata[schema.META_KEY])
+    assert meta["contrast"]["bank_sha256"] == cal.extra["contrast"]["bank_sha256"]
+    rows = _rows(fresh, "part-00000")
+    adjusted = np.array([r[schema.COL_ADJUSTED] for r in rows])
+    sims = np.array([r["similarity"] for r in rows])
+    assert np.isfinite(adjusted).all() and not np.allclose(adjusted, sims)  # a column of its own, not a copy
+    # rerunning resumes (auto keeps the folder's setting); --contrast off is another job
+    assert _score(shards, fresh) == 0
+    assert _score(shards, fresh, "--contrast", "off") == 1
+    # off: no column, no bank, and the spec (digest) a job had before contrast existed
+    assert _score(shards, plain, "--contrast", "off") == 0
+    assert schema.COL_ADJUSTED not in pq.read_schema(plain / "part-00000.parquet").names
+    assert "contrast" not in json.loads((tmp_path / "plain.pairclean" / "state" / "job.json").read_text())["spec"]
+    # rescoring the plain job with the contrast on gives the fresh job's numbers, from the sidecars
+    assert main(["rescore", str(plain), "--beta-recipe", "random-inputs", "--weighting", "p-clean", "--contrast", "on",
+                 "--device", "cpu"]) == 0
+    for stem in ("part-00000", "part-00001"):
+        a, b = _rows(fresh, stem), _rows(plain, stem)
+        for col in (schema.COL_ADJUSTED, "weight", "p_clean"):
+            np.testing.assert_allclose([r[col] for r in a], [r[col] for r in b], atol=1e-6)
+        assert [r["noisy"] for r in a] == [r["noisy"] for r in b]
+
+
+def test_a_contrast_job_without_sidecars_cannot_be_rescored_with_it(make_shards, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    shards = [str(s) for s in make_shards(n_shards=1, per_shard=20)]
+    out = tmp_path / "out"
+    assert _score(shards, out, "--no-embeddings") == 0
+    assert schema.COL_ADJUSTED in pq.read_schema(out / "part-00000.parquet").names
+    assert main(["rescore", str(out), "--beta-recipe", "random-inputs", "--weighting", "p-clean", "--device", "cpu"]) != 0
+    assert "the corpus contrast needs them" in capsys.readouterr().err
+    assert main(["rescore", str(out), "--beta-recipe", "random-inputs", "--weighting", "p-clean", "--contrast", "off",
+                 "--device", "cpu"]) == 0
+    assert schema.COL_ADJUSTED not in pq.read_schema(out / "part-00000.parquet").names

@@ -1,0 +1,126 @@
+"""The corpus contrast (pairclean.calibrate.contrast) and its place in the calibration."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pairclean.calibrate import contrast as cm
+from pairclean.calibrate.calibration import calibrate
+from pairclean.judge.metrics import roc_auc
+from pairclean.output.folder import OutputDir
+from pairclean.errors import InputError
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+
+
+def _corpus(n: int = 200, dim: int = 32, near: float = 0.3, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Images in pairs of look-alikes; captions near their own image. A ``near`` share of
+    pairs carry the caption of their look-alike (a near-miss). Returns img, txt, clean."""
+    rng = np.random.default_rng(seed)
+    base = rng.normal(size=(n // 2, dim))
+    img = _unit(np.repeat(base, 2, axis=0) + 0.5 * rng.normal(size=(n, dim)))
+    own = _unit(img + 1.5 * rng.normal(size=(n, dim)) / np.sqrt(dim))
+    clean = rng.random(n) >= near
+    twin = np.arange(n) ^ 1  # the look-alike of image i
+    txt = np.where(clean[:, None], own, own[twin])
+    return img, txt.astype(np.float32), clean
+
+
+def test_a_near_miss_ranks_lower_once_its_caption_fits_another_image_better() -> None:
+    img, txt, clean = _corpus()
+    sims = (img * txt).sum(1)
+    c = cm.fit_contrast(img, txt)
+    assert c is not None
+    adjusted = c.adjust(sims, img, txt)
+    assert roc_auc(adjusted, clean) > roc_auc(sims, clean) + 0.03
+
+
+def test_the_adjusted_similarity_keeps_the_similarity_scale_on_the_sample() -> None:
+    img, txt, _ = _corpus(near=0.0)
+    sims = (img * txt).sum(1)
+    c = cm.fit_contrast(img, txt)
+    assert c is not None
+    adjusted = c.adjust(sims, img, txt)
+    assert abs(float(adjusted.mean() - sims.mean())) < 1e-4  # the rivals are centred on the sample
+
+
+def test_own_image_and_copies_are_no_rival() -> None:
+    img, txt, _ = _corpus(near=0.0)
+    c = cm.fit_contrast(img, txt)
+    assert c is not None
+    # a pair whose image is in the bank: its own caption in the bank must not be its rival
+    cap, im = c.rivals(img[:1], txt[:1])
+    others = np.r_[img[1:2], img[2:]]
+    assert cap[0] <= float(np.sort(others @ txt[0])[-2:].mean()) + 1e-3
+    assert im[0] < float(img[0] @ txt[0])  # its own caption (the best fit) was left out
+    # a bank of nothing but copies of the pair's image: no rival, no adjustment
+    copies = cm.Contrast(bank=np.stack([np.repeat(img[:1], 20, 0), np.repeat(txt[:1], 20, 0)]),
+                         mean_caption_rival=0.1, mean_image_rival=0.1)
+    s = np.array([0.3], np.float32)
+    assert copies.adjust(s, img[:1], txt[:1])[0] == pytest.approx(0.3)
+
+
+def test_small_samples_and_bad_rows() -> None:
+    img, txt, _ = _corpus(n=10)
+    assert cm.fit_contrast(img, txt) is None  # fewer than MIN_BANK pairs
+    img, txt, _ = _corpus()
+    c = cm.fit_contrast(img, txt)
+    assert c is not None
+    sims = (img * txt).sum(1)
+    sims[3] = np.nan
+    out = c.adjust(sims, img, txt)
+    assert np.isnan(out[3]) and np.isfinite(np.delete(out, 3)).all()
+
+
+def test_the_recorded_contrast_round_trips_and_a_changed_bank_is_refused() -> None:
+    img, txt, _ = _corpus()
+    c = cm.fit_contrast(img, txt)
+    assert c is not None
+    doc = c.to_json()
+    back = cm.from_json(doc, c.bank.astype(np.float16))
+    sims = (img * txt).sum(1)
+    np.testing.assert_array_equal(back.adjust(sims, img, txt), c.adjust(sims, img, txt))
+    other = c.bank.copy()
+    other[0, 0, 0] += 0.5
+    with pytest.raises(ValueError, match="checksum"):
+        cm.from_json(doc, other)
+    with pytest.raises(ValueError, match="unknown contrast recipe"):
+        cm.from_json({**doc, "version": 99}, c.bank)
+
+
+def test_calibrate_fits_the_p_clean_curve_on_adjusted_similarities() -> None:
+    img, txt, clean = _corpus(n=400, near=0.3)
+    sims = (img * txt).sum(1)
+    c = cm.fit_contrast(img, txt)
+    cal = calibrate(beta_recipe="gmm", k=32, seed=0, weighting="p-clean", batch_size=64, similarities=sims,
+                    image_emb=img, text_emb=txt, random_beta=lambda: 0.0, contrast=c)
+    assert cal.extra["contrast"]["recipe"] == cm.RECIPE and cal.extra["contrast"]["bank_rows"] == 400
+    assert cal.extra["p_clean"]["recipe"] == "corpus-mixture"
+    plain = calibrate(beta_recipe="gmm", k=32, seed=0, weighting="p-clean", batch_size=64, similarities=sims,
+                      image_emb=img, text_emb=txt, random_beta=lambda: 0.0)
+    assert "contrast" not in plain.extra
+    from pairclean import osa
+
+    assert c is not None
+    p = osa.apply_weighting(c.adjust(sims, img, txt), cal.beta, cal.p_clean_params())
+    p_plain = osa.apply_weighting(sims, plain.beta, plain.p_clean_params())
+    assert roc_auc(p, clean) > roc_auc(p_plain, clean)
+
+
+def test_the_bank_file_is_checked_where_read(tmp_path) -> None:
+    out = OutputDir(str(tmp_path / "out"))
+    with pytest.raises(InputError, match="contrast-bank.npy is missing"):
+        out.read_contrast_bank()
+    img, txt, _ = _corpus()
+    c = cm.fit_contrast(img, txt)
+    assert c is not None
+    out.write_contrast_bank(c.bank)
+    np.testing.assert_array_equal(out.read_contrast_bank(), c.bank)
+    from pairclean import schema
+
+    out.store.put(schema.CONTRAST_BANK_FILE, b"not an array")
+    with pytest.raises(InputError, match="damaged"):
+        out.read_contrast_bank()
