@@ -44,6 +44,18 @@ by the first run of this script, ~10 minutes on 2 cores):
   ``shuffled``: the ``all`` rows with their captions shuffled among them (same photos, same
   weights): does the nearest-neighbour choice matter, or only the extra weighted rows?
 
+Hard noise (issue 21, ``--kinds near-image edit``): at each ``--noise`` rate the chosen
+captions are not moved at random but become near-misses: ``near-image`` moves a photo's
+caption to the photo most alike it (cosine of the image tower's pooled features, among half
+B), so that photo carries a caption written for a similar-looking image; ``edit`` replaces
+the caption with a one-word edit of itself (``pairclean.judge.edits``: object, colour,
+count, action, roles, cycling; the text tower runs on the edited captions, ~2 minutes per
+3,000). Variants there: ``none``, ``osa_p_clean`` (what a job writes today: the corpus
+contrast and the corpus-mixture ``p_clean`` curve, ``docs/methods.md``), ``osa_p_clean_plain``
+(the curve on the plain similarity, ``--contrast off``), ``osa_filter`` (the job's noisy
+flag) and ``oracle``; R@1 of the weighted student against the clean-only one is the row
+pair ``osa_p_clean`` / ``oracle``.
+
 Prints one JSON line per (noise, variant): retrieval R@1/5/10 both ways (mean over the
 student seeds), ``r1`` (mean of the two R@1) and its spread over seeds (``r1_sd``), pairs
 used, the weight's clean share (truth is used for reporting only), and for pseudo-pair
@@ -54,6 +66,7 @@ default ``paper`` and ``p_clean``). Results: README, "Refining with learned esti
 "Pseudo-pairs". Time on the 2-core CPU: 15-30 minutes (idle to shared) with the heads cached, plus
 about 10 minutes per noise level to fit them.
 
+    python benchmarks/downstream.py --kinds near-image edit --noise 0.2 --methods --pseudo-noise
     OPENBLAS_CORETYPE=SkylakeX python benchmarks/downstream.py [--noise 0 0.2 0.5 0.8]
         [--methods ncr disncl sdcmr ensemble] [--pseudo-noise 0.5 0.8] [--student-seeds 5]
         [--heads-cache DIR] [--threads 1]
@@ -106,6 +119,89 @@ def _add_noise(feats, rate: float, seed: int):
         owner[chosen] = new
         noisy[chosen] = owner[chosen] != feats.caption_image[chosen]
     return Features(feats.image, feats.text, owner, feats.names), noisy
+
+
+def _near_image_noise(feats, rate: float, seed: int):
+    """Move ``rate`` of the captions to the photo most alike their own (image tower
+    features; never the own photo); returns feats, noisy mask."""
+    from pairclean.lite.train import Features
+
+    rng = np.random.default_rng(seed)
+    z = feats.image / np.linalg.norm(feats.image, axis=1, keepdims=True)
+    sims = z @ z.T
+    np.fill_diagonal(sims, -np.inf)
+    nearest = sims.argmax(1)
+    owner = feats.caption_image.copy()
+    chosen = rng.choice(len(owner), size=int(round(rate * len(owner))), replace=False)
+    owner[chosen] = nearest[owner[chosen]]
+    noisy = owner != feats.caption_image
+    return Features(feats.image, feats.text, owner, feats.names), noisy
+
+
+def _edit_noise(feats, rate: float, seed: int, captions: list[str]):
+    """Replace ``rate`` of the captions by a one-word edit of themselves (kinds cycled;
+    a caption no kind applies to is skipped); the text tower embeds the edits."""
+    import open_clip
+
+    from pairclean.judge.edits import EDIT_KINDS, edit_caption
+    from pairclean.embed.estimators.lite import TrimmedTokenizer, build_lite_model, tower_paths
+    from pairclean.lite.train import Features, HeadRecipe, _batched_text_features, lite_config
+
+    rng = np.random.default_rng(seed)
+    rows, texts = [], []
+    for n, r in enumerate(rng.permutation(len(captions))):
+        if len(rows) >= int(round(rate * len(captions))):
+            break
+        for k in range(len(EDIT_KINDS)):
+            edited = edit_caption(captions[r], EDIT_KINDS[(n + k) % len(EDIT_KINDS)], rng)
+            if edited is not None:
+                rows.append(int(r))
+                texts.append(edited)
+                break
+    _, text_dir = tower_paths()
+    model = build_lite_model(lite_config(HeadRecipe()), "cpu")
+    tokenizer = TrimmedTokenizer(open_clip.tokenizer.HFTokenizer(text_dir, context_length=64))
+    text = feats.text.copy()
+    text[rows] = _batched_text_features(model, tokenizer, texts, 256)
+    noisy = np.zeros(len(captions), dtype=bool)
+    noisy[rows] = True
+    return Features(feats.image, text, feats.caption_image, feats.names), noisy
+
+
+def _job_p_clean(estimator_state, recipe, feats, contrast: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(p_clean, noisy) as ``pairclean score`` writes them today: the corpus-mixture curve,
+    with the corpus contrast (``--contrast on``, the default) or on the plain similarity."""
+    from pairclean import osa
+    from pairclean.calibrate.calibration import calibrate
+    from pairclean.calibrate.contrast import fit_contrast
+    from pairclean.lite.train import _project
+
+    zi, zt = _project(estimator_state, recipe, feats)
+    f16 = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731 - what the sidecars store
+    img, txt = f16(zi[feats.caption_image]), f16(zt)
+    sims = osa.cosine_rows(img, txt)
+    n = 4096
+    con = fit_contrast(img[:n], txt[:n]) if contrast else None
+    cal = calibrate(beta_recipe="gmm", k=256, seed=0, weighting="p-clean", batch_size=64, similarities=sims[:n],
+                    image_emb=img[:n], text_emb=txt[:n], random_beta=lambda: float("nan"), contrast=con)
+    scored = con.adjust(sims, img, txt) if con is not None else sims
+    return osa.apply_weighting(scored, cal.beta, cal.p_clean_params()), osa.noisy_flags(scored, cal.beta)
+
+
+def _hard_rows(kind: str, rate: float, half_b, captions_b: list[str], estimator, recipe, dev, seeds: list[int], seed: int) -> None:
+    """The ``--kinds`` rows of one hard-noise kind and rate (see the module docstring)."""
+    noisy_b, truth = _near_image_noise(half_b, rate, seed) if kind == "near-image" else _edit_noise(half_b, rate, seed, captions_b)
+    p_contrast, flags = _job_p_clean(estimator, recipe, noisy_b, True)
+    p_plain, _ = _job_p_clean(estimator, recipe, noisy_b, False)
+    variants = {"none": None, "osa_p_clean": p_contrast, "osa_p_clean_plain": p_plain,
+                "osa_filter": (~flags).astype(np.float32), "oracle": (~truth).astype(np.float32)}
+    for name, w in variants.items():
+        row = {"benchmark": "downstream", "kind": kind, "noise": rate, "pairs": int(len(truth)), "variant": name,
+               **_weight_stats(w, truth)}
+        if name.startswith("osa_p_clean") and w is not None:
+            row["p_clean_clean"], row["p_clean_noisy"] = round(float(w[~truth].mean()), 4), round(float(w[truth].mean()), 4)
+        row.update(_student(noisy_b, recipe, dev, seeds, w))
+        print(json.dumps(row), flush=True)
 
 
 @dataclass
@@ -336,6 +432,8 @@ def main() -> None:
     parser.add_argument("--pseudo-noise", type=float, nargs="*", default=[0.5, 0.8])
     parser.add_argument("--pseudo-base", nargs="+", default=["paper", "p_clean"], choices=OSA_WEIGHTS,
                         help="OSA weights the pseudo-pair rows add to (and weigh the pseudo-pairs by)")
+    parser.add_argument("--kinds", nargs="+", default=["random"], choices=["random", "near-image", "edit"],
+                        help="noise kinds: random (captions moved at random; every variant) and the hard kinds")
     parser.add_argument("--student-seeds", type=int, default=5)
     parser.add_argument("--heads-cache", type=Path, default=None, help="keep fitted refine heads here")
     parser.add_argument("--seed", type=int, default=0)
@@ -357,7 +455,17 @@ def main() -> None:
     recipe = HeadRecipe()
     estimator = train_heads(half_a, recipe)
     seeds = list(range(args.seed, args.seed + args.student_seeds))
-    for rate in args.noise:
+    hard = [k for k in args.kinds if k != "random"]
+    if hard:
+        from pairclean.lite.evaldata import load_flickr8k
+
+        in_b = set(half_b.names)
+        captions_b = [c for im in load_flickr8k(flickr_root(), "train") if im.image in in_b for c in im.captions]
+        assert len(captions_b) == len(half_b.text), "half B's captions do not line up with its features"
+        for kind in hard:
+            for rate in args.noise:
+                _hard_rows(kind, rate, half_b, captions_b, estimator, recipe, feats["dev"], seeds, args.seed)
+    for rate in (args.noise if "random" in args.kinds else []):
         noisy_b, truth = _add_noise(half_b, rate, args.seed)
         scored = _score(estimator, recipe, noisy_b)
         base = {"benchmark": "downstream", "noise": rate, "pairs": int(len(truth)), "beta": round(scored.cal.beta, 4),

@@ -22,7 +22,7 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -94,10 +94,29 @@ def load_calibration(source: Any, *, model: str | None = None, storage_options: 
         if spec is None or frozen is None:
             raise InputError(f"{path} holds no calibration: give a scored job's output folder or a saved calibration file")
         calibration, found_model = frozen, spec.model
+        if "contrast" in frozen.extra:  # the corpus contrast's bank travels with it (actors, pickles)
+            calibration = replace(frozen, bank=out.read_contrast_bank().astype(np.float16))
     if model is not None and found_model is not None and found_model != model:
         raise InputError(f"the calibration in {path} was made with model {found_model!r}, not {model!r}: "
                          "score with the same model, or calibrate on a job of this one")
     return calibration
+
+
+def _frozen_contrast(frozen: Any) -> Any:
+    """The corpus contrast of a frozen calibration (None without one), from the bank
+    ``load_calibration`` attached (a job folder); a saved file carries no bank: refused."""
+    from pairclean.calibrate.contrast import from_json
+    from pairclean.errors import InputError
+
+    if frozen is None or "contrast" not in frozen.extra:
+        return None
+    if frozen.bank is None:
+        raise InputError("this calibration uses the corpus contrast, whose bank lives in the job's output folder: "
+                         "pass calibration=<that folder> (or load_calibration(<that folder>))")
+    try:
+        return from_json(frozen.extra["contrast"], frozen.bank)
+    except ValueError as exc:
+        raise InputError(f"the calibration's contrast bank: {exc}") from exc
 
 
 def save_calibration(calibration: Any, path: str | os.PathLike[str], *, model: str) -> None:
@@ -187,6 +206,7 @@ def score_pairs(
         raise InputError(f"{len(images)} images but {len(captions)} captions: they must pair up one to one")
     est = load_estimator(estimator) if isinstance(estimator, str) else (estimator or load_estimator())
     frozen = load_calibration(calibration, model=est.info.model_id) if calibration is not None else None
+    contrast = _frozen_contrast(frozen)
     recipe = frozen.recipe if frozen is not None else (beta_recipe or default_beta_recipe(est.info.model_id))
     weighting = frozen.weighting if frozen is not None else weighting
     samples = [_pair(i, image, caption, PairSample, schema) for i, (image, caption) in enumerate(zip(images, captions))]
@@ -207,7 +227,9 @@ def score_pairs(
                 "folder or a saved calibration), or allow_small_calibration=True"
             )
         calibration = calibrate_on([result], spec, random_beta_fn(est, beta_k, seed), int(est.info.embed_dim))
-    table = scores_table("in-memory", result.keys, result.idx, result.status, result.error, result.similarity, calibration, {})
+    adjusted = contrast.adjust(result.similarity, result.image_emb, result.text_emb) if contrast is not None else None
+    table = scores_table("in-memory", result.keys, result.idx, result.status, result.error, result.similarity, calibration, {},
+                         adjusted=adjusted)
     return PairScores(
         similarity=result.similarity, weight=table.column(schema.COL_WEIGHT).to_numpy(),
         noisy=table.column(schema.COL_NOISY).to_numpy(zero_copy_only=False),

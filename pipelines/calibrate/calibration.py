@@ -13,7 +13,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +45,16 @@ class Calibration:
     noise_rate: float | None = None
     calibration_pairs: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The corpus contrast's bank ((2, rows, dim) float16) when this calibration has a
+    #: contrast and was loaded with it (``pairclean.api.load_calibration`` of a job folder);
+    #: not part of the JSON (the job keeps it in ``OUT.pairclean/state/contrast-bank.npy``).
+    bank: Any = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-serialisable dict."""
-        return asdict(self)
+        """A JSON-serialisable dict (without ``bank``)."""
+        doc = asdict(replace(self, bank=None))
+        del doc["bank"]
+        return doc
 
     def mixture(self) -> tuple[tuple[float, float], tuple[float, float], float] | None:
         """The pinned mixture recorded in ``extra`` as ((noise, clean) means, (noise, clean)

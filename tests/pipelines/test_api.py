@@ -99,3 +99,26 @@ def test_a_frozen_calibration_gives_each_pair_the_jobs_weight_whatever_the_batch
         load_calibration(out, model="other")
     with pytest.raises(InputError, match="holds no calibration"):
         load_calibration(tmp_path / "nothing-here")
+
+
+def test_a_frozen_calibration_with_the_corpus_contrast_brings_its_bank(make_shards, tmp_path: Path) -> None:
+    from pairclean.api import load_calibration, save_calibration
+    from pairclean.errors import InputError
+    from pairclean_workers.cli import main
+
+    shard = make_shards(n_shards=1, per_shard=20)[0]
+    out = tmp_path / "job"
+    assert main(["score", str(shard), "--out", str(out), "--model", "pairclean-tiny-test", "--executor", "local", "--no-progress"]) == 0
+    job = pairclean.read_scores(out, columns=["weight", "p_clean", "adjusted_similarity"]).to_pydict()
+    samples = list(iter_raw_samples(str(shard)))
+    images, captions = [s.files["jpg"] for s in samples], [s.files["txt"].decode() for s in samples]
+    est = pairclean.load_estimator("pairclean-tiny-test")
+    cal = load_calibration(out)
+    assert cal.bank is not None and "bank" not in cal.to_json()
+    scored = pairclean.score_pairs(images, captions, estimator=est, calibration=out)
+    assert scored.weight.tolist() == pytest.approx(job["weight"], abs=1e-6)
+    assert scored.p_clean.tolist() == pytest.approx(job["p_clean"], abs=1e-6)
+    # a saved file holds no bank: refused with what to pass instead
+    save_calibration(cal, tmp_path / "cal.json", model=est.info.model_id)
+    with pytest.raises(InputError, match="pass calibration=<that folder>"):
+        pairclean.score_pairs(images, captions, estimator=est, calibration=tmp_path / "cal.json")
