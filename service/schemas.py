@@ -32,6 +32,8 @@ class JobOptions(BaseModel):
     shard_timeout: float | None = Field(None, gt=0, le=86_400)
     beta_k: int | None = Field(None, ge=2, le=4096)
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
+    #: the corpus contrast (``pairclean score --contrast``): auto (default) is on for a new folder
+    contrast: Literal["auto", "on", "off"] | None = None
 
 
 class JobRequest(BaseModel):

@@ -75,3 +75,19 @@ def test_ray_named_client_methods_and_logs_over_http(server, make_shards, tmp_pa
     with pytest.raises(ServiceError, match="404") as refused:
         PaircleanClient(server.url, other).get_job_logs(job)
     assert refused.value.status_code == 404
+
+
+def test_the_contrast_option_reaches_the_score_command_and_is_checked() -> None:
+    import pydantic
+
+    from pairclean_service.runner import score_command
+    from pairclean_service.schemas import JobRequest
+    from pairclean_service.settings import ServiceSettings
+
+    request = JobRequest(shards=["/data/a.tar"], output="/data/out", options={"contrast": "off"})
+    cmd = score_command(request.model_dump(), ServiceSettings())
+    assert cmd[cmd.index("--contrast") + 1] == "off"
+    plain = score_command(JobRequest(shards=["/data/a.tar"], output="/data/out").model_dump(), ServiceSettings())
+    assert "--contrast" not in plain  # the CLI's default (auto) decides
+    with pytest.raises(pydantic.ValidationError):
+        JobRequest(shards=["/data/a.tar"], output="/data/out", options={"contrast": "maybe"})
