@@ -32,6 +32,9 @@ class Summary:
     weight_histogram: list[tuple[float, float, int]]
     lowest: list[dict[str, Any]]
     first: list[dict[str, Any]]
+    #: The rule behind ``noisy`` and the corpus contrast's record (None: the job has none).
+    noisy_rule: str = "similarity <= beta"
+    contrast: dict[str, Any] | None = None
 
 
 def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> Summary:
@@ -65,6 +68,8 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
         weight_histogram=[(float(edges[i]), float(edges[i + 1]), int(counts[i])) for i in range(bins)],
         lowest=ok_view.take(order).to_pylist(),
         first=view.slice(0, rows).to_pylist(),
+        noisy_rule=str(meta.get("noisy_rule", "similarity <= beta")),
+        contrast=meta.get("contrast"),
     )
 
 
@@ -100,7 +105,9 @@ def format_summary(s: Summary) -> str:
         f"model: {s.model.get('model_id')} ({s.model.get('precision')}, {s.model.get('device')})",
         f"beta: {s.beta:+.4f} ({s.beta_recipe}), weighting: {s.weighting}",
         "status: " + ", ".join(f"{k}={v}" for k, v in s.statuses.items()),
-        f"flagged noisy (similarity <= beta): {100 * s.flagged_noisy:.1f}% of ok pairs",
+        f"flagged noisy ({s.noisy_rule}): {100 * s.flagged_noisy:.1f}% of ok pairs",
+        "corpus contrast: " + (f"on (bank of {s.contrast['bank_rows']} calibration pairs; weights read adjusted_similarity)"
+                               if s.contrast else "off (weights read the similarity)"),
         "noise-rate estimate (pairs below the median of random mismatched pairs x 2; GMM without embeddings): "
         + (f"{100 * s.noise_rate_gmm:.1f}%" if s.noise_rate_gmm is not None else "n/a (fewer than 16 pairs)"),
         "weight histogram:",

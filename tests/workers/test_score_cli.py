@@ -195,6 +195,10 @@ def test_the_corpus_contrast_is_on_by_default_recorded_and_rescored_alike(make_s
     adjusted = np.array([r[schema.COL_ADJUSTED] for r in rows])
     sims = np.array([r["similarity"] for r in rows])
     assert np.isfinite(adjusted).all() and not np.allclose(adjusted, sims)  # a column of its own, not a copy
+    from pairclean.output.report import format_summary, summarize
+
+    text = format_summary(summarize(folder))
+    assert "corpus contrast: on (bank of 24" in text and "flagged noisy (adjusted_similarity <= beta)" in text
     # rerunning resumes (auto keeps the folder's setting); --contrast off is another job
     assert _score(shards, fresh) == 0
     assert _score(shards, fresh, "--contrast", "off") == 1
