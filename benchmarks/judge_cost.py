@@ -1,4 +1,4 @@
-"""What the judge costs on the default path: `pairclean score --judge off|band|all`.
+"""What the default path costs: `pairclean score --judge off|band|all`, and the corpus contrast.
 
 Each run is the whole `pairclean score --executor local` command (start-up, model load,
 calibration and exit included) on the same shards of real Flickr8k dev-and-train photos
@@ -6,7 +6,8 @@ calibration and exit included) on the same shards of real Flickr8k dev-and-train
 ``--repeats`` rounds so that load from elsewhere falls on all alike. Prints one JSON line per
 run and a summary: median pairs/s (wall) and CPU seconds per 1,000 pairs (user + system of
 the process tree: on a shared machine the steadier measure of cost), each as a ratio to
-``--judge off`` (the issue's floor for the default path: >= 0.6).
+``--judge off`` (the issue's floor for the default path: >= 0.6), and to ``plain`` (``--judge
+off --contrast off``: the default path before the corpus contrast) as ``*_vs_plain``.
 
     python benchmarks/judge_cost.py [--pairs 1000] [--per-shard 250] [--repeats 2] [--budget 0.3]
 """
@@ -34,7 +35,7 @@ def main() -> int:
     work = Path(args.work or tempfile.mkdtemp(prefix="pairclean-judge-cost-"))
     shards = flickr_shards(work / "shards", args.pairs, args.per_shard)
     exe = str(Path(sys.executable).with_name("pairclean"))
-    settings = {"off": ["--judge", "off"], "band": ["--judge", "band", "--judge-budget", str(args.budget)], "all": ["--judge", "all"]}
+    settings = {"plain": ["--judge", "off", "--contrast", "off"], "off": ["--judge", "off"], "band": ["--judge", "band", "--judge-budget", str(args.budget)], "all": ["--judge", "all"]}
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in settings}
     for round_ in range(args.repeats):
         for name, flags in settings.items():
@@ -45,7 +46,7 @@ def main() -> int:
             if m.rc != 0:
                 print(m.output, file=sys.stderr)
                 return 1
-            record = {"judge": name, "round": round_, "pairs": args.pairs, "wall_s": round(m.wall_s, 2),
+            record = {"setting": name, "round": round_, "pairs": args.pairs, "wall_s": round(m.wall_s, 2),
                       "pairs_per_s": round(args.pairs / m.wall_s, 2), **cpu_split(m, args.pairs)}
             json_line(record)
             runs[name].append(record)
@@ -57,10 +58,13 @@ def main() -> int:
         return median(name, "user_s_per_1k") + median(name, "sys_s_per_1k")
 
     base_rate, base_cpu = median("off", "pairs_per_s"), cpu("off")
+    plain_rate, plain_cpu = median("plain", "pairs_per_s"), cpu("plain")
     for name in settings:
         json_line({"summary": name, "pairs_per_s": median(name, "pairs_per_s"), "cpu_s_per_1000": round(cpu(name), 1),
                    "throughput_vs_off": round(median(name, "pairs_per_s") / base_rate, 3),
-                   "cpu_throughput_vs_off": round(base_cpu / cpu(name), 3)})
+                   "cpu_throughput_vs_off": round(base_cpu / cpu(name), 3),
+                   "throughput_vs_plain": round(median(name, "pairs_per_s") / plain_rate, 3),
+                   "cpu_throughput_vs_plain": round(plain_cpu / cpu(name), 3)})
     return 0
 
 

@@ -167,7 +167,9 @@ def _density(ref: FloatArray, grid: FloatArray) -> FloatArray:
     step = grid[1] - grid[0]
     bw = max(1.06 * float(np.std(ref)) * ref.size ** (-0.2), 2 * step, 1e-4)
     hist, _ = np.histogram(ref, bins=grid.size, range=(grid[0] - step / 2, grid[-1] + step / 2))
-    half = int(np.ceil(4 * bw / step))
+    # At most the grid's width: np.convolve(mode="same") returns the longer of its inputs, so a
+    # kernel wider than the grid (a few wide references, tiny jobs) would not line up with it.
+    half = min(int(np.ceil(4 * bw / step)), (grid.size - 1) // 2)
     kernel = np.exp(-0.5 * (np.arange(-half, half + 1) * step / bw) ** 2)
     dens = np.convolve(hist.astype(np.float64), kernel / kernel.sum(), mode="same")
     out: FloatArray = np.maximum(dens / max(dens.sum() * step, 1e-300), 1e-12)

@@ -129,3 +129,14 @@ def test_calibrate_records_the_curve_and_every_table_applies_it() -> None:
     clean = np.ones(n, bool)
     clean[swap] = False
     assert p[clean].mean() > 0.8 and p[~clean].mean() < 0.3
+
+
+def test_a_few_wide_references_on_a_tiny_sample_still_fit() -> None:
+    # regression: a kernel wider than the grid made the densities longer than the grid
+    from pairclean.calibrate.p_clean import NoiseReferences, fit_p_clean
+
+    rng = np.random.default_rng(0)
+    sims = rng.normal(0.3, 0.01, 20)
+    refs = NoiseReferences(random=np.r_[rng.normal(0.0, 0.3, 6), -2.0, 2.0], near_miss=np.r_[rng.normal(0.2, 0.4, 6), 3.0])
+    curve = fit_p_clean(sims, refs, seed=0, bootstraps=2)
+    assert len(curve.knots_s) == len(curve.knots_p) and all(0.0 <= p <= 1.0 for p in curve.knots_p)
