@@ -84,20 +84,20 @@ def rescore(
         img, txt = _embeddings(out, [r for r, _ in tables])
         img, txt = img[:n], txt[:n]
     # As a fresh score: the bank is the calibration sample's images (same pairs, same rounding).
-    contrast = fit_contrast(img, txt) if spec.contrast and img is not None and txt is not None else None
+    fitted = fit_contrast(img, txt) if spec.contrast and img is not None and txt is not None else None
     calibration = calibrate(
         beta_recipe=beta_recipe, k=spec.beta_k, seed=spec.seed, weighting=weighting,
         batch_size=spec.batch_size, similarities=sims, image_emb=img, text_emb=txt,
-        random_beta=(lambda: random_beta(spec)) if random_beta else _no_model, contrast=contrast,
+        random_beta=(lambda: random_beta(spec)) if random_beta else _no_model, contrast=fitted,
     )
     if "contrast" not in calibration.extra:
-        contrast = None
-    if contrast is not None:
-        out.write_contrast_bank(contrast.bank)
+        fitted = None
+    if fitted is not None:
+        out.write_contrast_bank(fitted.bank)
     digest = spec_digest(spec)
     records = [
         _rewrite(out, record, table, calibration, digest,
-                 None if contrast is None or per_shard is None else contrast.adjust(
+                 None if fitted is None or per_shard is None else fitted.adjust(
                      table.column(schema.COL_SIMILARITY).to_numpy(), *per_shard[i]))
         for i, (record, table) in enumerate(tables)
     ]

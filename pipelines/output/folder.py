@@ -340,7 +340,8 @@ class OutputDir:
             raise InputError(f"{self.store.url(schema.CONTRAST_BANK_FILE)} is damaged: {exc}") from exc
         if arr.ndim != 3 or arr.shape[0] != 2 or arr.dtype != np.float16:
             raise InputError(f"{self.store.url(schema.CONTRAST_BANK_FILE)} is not a (2, rows, dim) float16 array")
-        return arr.astype(np.float32)
+        bank: NDArray[np.float32] = np.asarray(arr, dtype=np.float32)
+        return bank
 
     # -- data files (written by workers) --------------------------------------------------
     def write_table(self, name: str, table: pa.Table) -> WriteInfo:
