@@ -174,7 +174,10 @@ def evaluate(out: Path, labels: dict[str, Any]) -> dict[str, Any]:
     p = df["p_clean"].to_numpy(np.float64)
     flag = df["noisy"].to_numpy(bool)
     _, counts = np.unique(p, return_counts=True)
-    cal = json.loads((out / "_pairclean" / "calibration.json").read_text()) if (out / "_pairclean" / "calibration.json").exists() else {}
+    from pairclean.output.folder import OutputDir
+
+    frozen = OutputDir(str(out)).read_calibration()  # either layout (OUT.pairclean/state or OUT/_pairclean)
+    cal = frozen.to_json() if frozen is not None else {}
     row = {
         "pairs": int(len(df)),
         "auc_similarity": roc_auc_score(clean, df["similarity"]),

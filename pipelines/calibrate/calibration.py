@@ -21,7 +21,7 @@ import numpy as np
 from numpy.typing import NDArray
 from pairclean import osa
 from pairclean.calibrate import p_clean as p_clean_model
-from pairclean.calibrate.contrast import Contrast
+from pairclean.calibrate.contrast import Contrast, copied_caption_share
 from pairclean.storage import write_file_atomic
 
 __all__ = ["Calibration", "needs_corpus", "calibrate", "cache_dir", "cached_random_beta"]
@@ -210,7 +210,9 @@ def calibrate(
     if noise is not None and image_emb is not None and text_emb is not None and np.isfinite(sims).sum() >= MIN_MIXTURE_PAIRS:
         # p_clean from what the corpus shows (random and near-miss pairs), not a pinned Gaussian
         refs = p_clean_model.noise_references(image_emb, text_emb, noise, seed, pair_scores=pair_scores)
-        curve = p_clean_model.fit_p_clean(sims, refs, seed).to_json()
+        # under a contrast, copied captions give a floor on the near-miss share (contrast.py)
+        floor = copied_caption_share(similarities, image_emb, text_emb) if pair_scores is not None else 0.0
+        curve = p_clean_model.fit_p_clean(sims, refs, seed, min_near_share=floor).to_json()
     return Calibration(
         beta=float(beta),
         recipe=beta_recipe,

@@ -124,3 +124,20 @@ def test_the_bank_file_is_checked_where_read(tmp_path) -> None:
     out.store.put(schema.CONTRAST_BANK_FILE, b"not an array")
     with pytest.raises(InputError, match="damaged"):
         out.read_contrast_bank()
+
+
+def test_copied_captions_floor_the_near_miss_share() -> None:
+    img, txt, clean = _corpus(n=400, near=0.3)
+    sims = (img * txt).sum(1)
+    share = cm.copied_caption_share(sims, img, txt)
+    # a near-miss whose twin kept its own caption carries a copy of it; most fit the twin better
+    copied = np.array([(not clean[i]) and clean[i ^ 1] for i in range(len(clean))])
+    assert 0.3 * copied.mean() < share <= copied.mean() + 0.02
+    plain_img, plain_txt, _ = _corpus(n=400, near=0.0)
+    assert cm.copied_caption_share((plain_img * plain_txt).sum(1), plain_img, plain_txt) == 0.0
+    c = cm.fit_contrast(img, txt)
+    cal = calibrate(beta_recipe="gmm", k=32, seed=0, weighting="p-clean", batch_size=64, similarities=sims,
+                    image_emb=img, text_emb=txt, random_beta=lambda: 0.0, contrast=c)
+    fit = cal.extra["p_clean"]["fit"]
+    assert fit["min_near_share"] == pytest.approx(share)
+    assert fit["near_share"] >= share
