@@ -35,6 +35,9 @@ class Summary:
     #: The rule behind ``noisy`` and the corpus contrast's record (None: the job has none).
     noisy_rule: str = "similarity <= beta"
     contrast: dict[str, Any] | None = None
+    #: The ``p_clean`` mixture's noise shares of the calibration sample (random, near-miss);
+    #: None without a corpus-mixture curve.
+    mixture_noise: tuple[float, float] | None = None
 
 
 def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> Summary:
@@ -69,8 +72,16 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
         lowest=ok_view.take(order).to_pylist(),
         first=view.slice(0, rows).to_pylist(),
         noisy_rule=str(meta.get("noisy_rule", "similarity <= beta")),
+        mixture_noise=_mixture_noise(meta),
         contrast=meta.get("contrast"),
     )
+
+
+def _mixture_noise(meta: dict[str, Any]) -> tuple[float, float] | None:
+    fit = (meta.get("p_clean") or {}).get("fit") or {}
+    if "pi_random" not in fit or "pi_near" not in fit:
+        return None
+    return float(fit["pi_random"]), float(fit["pi_near"])
 
 
 def _noise_similarities(out: OutputDir, seed: int, limit: int = 200_000) -> np.ndarray | None:
@@ -110,6 +121,9 @@ def format_summary(s: Summary) -> str:
                                if s.contrast else "off (weights read the similarity)"),
         "noise-rate estimate (pairs below the median of random mismatched pairs x 2; GMM without embeddings): "
         + (f"{100 * s.noise_rate_gmm:.1f}%" if s.noise_rate_gmm is not None else "n/a (fewer than 16 pairs)"),
+        "noise share by the p_clean mixture (calibration sample): "
+        + (f"{100 * sum(s.mixture_noise):.1f}% (random {100 * s.mixture_noise[0]:.1f}%, near-miss {100 * s.mixture_noise[1]:.1f}%)"
+           if s.mixture_noise is not None else "n/a (no corpus-mixture p_clean)"),
         "weight histogram:",
     ]
     top = max((c for _, _, c in s.weight_histogram), default=1) or 1
