@@ -42,9 +42,10 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
+from pairclean.calibrate.p_clean import DUPLICATE_COSINE
+
 __all__ = ["RECIPE", "VERSION", "K", "GAMMA", "BANK_SIZE", "SAME_IMAGE_COSINE", "MIN_BANK", "Contrast", "fit_contrast",
-           "copied_caption_share",
-           "bank_sha256", "from_json"]
+           "copied_caption_share", "bank_sha256", "from_json"]
 
 RECIPE: Final = "bank-contrast"
 VERSION: Final = 1
@@ -54,8 +55,9 @@ K: Final = 2
 GAMMA: Final = 0.5
 #: Bank rows at most (2 x 4,096 x 512 float16 = 8 MiB; one pair costs 4 x 4,096 dot products).
 BANK_SIZE: Final = 4096
-#: A bank image at least this alike the pair's own image is that image (or a copy).
-SAME_IMAGE_COSINE: Final = 0.98
+#: A bank image (caption) at least this alike the pair's own is that image (or a copy):
+#: the same threshold as the p_clean references' copies.
+SAME_IMAGE_COSINE: Final = DUPLICATE_COSINE
 #: Fewer bank images than this and no contrast is applied (a tiny job).
 MIN_BANK: Final = 16
 
