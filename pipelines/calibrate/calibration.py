@@ -90,7 +90,7 @@ MIN_MIXTURE_PAIRS = 16
 
 
 #: Random mismatched pairs scored for the noise side under a contrast (each costs a bank pass).
-MAX_CONTRAST_RANDOM = 8192
+MAX_CONTRAST_RANDOM = 2048
 
 PairScores = Callable[[NDArray[np.int64], NDArray[np.int64]], NDArray[np.float32]]
 
