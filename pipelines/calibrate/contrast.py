@@ -62,8 +62,8 @@ SAME_IMAGE_COSINE: Final = DUPLICATE_COSINE
 MIN_BANK: Final = 16
 
 FloatArray = NDArray[np.float32]
-#: Rows of pairs scored at a time (memory: 4 x BLOCK x BANK_SIZE float32 = 128 MiB).
-_BLOCK = 2048
+#: Rows of pairs scored at a time (memory: 4 x BLOCK x BANK_SIZE float32 = 64 MiB).
+_BLOCK = 1024
 
 
 def _f16(x: NDArray[Any]) -> FloatArray:
