@@ -41,6 +41,10 @@ class _Trickle(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture
 def trickle() -> Iterator[str]:
     from pairclean_workers.cli import sample_shard
@@ -60,7 +64,10 @@ def test_ctrl_c_during_a_slow_http_read_exits_130_and_quarantines_nothing(tmp_pa
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "pairclean_service.cli", "score", trickle, "--out", str(out), "--model",
                              "pairclean-tiny-test", "--executor", executor, "--no-progress"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            # as in a terminal: a test run started in the background (`cmd &`) has SIGINT
+                            # ignored, which the child would inherit and never see the Ctrl-C
+                            preexec_fn=_default_sigint)
     try:
         deadline = time.time() + 180
         while time.time() < deadline and not schema.local_side_path(out, schema.JOB_FILE).exists() and proc.poll() is None:
