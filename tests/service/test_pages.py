@@ -94,6 +94,8 @@ def test_pages_render_with_security_headers(demo_service) -> None:
         assert r.headers["cache-control"] == "no-store"
     job = client.get(f"/ui/jobs/{demo_service.job_id}").text
     assert "<svg" in job and "β = " in job and "random-inputs" in job and "demo-000000" in job
+    # the demo's 10 pairs are too few for the corpus contrast (16): the page says what weights read
+    assert 'data-why="contrast"' in job and "Corpus contrast: off: weights read the similarity" in job
     assert not [p for p in httpx.get(f"{demo_service.url}/openapi.json").json()["paths"] if p.startswith("/ui") or p == "/"]
 
 
