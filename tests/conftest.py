@@ -181,3 +181,26 @@ def write_img2dataset_folder(folder: Path) -> Path:
         pq.write_table(pa.table({"key": pa.array([], pa.string()), "status": pa.array([], pa.string())}), folder / f"{shard:05d}.parquet")
         (folder / f"{shard:05d}_stats.json").write_text(json.dumps({"count": 0 if shard == 0 else len(pairs), "successes": ok}))
     return folder
+
+
+@pytest.fixture
+def loopback_http() -> Any:
+    """``start(handler) -> base URL``: a threaded HTTP server on 127.0.0.1 (a free port)
+    serving ``handler`` (a ``BaseHTTPRequestHandler`` class or factory); every server
+    started is shut down when the test ends."""
+    import http.server
+    import threading
+
+    servers: list[http.server.ThreadingHTTPServer] = []
+
+    def start(handler: Any) -> str:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()

@@ -46,17 +46,12 @@ def _default_sigint() -> None:
 
 
 @pytest.fixture
-def trickle() -> Iterator[str]:
+def trickle(loopback_http) -> Iterator[str]:
     from pairclean_workers.cli import sample_shard
 
     _Trickle.body, _Trickle.stop = Path(sample_shard()).read_bytes(), threading.Event()
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Trickle)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/demo-000000.tar"
-    _Trickle.stop.set()
-    httpd.shutdown()
-    httpd.server_close()
+    yield f"{loopback_http(_Trickle)}/demo-000000.tar"
+    _Trickle.stop.set()  # before the server's shutdown: ends a trickling response
 
 
 @pytest.mark.parametrize("executor", ["ray", "local"])

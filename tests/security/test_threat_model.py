@@ -326,11 +326,8 @@ def _shard_bytes(n: int = 3) -> bytes:
 
 
 @pytest.fixture
-def origin() -> Iterator[str]:
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
+def origin(loopback_http) -> str:
+    return str(loopback_http(_Handler))
 
 
 def test_slow_validations_are_bounded_and_never_starve_the_other_routes(tmp_path: Path, origin: str) -> None:
@@ -645,18 +642,13 @@ class _Stalling(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def stalling() -> Iterator[str]:
+def stalling(loopback_http) -> Iterator[str]:
     from pairclean_workers.cli import sample_shard
 
     _Stalling.body = Path(sample_shard()).read_bytes()
     _Stalling.stop = threading.Event()
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Stalling)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    _Stalling.stop.set()
-    httpd.shutdown()
-    httpd.server_close()
+    yield loopback_http(_Stalling)
+    _Stalling.stop.set()  # before the server's shutdown: ends the stalled responses
 
 
 def test_a_stalled_upstream_never_starves_the_api_through_thumbnails(tmp_path: Path, stalling: str) -> None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import functools
 import http.server
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -36,19 +34,11 @@ class _NoRangeHandler(http.server.SimpleHTTPRequestHandler):
 
 
 @pytest.fixture
-def http_root(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+def http_root(tmp_path: Path, loopback_http) -> tuple[str, Path]:
     root = tmp_path / "www"
     root.mkdir()
     _NoRangeHandler.requests = []
-    handler = functools.partial(_NoRangeHandler, directory=str(root))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", root
-    finally:
-        server.shutdown()
-        server.server_close()
+    return loopback_http(functools.partial(_NoRangeHandler, directory=str(root))), root
 
 
 def test_http_shards_stream_and_score(make_shards, http_root: tuple[str, Path], tmp_path: Path) -> None:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import gzip
 import json
-import threading
 from functools import partial
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from http.server import SimpleHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -84,28 +83,20 @@ def test_read_member_local_bounds(tmp_path: Path) -> None:
         read_member(str(tmp_path / "gone.tar"), 0, 4, max_bytes=1024)
 
 
-def _http_server(root: Path) -> tuple[ThreadingHTTPServer, str]:
-    class Quiet(SimpleHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(Quiet, directory=str(root)))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
+class _Quiet(SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
 
 
-def test_read_member_over_http_needs_range_support_and_the_allow_list(tmp_path: Path) -> None:
+def test_read_member_over_http_needs_range_support_and_the_allow_list(tmp_path: Path, loopback_http) -> None:
     shard = write_shard(tmp_path / "s.tar", _samples())
     first = next(iter(iter_pairs(str(shard))))
-    server, base = _http_server(tmp_path)
-    try:
-        # Python's SimpleHTTPRequestHandler ignores Range (answers 200): refused, not downloaded whole
-        with pytest.raises(ShardReadError, match="range requests"):
-            read_member(f"{base}/s.tar", *first.image_span, max_bytes=1024)
-        with pytest.raises(ShardReadError, match="outside the allowed"):
-            read_member(f"{base}/s.tar", *first.image_span, max_bytes=1024, http_allowed=["http://other.example/"])
-    finally:
-        server.shutdown()
+    base = loopback_http(partial(_Quiet, directory=str(tmp_path)))
+    # Python's SimpleHTTPRequestHandler ignores Range (answers 200): refused, not downloaded whole
+    with pytest.raises(ShardReadError, match="range requests"):
+        read_member(f"{base}/s.tar", *first.image_span, max_bytes=1024)
+    with pytest.raises(ShardReadError, match="outside the allowed"):
+        read_member(f"{base}/s.tar", *first.image_span, max_bytes=1024, http_allowed=["http://other.example/"])
 
 
 def test_score_tables_carry_the_member_columns(tmp_path: Path) -> None:
