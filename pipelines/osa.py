@@ -52,6 +52,7 @@ __all__ = [
     "beta_shuffled",
     "fit_gmm",
     "shuffled_similarities",
+    "mismatched_pairs",
     "estimate_noise_rate",
     "weight_paper",
     "weight_reference",
@@ -227,15 +228,20 @@ def estimate_noise_rate(similarities: FloatArray, seed: int, noise_sims: FloatAr
     return fit_gmm(sims.astype(np.float32), seed).noise_rate
 
 
-def shuffled_similarities(image_emb: FloatArray, text_emb: FloatArray, k: int, seed: int) -> FloatArray:
-    """Cosines of ``k`` random mismatched pairs (i, j), i != j: (N, D), (N, D) -> (k,) float32."""
-    n = image_emb.shape[0]
+def mismatched_pairs(n: int, k: int, seed: int) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """``k`` random mismatched index pairs (i, j), i != j, of ``n`` pairs (n >= 2), seeded."""
     if n < 2:
         raise ValueError("mismatched pairs need at least 2 pairs")
     rng = np.random.default_rng(seed)
     i = rng.integers(0, n, size=k)
     # An offset in [1, n) guarantees j != i while keeping j uniform over the others.
     j = (i + rng.integers(1, n, size=k)) % n
+    return i, j
+
+
+def shuffled_similarities(image_emb: FloatArray, text_emb: FloatArray, k: int, seed: int) -> FloatArray:
+    """Cosines of ``k`` random mismatched pairs (i, j), i != j: (N, D), (N, D) -> (k,) float32."""
+    i, j = mismatched_pairs(image_emb.shape[0], k, seed)
     # In blocks of rows (same per-row sums): gathered at once, K = 256 (k = 65,536) copied
     # 3 x 134 MB and took 2.3 s of every job's calibration; in blocks, 0.1 s.
     out = np.empty(k, dtype=np.float32)

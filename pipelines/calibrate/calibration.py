@@ -108,14 +108,6 @@ def _contrast_pair_scores(contrast: Contrast, image_emb: NDArray[np.float32], te
     return score
 
 
-def _random_pair_scores(score: PairScores, n: int, count: int, seed: int) -> NDArray[np.float32]:
-    """``score`` of ``count`` random mismatched pairs (i, j), i != j, drawn as ``osa.shuffled_similarities`` draws."""
-    rng = np.random.default_rng(seed)
-    i = rng.integers(0, n, size=count)
-    j = (i + rng.integers(1, n, size=count)) % n
-    return score(i, j)
-
-
 def needs_corpus(beta_recipe: str, weighting: str) -> bool:
     """Whether calibration must see corpus pairs before any shard can be written."""
     return beta_recipe != "random-inputs" or weighting in ("reference", "p-clean")
@@ -182,7 +174,7 @@ def calibrate(
         sims = contrast.adjust(sims, image_emb[: sims.size], text_emb[: sims.size])
         pair_scores = _contrast_pair_scores(contrast, image_emb, text_emb)
         if len(image_emb) >= 2:
-            noise = _random_pair_scores(pair_scores, len(image_emb), min(k * k, MAX_CONTRAST_RANDOM), seed)
+            noise = pair_scores(*osa.mismatched_pairs(len(image_emb), min(k * k, MAX_CONTRAST_RANDOM), seed))
     elif image_emb is not None and text_emb is not None and len(image_emb) >= 2:
         # what random mispairing looks like in this corpus: pins the mixture's noise side
         noise = osa.shuffled_similarities(image_emb, text_emb, k * k, seed)

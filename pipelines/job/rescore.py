@@ -26,13 +26,18 @@ from pairclean.output.tables import output_metadata, read_embeddings, scores_tab
 __all__ = ["rescore"]
 
 
-def _embeddings(out: OutputDir, records: list[ShardRecord]) -> tuple[np.ndarray, np.ndarray]:
-    img_parts, txt_parts = [], []
+def _embeddings(out: OutputDir, records: list[ShardRecord], limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ok rows' embeddings of ``records`` in order, the first ``limit`` (sidecars read
+    until there are that many)."""
+    img_parts, txt_parts, rows = [], [], 0
     for record in records:
+        if rows >= limit:
+            break
         img, txt = read_embeddings(out.read_embeddings_table(record))
         img_parts.append(img)
         txt_parts.append(txt)
-    return np.concatenate(img_parts), np.concatenate(txt_parts)
+        rows += len(img)
+    return np.concatenate(img_parts)[:limit], np.concatenate(txt_parts)[:limit]
 
 
 def rescore(
@@ -79,10 +84,8 @@ def rescore(
     if spec.contrast and not spec.embeddings:
         raise InputError(f"{out.uri} has no embedding sidecars: the corpus contrast needs them "
                          "(score with --embeddings, or rescore with --contrast off)")
-    per_shard = [_shard_embeddings(out, record, table) for record, table in tables] if spec.contrast else None
     if n and (beta_recipe in ("shuffled", "gmm") or spec.embeddings):
-        img, txt = _embeddings(out, [r for r, _ in tables])
-        img, txt = img[:n], txt[:n]
+        img, txt = _embeddings(out, [r for r, _ in tables], n)
     # As a fresh score: the bank is the calibration sample's images (same pairs, same rounding).
     fitted = fit_contrast(img, txt) if spec.contrast and img is not None and txt is not None else None
     calibration = calibrate(
@@ -95,11 +98,12 @@ def rescore(
     if fitted is not None:
         out.write_contrast_bank(fitted.bank)
     digest = spec_digest(spec)
+    # one shard's sidecar in memory at a time for the adjusted similarities
     records = [
         _rewrite(out, record, table, calibration, digest,
-                 None if fitted is None or per_shard is None else fitted.adjust(
-                     table.column(schema.COL_SIMILARITY).to_numpy(), *per_shard[i]))
-        for i, (record, table) in enumerate(tables)
+                 None if fitted is None else fitted.adjust(
+                     table.column(schema.COL_SIMILARITY).to_numpy(), *_shard_embeddings(out, record, table)))
+        for record, table in tables
     ]
     out.replace_records(records)
     doc = out.read_job_doc() or {}

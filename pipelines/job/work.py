@@ -31,7 +31,6 @@ from numpy.typing import NDArray
 from pairclean import __version__, schema
 from pairclean.calibrate.calibration import calibrate, cached_random_beta, needs_corpus
 from pairclean.calibrate.contrast import Contrast, fit_contrast
-from pairclean.calibrate.contrast import from_json as contrast_from_json
 from pairclean.errors import InputError
 from pairclean.embed.estimators import Estimator
 from pairclean.calibrate.calibration import Calibration
@@ -41,8 +40,7 @@ from pairclean.embed.shard import ScoreOptions, ShardResult, score_shard
 from pairclean.output.tables import embeddings_table, output_metadata, scores_table
 from pairclean.uris import shard_size, shard_stem
 
-__all__ = ["ShardOutcome", "CalibrationOutcome", "ShardWork", "random_beta_fn", "calibrate_on", "fit_calibration",
-           "adjusted_similarities"]
+__all__ = ["ShardOutcome", "CalibrationOutcome", "ShardWork", "random_beta_fn", "calibrate_on", "fit_calibration"]
 
 
 @dataclass(frozen=True)
@@ -142,11 +140,12 @@ def _load_judge_runner(estimator: Estimator, spec: JobSpec) -> Any:
 
 
 def judge_calibration(results: Sequence[ShardResult], spec: JobSpec, calibration: Calibration, identity: dict[str, Any],
-                      adjusted: Sequence[NDArray[np.float32]] | None = None) -> dict[str, Any]:
+                      contrast: Contrast | None = None) -> dict[str, Any]:
     """The judge's frozen part of a calibration, from the calibration phase's judged pairs:
     the corpus prior (``posterior.estimate_prior``) and the band (``posterior.choose_band``;
     every pair under ``--judge all``). Uses the first ``spec.calibration_pairs`` ok pairs;
-    ``adjusted``: the results' adjusted similarities when the calibration has a contrast."""
+    ``contrast``: the calibration's corpus contrast (OSA's p_clean then reads the adjusted
+    similarities; the band stays a window of the similarity)."""
     from pairclean import osa
     from pairclean.judge.posterior import FULL_BAND, choose_band, estimate_prior, p_clean_of
 
@@ -157,7 +156,8 @@ def judge_calibration(results: Sequence[ShardResult], spec: JobSpec, calibration
     if spec.judge == "all":
         band = FULL_BAND
     else:
-        scored = sims if adjusted is None else np.concatenate([np.zeros(0, np.float32)] + [a[r.ok_mask] for r, a in zip(results, adjusted)])[:n]
+        scored = sims if contrast is None else np.concatenate(
+            [np.zeros(0, np.float32)] + [contrast.adjust(r.similarity, r.image_emb, r.text_emb)[r.ok_mask] for r in results])[:n]
         osa_p = osa.apply_weighting(scored, calibration.beta, calibration.p_clean_params())
         band = choose_band(sims, p_clean_of(llr, prior), osa_p, float(spec.judge_budget or 0.0))
     return {"mode": spec.judge, "budget": spec.judge_budget, "band": [_finite(band[0]), _finite(band[1])],
@@ -167,13 +167,6 @@ def judge_calibration(results: Sequence[ShardResult], spec: JobSpec, calibration
 def _finite(x: float) -> float | str:
     """JSON has no infinities: an open end of the band is written as a string."""
     return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
-
-
-def adjusted_similarities(result: ShardResult, contrast: Contrast | None) -> NDArray[np.float32] | None:
-    """(N,) the shard's corpus-contrast adjusted similarities (None without a contrast)."""
-    if contrast is None:
-        return None
-    return contrast.adjust(result.similarity, result.image_emb, result.text_emb)
 
 
 def judge_band(calibration: Calibration) -> tuple[float, float] | None:
@@ -231,11 +224,10 @@ class ShardWork:
         if contrast is not None and "contrast" in calibration.extra:
             # the bank first: a worker that sees the calibration can always read its bank
             self.out.write_contrast_bank(contrast.bank)
-            self._contrast = (contrast.to_json()["bank_sha256"], contrast)
+            self._contrast = (calibration.extra["contrast"]["bank_sha256"], contrast)
         if self.judge is not None:
-            adjusted = [self._adjusted(r, calibration) for r in held]
             frozen = judge_calibration(held, self.spec, calibration, self.judge.judge.identity(),
-                                       None if adjusted[0] is None else [a for a in adjusted if a is not None])
+                                       self.contrast_of(calibration))
             calibration = replace(calibration, extra={**calibration.extra, "judge": frozen})
         written = [
             ShardOutcome(u, self.write(r, calibration) if r is not None else None, e) for u, r, e in outcomes
@@ -298,14 +290,15 @@ class ShardWork:
         if doc is None:
             return None
         if self._contrast is None or self._contrast[0] != doc["bank_sha256"]:
-            try:
-                self._contrast = (doc["bank_sha256"], contrast_from_json(doc, self.out.read_contrast_bank()))
-            except ValueError as exc:
-                raise InputError(f"{self.out.uri}: {exc}") from exc
+            loaded = self.out.read_contrast(calibration)
+            assert loaded is not None
+            self._contrast = (doc["bank_sha256"], loaded)
         return self._contrast[1]
 
     def _adjusted(self, result: ShardResult, calibration: Calibration) -> NDArray[np.float32] | None:
-        return adjusted_similarities(result, self.contrast_of(calibration))
+        """(N,) the shard's adjusted similarities (None without a contrast)."""
+        contrast = self.contrast_of(calibration)
+        return None if contrast is None else contrast.adjust(result.similarity, result.image_emb, result.text_emb)
 
     @staticmethod
     def _judged(result: ShardResult, calibration: Calibration) -> tuple[Any, dict[str, Any]]:

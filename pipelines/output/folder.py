@@ -42,6 +42,8 @@ import pyarrow as pa
 from numpy.typing import NDArray
 from pairclean import __version__, schema
 from pairclean.calibrate.calibration import Calibration
+from pairclean.calibrate.contrast import Contrast
+from pairclean.calibrate.contrast import from_json as contrast_from_json
 from pairclean.errors import ForeignOutputError, InputError, SpecMismatchError
 from pairclean.spec import JobSpec, spec_diff, spec_digest
 from pairclean.storage import Store, WriteInfo
@@ -342,6 +344,18 @@ class OutputDir:
             raise InputError(f"{self.store.url(schema.CONTRAST_BANK_FILE)} is not a (2, rows, dim) float16 array")
         bank: NDArray[np.float32] = np.asarray(arr, dtype=np.float32)
         return bank
+
+    def read_contrast(self, calibration: Calibration) -> Contrast | None:
+        """The corpus contrast frozen in ``calibration`` with its bank from this folder (None
+        without one); ``InputError`` naming the folder when the bank is missing or not the
+        recorded one."""
+        doc = calibration.extra.get("contrast")
+        if doc is None:
+            return None
+        try:
+            return contrast_from_json(doc, self.read_contrast_bank())
+        except ValueError as exc:
+            raise InputError(f"{self.uri}: {exc}") from exc
 
     # -- data files (written by workers) --------------------------------------------------
     def write_table(self, name: str, table: pa.Table) -> WriteInfo:
