@@ -34,6 +34,9 @@ class JobOptions(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
     #: the corpus contrast (``pairclean score --contrast``): auto (default) is on for a new folder
     contrast: Literal["auto", "on", "off"] | None = None
+    #: the judge (``pairclean score --judge``): auto (default) is on for pairclean-lite
+    judge: Literal["auto", "off", "band", "all"] | None = None
+    judge_budget: float | None = Field(None, gt=0, le=1)
 
 
 class JobRequest(BaseModel):

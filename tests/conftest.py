@@ -120,7 +120,8 @@ def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Any:
 def tiny_judge() -> Callable[..., Path]:
     """Writes a judge with random weights shaped for ``pairclean-tiny-test`` (issue 21 tests)."""
 
-    def make(path: Path, seed: int = 0) -> Path:
+    def make(path: Path, seed: int = 0, platt_fine: tuple[float, float] | None = None) -> Path:
+        """``platt_fine``: a near-miss map (the judge is then combined with OSA, not in its place)."""
         import torch
 
         from pairclean.judge.model import Judge, JudgeConfig
@@ -128,7 +129,10 @@ def tiny_judge() -> Callable[..., Path]:
 
         torch.manual_seed(seed)
         config = JudgeConfig(text_dim=64, image_dim=64, regions=16, width=16, layers=1, heads=2)
-        save_judge(str(path), Judge(config), (1.0, 0.0), TINY, {"note": "random weights, for tests"})
+        extra: dict[str, object] = {"note": "random weights, for tests"}
+        if platt_fine is not None:
+            extra["platt_fine"] = list(platt_fine)
+        save_judge(str(path), Judge(config), (1.0, 0.0), TINY, extra)
         return path
 
     return make

@@ -34,7 +34,8 @@ def add_judge_train_parser(sub: Any) -> None:
     p.add_argument("--out", required=True, help="where to write the judge (.safetensors)")
     p.add_argument("--report", default=None, help="write the dev figures as JSON here")
     p.add_argument("--features-cache", default=None, help="folder for cached regions and tokens (default: the pairclean cache/judge)")
-    p.add_argument("--train-captions", type=int, default=1, help="captions per train photo (1-5), each with one edit")
+    p.add_argument("--train-captions", type=int, default=5, help="captions per train photo (1-5), each with one edit")
+    p.add_argument("--pair-weight", type=float, default=base.pair_weight, help="weight of the edit ranking loss (0: BCE only)")
     p.add_argument("--epochs", type=int, default=base.epochs)
     p.add_argument("--width", type=int, default=base.width)
     p.add_argument("--layers", type=int, default=base.layers)
@@ -67,14 +68,16 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     estimator = load_estimator(EstimatorSpec(model="pairclean-lite", precision="fp32", engine="torch"))
     build_cache(root, cache, estimator, seed=args.seed, train_captions=args.train_captions)
     train, dev = load_split(cache, "train"), load_split(cache, "dev")
-    recipe = JudgeRecipe(epochs=args.epochs, width=args.width, layers=args.layers, seed=args.seed, lr=args.lr, batch=args.batch)
+    recipe = JudgeRecipe(epochs=args.epochs, width=args.width, layers=args.layers, seed=args.seed, lr=args.lr, batch=args.batch,
+                         pair_weight=args.pair_weight)
     model, report = train_judge(train, dev, recipe)
     platt = fit_platt(model, dev)
+    platt_fine = fit_platt(model, dev, fine=True)
     figures = calibrated_report(model, dev, platt)
     for name, row in figures.items():
         print(f"{name:<22} judge AUC {row['judge_auc']:.3f} (cosine {row['cosine_auc']:.3f})  ECE {row['ece']:.3f}  "
               f"Brier {row['brier']:.3f}  p_clean clean {row['p_clean_clean']:.2f} noisy {row['p_clean_noisy']:.2f}", flush=True)
-    extra = {"recipe": asdict(recipe) | {"train_captions": args.train_captions}, "history": report["history"],
+    extra = {"recipe": asdict(recipe) | {"train_captions": args.train_captions}, "history": report["history"], "platt_fine": list(platt_fine),
              "dev": figures, "data": "Flickr8k train (training), dev (selection, Platt map, figures)"}
     sha = save_judge(args.out, model, platt, "pairclean-lite", extra)
     print(f"judge -> {args.out} (sha256 {sha}, Platt a={platt[0]:.3f} b={platt[1]:.3f}, {report['seconds']} s)")

@@ -10,17 +10,19 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from pairclean import osa, schema
 from pairclean.calibrate.calibration import calibrate, needs_corpus
-from pairclean.calibrate.contrast import fit_contrast
+from pairclean.calibrate.contrast import Contrast, fit_contrast
 from pairclean.errors import InputError
 from pairclean.calibrate.calibration import Calibration
 from pairclean.spec import JobSpec, spec_digest
 from pairclean.output.folder import OutputDir, ShardRecord
+from pairclean.job.work import judged_p_clean, refit_fine_prior
 from pairclean.output.tables import output_metadata, read_embeddings, scores_table
 
 __all__ = ["rescore"]
@@ -60,10 +62,7 @@ def rescore(
     old_spec = out.read_spec()
     if old_spec is None:
         raise InputError(f"{out.uri} is not a pairclean output folder (no {schema.JOB_FILE})")
-    if old_spec.judge != "off":
-        # The judge's scores come from image regions and caption tokens the sidecars do not hold.
-        raise InputError(f"{out.uri} was scored with --judge {old_spec.judge}: rescoring a judged job is not "
-                         "implemented (its judge scores cannot be recomputed from the embeddings); score it again")
+    old_judge = _old_judge(out, old_spec)
     spec = replace(old_spec, beta_recipe=beta_recipe, weighting=weighting, beta_k=beta_k or old_spec.beta_k,
                    contrast=old_spec.contrast if contrast is None else contrast)
     committed = list(out.iter_committed())
@@ -95,6 +94,8 @@ def rescore(
     )
     if "contrast" not in calibration.extra:
         fitted = None
+    if old_judge is not None:
+        calibration = _with_judge(calibration, old_judge, tables, n, fitted, out)
     if fitted is not None:
         out.write_contrast_bank(fitted.bank)
     digest = spec_digest(spec)
@@ -116,6 +117,45 @@ def rescore(
     return calibration
 
 
+def _old_judge(out: OutputDir, spec: JobSpec) -> dict[str, Any] | None:
+    """The judge record of a judged job (None: not judged). The judge's ratios are kept from
+    the tables (``judge_score``: the sidecars hold no regions or tokens to judge again); the
+    judge's band and maps stay as scored."""
+    if spec.judge == "off":
+        return None
+    old = out.read_calibration()
+    if old is None or "judge" not in old.extra:
+        raise InputError(f"{out.uri} was scored with --judge {spec.judge} but its calibration has no judge record; score it again")
+    return dict(old.extra["judge"])
+
+
+def _with_judge(calibration: Calibration, frozen: dict[str, Any], tables: list[tuple[ShardRecord, pa.Table]], n: int,
+                fitted: Contrast | None, out: OutputDir) -> Calibration:
+    """``calibration`` with the judge record, its near-miss prior refitted on the first ``n``
+    ok pairs' stored ratios under the new calibration (as a fresh score fits it)."""
+    llr_parts, scored_parts, rows = [], [], 0
+    for record, table in tables:
+        if rows >= n:
+            break
+        ok = schema.ok_mask(table)
+        sims = table.column(schema.COL_SIMILARITY).to_numpy()
+        scored = sims if fitted is None else fitted.adjust(sims, *_shard_embeddings(out, record, table))
+        llr_parts.append(_judge_scores(table)[ok])
+        scored_parts.append(scored[ok])
+        rows += int(ok.sum())
+    llr = np.concatenate([np.zeros(0, np.float32), *llr_parts])[:n]
+    scored_all = np.concatenate([np.zeros(0, np.float32), *scored_parts])[:n]
+    keep = np.isfinite(llr)  # under --judge band, pairs outside the band were never judged
+    judge = refit_fine_prior(frozen, llr[keep], scored_all[keep], calibration)
+    return replace(calibration, extra={**calibration.extra, "judge": judge})
+
+
+def _judge_scores(table: pa.Table) -> np.ndarray:
+    if schema.COL_JUDGE_SCORE not in table.column_names:
+        raise InputError(f"a table of this judged job has no {schema.COL_JUDGE_SCORE} column; score it again")
+    return np.asarray(table.column(schema.COL_JUDGE_SCORE).to_numpy(zero_copy_only=False), np.float32)
+
+
 def _shard_embeddings(out: OutputDir, record: ShardRecord, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     """(image, text) (N, D) of every row of ``table`` from its sidecar (zeros where not ok)."""
     img, txt = read_embeddings(out.read_embeddings_table(record))
@@ -128,6 +168,16 @@ def _shard_embeddings(out: OutputDir, record: ShardRecord, table: pa.Table) -> t
     return full_img, full_txt
 
 
+def _judge_columns(table: pa.Table, calibration: Calibration, adjusted: np.ndarray | None) -> dict[str, Any]:
+    """``scores_table``'s judge arguments for a judged job's table (none for another job)."""
+    if "judge" not in calibration.extra:
+        return {}
+    llr = _judge_scores(table)
+    scored = table.column(schema.COL_SIMILARITY).to_numpy() if adjusted is None else adjusted
+    return {"second_stage": judged_p_clean(llr, np.asarray(scored, np.float32), calibration),
+            "extra_scores": {schema.COL_JUDGE_SCORE: llr}}
+
+
 def _no_model() -> float:
     raise InputError("the random-inputs recipe needs the estimator; none was given")
 
@@ -136,6 +186,8 @@ def _rewrite(out: OutputDir, record: ShardRecord, table: pa.Table, calibration: 
              adjusted: np.ndarray | None = None) -> ShardRecord:
     old_meta = json.loads(table.schema.metadata[schema.META_KEY])
     extra = {k: old_meta[k] for k in ("shard", "recipe") if k in old_meta} | {"job": digest}
+    if "judge" in calibration.extra:
+        extra["judge"] = calibration.extra["judge"]
     meta = output_metadata(old_meta["model"], calibration, extra)
     cols = set(table.column_names)
     new = scores_table(
@@ -151,6 +203,7 @@ def _rewrite(out: OutputDir, record: ShardRecord, table: pa.Table, calibration: 
         url=table.column(schema.COL_URL).to_pylist() if schema.COL_URL in cols else None,
         members={c: table.column(c).to_pylist() for c in schema.MEMBER_COLUMNS} if cols >= set(schema.MEMBER_COLUMNS) else None,
         adjusted=adjusted,
+        **_judge_columns(table, calibration, adjusted),
     )
     info = out.write_table(record.output, new)
     return replace(record, sha256=info.sha256, bytes=info.bytes)

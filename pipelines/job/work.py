@@ -142,26 +142,68 @@ def _load_judge_runner(estimator: Estimator, spec: JobSpec) -> Any:
 def judge_calibration(results: Sequence[ShardResult], spec: JobSpec, calibration: Calibration, identity: dict[str, Any],
                       contrast: Contrast | None = None) -> dict[str, Any]:
     """The judge's frozen part of a calibration, from the calibration phase's judged pairs:
-    the corpus prior (``posterior.estimate_prior``) and the band (``posterior.choose_band``;
-    every pair under ``--judge all``). Uses the first ``spec.calibration_pairs`` ok pairs;
+    the corpus prior (``posterior.estimate_prior``), for a judge with a near-miss map its
+    near-miss prior (``refit_fine_prior``), and the band (``posterior.choose_band``; every
+    pair under ``--judge all``). Uses the first ``spec.calibration_pairs`` ok pairs;
     ``contrast``: the calibration's corpus contrast (OSA's p_clean then reads the adjusted
     similarities; the band stays a window of the similarity)."""
     from pairclean import osa
-    from pairclean.judge.posterior import FULL_BAND, choose_band, estimate_prior, p_clean_of
+    from pairclean.judge import posterior
 
     n = spec.calibration_pairs
     sims = np.concatenate([np.zeros(0, np.float32)] + [r.similarity[r.ok_mask] for r in results])[:n]
     llr = np.concatenate([np.zeros(0, np.float32)] + [r.judge_llr[r.ok_mask] for r in results if r.judge_llr is not None])[:n]
-    prior = estimate_prior(llr)
-    if spec.judge == "all":
-        band = FULL_BAND
-    else:
-        scored = sims if contrast is None else np.concatenate(
-            [np.zeros(0, np.float32)] + [contrast.adjust(r.similarity, r.image_emb, r.text_emb)[r.ok_mask] for r in results])[:n]
-        osa_p = osa.apply_weighting(scored, calibration.beta, calibration.p_clean_params())
-        band = choose_band(sims, p_clean_of(llr, prior), osa_p, float(spec.judge_budget or 0.0))
-    return {"mode": spec.judge, "budget": spec.judge_budget, "band": [_finite(band[0]), _finite(band[1])],
-            "prior_clean": prior, "pairs": int(len(llr)), **identity}
+    scored = sims if contrast is None else np.concatenate(
+        [np.zeros(0, np.float32)] + [contrast.adjust(r.similarity, r.image_emb, r.text_emb)[r.ok_mask] for r in results])[:n]
+    osa_p = osa.apply_weighting(scored, calibration.beta, calibration.p_clean_params())
+    doc = refit_fine_prior({"mode": spec.judge, "budget": spec.judge_budget, "prior_clean": posterior.estimate_prior(llr),
+                            "pairs": int(len(llr)), **identity}, llr, scored, calibration)
+    judge_p = judged_p_clean(llr, scored, replace(calibration, extra={**calibration.extra, "judge": doc}))
+    band = posterior.FULL_BAND if spec.judge == "all" else posterior.choose_band(sims, judge_p, osa_p, float(spec.judge_budget or 0.0))
+    return {**doc, "band": [_finite(band[0]), _finite(band[1])]}
+
+
+def judged_p_clean(llr: NDArray[np.float32], scored: NDArray[np.float32], calibration: Calibration) -> NDArray[np.float32]:
+    """The cascade's p_clean (N,) of pairs with judge ratios ``llr`` (N,) (NaN: not judged,
+    stays NaN) and OSA scores ``scored`` (N,) (the similarity, or the contrast's adjusted one).
+
+    A judge with a near-miss map (``fine_prior`` in the calibration's judge record) is
+    combined with OSA's p_clean (``posterior.combined_p_clean``), or leaves OSA's outputs
+    (all NaN) where its factor is off (``fine_prior`` None); an older one replaces it.
+    """
+    from pairclean import osa
+    from pairclean.judge import posterior
+
+    frozen = calibration.extra["judge"]
+    if "fine_prior" not in frozen:
+        return posterior.p_clean_of(llr, float(frozen["prior_clean"]))
+    if frozen["fine_prior"] is None:  # the factor is off (``fine_off`` says why): OSA's outputs stay
+        return np.full(len(llr), np.nan, np.float32)
+    osa_p = osa.apply_weighting(scored, calibration.beta, calibration.p_clean_params())
+    fine = posterior.fine_llr(llr, _pair(frozen["platt"]), _pair(frozen["platt_fine"]))
+    return posterior.combined_p_clean(osa_p, fine, float(frozen["fine_prior"]))
+
+
+def refit_fine_prior(frozen: dict[str, Any], llr: NDArray[np.float32], scored: NDArray[np.float32],
+                     calibration: Calibration) -> dict[str, Any]:
+    """The judge record ``frozen`` with its near-miss prior refitted under ``calibration``
+    (``llr``, ``scored``: (N,) of the calibration pairs, as ``judge_calibration`` reads
+    them); unchanged for a judge without a near-miss map."""
+    from pairclean import osa
+    from pairclean.judge import posterior
+
+    if "platt_fine" not in frozen:
+        return dict(frozen)
+    osa_p = osa.apply_weighting(scored, calibration.beta, calibration.p_clean_params())
+    fine = posterior.fine_llr(llr, _pair(frozen["platt"]), _pair(frozen["platt_fine"]))
+    prior, why = posterior.fine_prior_or_reason(fine, osa_p)
+    return {**{k: v for k, v in frozen.items() if k != "fine_off"}, "fine_prior": prior, **({"fine_off": why} if why else {})}
+
+
+def _pair(values: Any) -> tuple[float, float]:
+    """A Platt map (a, b) as read back from JSON."""
+    a, b = values
+    return float(a), float(b)
 
 
 def _finite(x: float) -> float | str:
@@ -251,11 +293,11 @@ class ShardWork:
         stem = shard_stem(result.uri)
         extra_meta: dict[str, Any] = {"shard": result.uri, "recipe": _recipe(self.spec), "job": self.digest}
         second_stage = extra_scores = None
+        adjusted = self._adjusted(result, calibration)
         if result.judge_llr is not None and "judge" in calibration.extra:
-            second_stage, extra_scores = self._judged(result, calibration)
+            second_stage, extra_scores = self._judged(result, calibration, adjusted)
             extra_meta["judge"] = calibration.extra["judge"]
         meta = output_metadata(self.model_info, calibration, extra_meta)
-        adjusted = self._adjusted(result, calibration)
         scores = scores_table(
             result.uri, result.keys, result.idx, result.status, result.error,
             result.similarity, calibration, meta, result.uid, result.url, result.members,
@@ -301,16 +343,16 @@ class ShardWork:
         return None if contrast is None else contrast.adjust(result.similarity, result.image_emb, result.text_emb)
 
     @staticmethod
-    def _judged(result: ShardResult, calibration: Calibration) -> tuple[Any, dict[str, Any]]:
-        """(the judge's p_clean (N,), NaN where not judged; {judge_score column: llr (N,)}).
+    def _judged(result: ShardResult, calibration: Calibration, adjusted: NDArray[np.float32] | None) -> tuple[Any, dict[str, Any]]:
+        """(the cascade's p_clean (N,), NaN where not judged; {judge_score column: llr (N,)}).
 
         Calibration-phase shards were judged everywhere: pairs outside the frozen band are
         dropped here, so they read exactly as if scored after the calibration."""
-        from pairclean.judge.posterior import in_band, p_clean_of
+        from pairclean.judge.posterior import in_band
 
         assert result.judge_llr is not None
         band = judge_band(calibration)
         assert band is not None
         llr = np.where(in_band(result.similarity, band) & result.ok_mask, result.judge_llr, np.nan).astype(np.float32)
-        p = p_clean_of(llr, float(calibration.extra["judge"]["prior_clean"]))
-        return p, {schema.COL_JUDGE_SCORE: llr}
+        scored = result.similarity if adjusted is None else adjusted
+        return judged_p_clean(llr, scored, calibration), {schema.COL_JUDGE_SCORE: llr}

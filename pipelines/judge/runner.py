@@ -58,8 +58,11 @@ class LoadedJudge:
 
     def identity(self) -> dict[str, Any]:
         """What the output metadata records about the judge."""
-        return {"id": os.path.basename(self.path), "sha256": self.sha256, "estimator": self.estimator,
-                "platt": list(self.platt), "config": json.loads(self.model.config.to_json())}
+        doc = {"id": os.path.basename(self.path), "sha256": self.sha256, "estimator": self.estimator,
+               "platt": list(self.platt), "config": json.loads(self.model.config.to_json())}
+        if "platt_fine" in self.meta:  # judges trained to catch near-misses (see posterior.combined_p_clean)
+            doc["platt_fine"] = [float(x) for x in self.meta["platt_fine"]]
+        return doc
 
 
 def save_judge(path: str, model: Judge, platt: tuple[float, float], estimator: str, extra: dict[str, Any]) -> str:

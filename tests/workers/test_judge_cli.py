@@ -53,12 +53,68 @@ def test_judge_all_scores_every_pair_and_records_itself(make_shards, tmp_path: P
             assert r["p_clean"] == pytest.approx(expected, abs=1e-5)
             assert r["weight"] == r["p_clean"] and r["noisy"] == (r["p_clean"] <= 0.5)
             assert -1 <= r["similarity"] <= 1
-    # a judged job cannot be rescored from its embeddings: a clear refusal, nothing changed
-    before = (out / "part-00000.parquet").read_bytes()
-    assert main(["rescore", str(out), "--beta-recipe", "gmm", "--weighting", "p-clean"]) == 1
-    assert (out / "part-00000.parquet").read_bytes() == before
+    # a judge without a near-miss map replaces OSA's p_clean: rescoring keeps its ratios and answers
+    before = _table(out, "part-00000").to_pylist()
+    assert main(["rescore", str(out), "--beta-recipe", "shuffled", "--weighting", "p-clean"]) == 0
+    after = _table(out, "part-00000").to_pylist()
+    assert [r[schema.COL_JUDGE_SCORE] for r in after] == [r[schema.COL_JUDGE_SCORE] for r in before]
+    assert [r["p_clean"] for r in after] == [r["p_clean"] for r in before]
+    assert _meta(out, "part-00000")["beta"]["recipe"] == "shuffled" and _meta(out, "part-00000")["judge"]["mode"] == "all"
     job = json.loads(schema.local_side_path(out, schema.JOB_FILE).read_text())["spec"]
     assert job["judge"] == "all" and job["judge_sha256"] == meta["sha256"] and job["judge_checkpoint"] == str(judge_file)
+
+
+def test_a_near_miss_judge_is_combined_with_osa_and_rescored_alike(make_shards, tmp_path: Path, tiny_judge,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from pairclean.judge import posterior
+    from pairclean.judge.posterior import fine_llr, p_clean_of
+
+    monkeypatch.setattr(posterior, "MIN_FINE_PAIRS", 8)  # a 12-pair calibration sizes the near-misses here
+    monkeypatch.setattr(posterior, "MIN_FINE_PRIOR", 0.0)  # and a random judge's prior is trusted
+    judge = tiny_judge(tmp_path / "fine-judge.safetensors", platt_fine=(2.0, 0.5))
+    shards = make_shards(n_shards=2, per_shard=8)
+    off, judged = tmp_path / "off", tmp_path / "judged"
+    assert _score(shards, off, "--judge", "off") == 0
+    assert _score(shards, judged, "--judge", "all", "--judge-checkpoint", str(judge)) == 0
+    for stem in ("part-00000", "part-00001"):
+        meta = _meta(judged, stem)["judge"]
+        assert meta["platt_fine"] == [2.0, 0.5] and 0.02 <= meta["fine_prior"] <= 0.98
+        for a, b in zip(_table(off, stem).to_pylist(), _table(judged, stem).to_pylist()):
+            # clean = OSA's p_clean (the same one pass, the same calibration) times the judge's
+            # posterior that no word is wrong
+            q = p_clean_of(fine_llr(np.array([b[schema.COL_JUDGE_SCORE]]), (1.0, 0.0), (2.0, 0.5)), meta["fine_prior"])[0]
+            assert b["p_clean"] == pytest.approx(a["p_clean"] * q, abs=1e-5) and b["p_clean"] <= a["p_clean"] + 1e-6
+            assert b["weight"] == b["p_clean"] and b["noisy"] == (b["p_clean"] <= 0.5)
+    # rescoring to other options gives what a fresh judged score with those options writes
+    fresh = tmp_path / "fresh"
+    assert _score(shards, fresh, "--judge", "all", "--judge-checkpoint", str(judge), "--beta-recipe", "shuffled") == 0
+    assert main(["rescore", str(judged), "--beta-recipe", "shuffled", "--weighting", "p-clean"]) == 0
+    for stem in ("part-00000", "part-00001"):
+        a, b = _table(fresh, stem).to_pylist(), _table(judged, stem).to_pylist()
+        for col in ("p_clean", "weight", schema.COL_JUDGE_SCORE):
+            np.testing.assert_allclose([r[col] for r in a], [r[col] for r in b], atol=1e-6)
+        assert _meta(fresh, stem)["judge"]["fine_prior"] == pytest.approx(_meta(judged, stem)["judge"]["fine_prior"], abs=1e-9)
+
+
+def test_a_near_miss_judge_stays_off_where_its_prior_cannot_be_trusted(make_shards, tmp_path: Path, tiny_judge,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from pairclean.judge import posterior
+
+    judge = tiny_judge(tmp_path / "fine-judge.safetensors", platt_fine=(2.0, -3.0))  # says "a word is wrong" everywhere
+    shards = make_shards(n_shards=1, per_shard=12)
+    off = tmp_path / "off"
+    assert _score(shards, off, "--judge", "off") == 0
+    for name, patch, reason in (("few", {}, "fewer than 100"), ("prior", {"MIN_FINE_PAIRS": 8}, "near-miss prior")):
+        for attr, value in patch.items():
+            monkeypatch.setattr(posterior, attr, value)
+        out = tmp_path / name
+        assert _score(shards, out, "--judge", "all", "--judge-checkpoint", str(judge)) == 0
+        meta = _meta(out, "part-00000")["judge"]
+        assert meta["fine_prior"] is None and reason in meta["fine_off"]
+        for a, b in zip(_table(off, "part-00000").to_pylist(), _table(out, "part-00000").to_pylist()):
+            # the judge's score is written, OSA's outputs stay
+            assert math.isfinite(b[schema.COL_JUDGE_SCORE])
+            assert (b["p_clean"], b["weight"], b["noisy"]) == (a["p_clean"], a["weight"], a["noisy"])
 
 
 def test_band_judges_its_window_and_keeps_osa_outside(make_shards, tmp_path: Path, judge_file: Path) -> None:

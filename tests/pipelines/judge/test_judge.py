@@ -15,7 +15,18 @@ from pairclean.errors import ModelLoadError
 from pairclean.embed.estimators import EstimatorSpec, load_estimator
 from pairclean.judge.metrics import brier, ece, roc_auc
 from pairclean.judge.model import Judge, JudgeConfig
-from pairclean.judge.posterior import FULL_BAND, choose_band, estimate_prior, in_band, p_clean_of, platt_fit
+from pairclean.judge.posterior import (
+    FULL_BAND,
+    choose_band,
+    combined_p_clean,
+    estimate_prior,
+    fine_llr,
+    fine_prior_or_reason,
+    in_band,
+    llr_of,
+    p_clean_of,
+    platt_fit,
+)
 from pairclean.judge.runner import JudgeRunner, load_judge, save_judge
 
 @pytest.fixture(scope="module")
@@ -50,6 +61,42 @@ def test_prior_and_p_clean_are_honest() -> None:
     assert np.isnan(p_clean_of(np.array([np.nan]), 0.7)[0])
     assert estimate_prior(np.array([])) == 0.5
     assert estimate_prior(np.full(100, 50.0)) == 0.98  # clipped: a sample cannot say "no noise at all"
+
+
+def test_the_near_miss_prior_reads_only_the_pairs_osa_calls_clean() -> None:
+    rng = np.random.default_rng(2)
+    n = 20000
+    # a corpus: 30% random swaps (OSA sees them), then 20% of the rest one-word edits (it does not)
+    swapped = rng.random(n) < 0.3
+    edited = ~swapped & (rng.random(n) < 0.2)
+    osa_p = np.where(swapped, 0.02, 0.97)
+    # the judge's near-miss ratio: N(+1, 1) for clean pairs, N(-1, 1) for edits (llr = 2x);
+    # on swaps it says "noisy" too, which must not count as near-misses
+    x = np.where(edited | swapped, rng.normal(-1, 1, n), rng.normal(1, 1, n))
+    fine = 2 * x
+    prior = estimate_prior(fine, weights=osa_p)
+    assert prior == pytest.approx(0.8, abs=0.03)  # unweighted it would read 0.56
+    assert estimate_prior(fine) < 0.6
+    p = combined_p_clean(osa_p, fine, prior)
+    clean = ~swapped & ~edited
+    assert ece(p, clean) < 0.03
+    assert p[swapped].mean() < 0.05 and p[edited].mean() < 0.5 < p[clean].mean()
+    # where the judge cannot tell, OSA's answer scaled by the prior: never more confident than OSA
+    assert combined_p_clean(np.array([0.9]), np.zeros(1), 0.8)[0] == pytest.approx(0.72, abs=1e-6)
+    assert np.isnan(combined_p_clean(np.array([0.9]), np.array([np.nan]), 0.8)[0])
+    assert estimate_prior(fine, weights=np.zeros(n)) == 0.5
+    # the factor's guard: enough pairs and a plausible prior, else a reason
+    assert fine_prior_or_reason(fine, osa_p) == (pytest.approx(prior), None)
+    few, why = fine_prior_or_reason(fine[:50], osa_p[:50])
+    assert few is None and why is not None and "fewer than 100" in why
+    low, why = fine_prior_or_reason(fine - 6, osa_p)
+    assert low is None and why is not None and "near-miss prior" in why
+
+
+def test_fine_llr_remaps_the_same_raw_logit() -> None:
+    raw = np.array([-3.0, 0.0, 2.5])
+    general, fine = (0.5, 0.2), (0.8, -0.6)
+    assert fine_llr(llr_of(raw, general), general, fine) == pytest.approx(llr_of(raw, fine), abs=1e-5)
 
 
 def test_band_holds_the_budget_where_judge_and_osa_disagree() -> None:
