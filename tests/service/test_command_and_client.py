@@ -91,3 +91,20 @@ def test_the_contrast_option_reaches_the_score_command_and_is_checked() -> None:
     assert "--contrast" not in plain  # the CLI's default (auto) decides
     with pytest.raises(pydantic.ValidationError):
         JobRequest(shards=["/data/a.tar"], output="/data/out", options={"contrast": "maybe"})
+
+
+def test_the_judge_options_reach_the_score_command_and_are_checked() -> None:
+    import pydantic
+
+    from pairclean_service.runner import score_command
+    from pairclean_service.schemas import JobRequest
+    from pairclean_service.settings import ServiceSettings
+
+    request = JobRequest(shards=["/data/a.tar"], output="/data/out", options={"judge": "band", "judge_budget": 0.2})
+    cmd = score_command(request.model_dump(), ServiceSettings())
+    assert cmd[cmd.index("--judge") + 1] == "band" and cmd[cmd.index("--judge-budget") + 1] == "0.2"
+    plain = score_command(JobRequest(shards=["/data/a.tar"], output="/data/out").model_dump(), ServiceSettings())
+    assert "--judge" not in plain  # the CLI's default (auto) decides
+    for bad in ({"judge": "sometimes"}, {"judge_budget": 0}, {"judge_budget": 1.5}):
+        with pytest.raises(pydantic.ValidationError):
+            JobRequest(shards=["/data/a.tar"], output="/data/out", options=bad)

@@ -197,3 +197,21 @@ def test_ray_workers_run_the_cascade(make_shards, tmp_path: Path, judge_file: Pa
         np.testing.assert_allclose(a[schema.COL_JUDGE_SCORE].to_numpy(), b[schema.COL_JUDGE_SCORE].to_numpy(), atol=1e-4)
         np.testing.assert_allclose(a["p_clean"].to_numpy(), b["p_clean"].to_numpy(), atol=1e-4)
         assert _meta(ray_out, stem)["judge"]["sha256"] == _meta(local, stem)["judge"]["sha256"]
+
+
+def test_auto_keeps_a_resumed_folders_judge_setting(make_shards, tmp_path: Path, judge_file: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    shards = make_shards(n_shards=1, per_shard=6)
+    spec = lambda out: json.loads(schema.local_side_path(out, schema.JOB_FILE).read_text())["spec"]  # noqa: E731
+    # a new folder: auto with a judge for this estimator judges every pair
+    new = tmp_path / "new"
+    assert _score(shards, new, "--judge-checkpoint", str(judge_file)) == 0
+    assert spec(new)["judge"] == "all"
+    # folders started with another setting resume as they began instead of being refused
+    for name, flags, mode in (("off", ["--judge", "off"], None), ("band", ["--judge", "band", "--judge-budget", "0.5"], "band")):
+        out = tmp_path / name
+        assert _score(shards, out, *flags, "--judge-checkpoint", str(judge_file)) == 0
+        capsys.readouterr()
+        assert _score(shards, out, "--judge-checkpoint", str(judge_file)) == 0
+        assert "different spec" not in capsys.readouterr().err
+        assert spec(out).get("judge") == mode
