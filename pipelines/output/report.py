@@ -38,6 +38,8 @@ class Summary:
     #: The ``p_clean`` mixture's noise shares of the calibration sample (random, near-miss);
     #: None without a corpus-mixture curve.
     mixture_noise: tuple[float, float] | None = None
+    #: The judge's record in the metadata (None: the job ran without the judge).
+    judge: dict[str, Any] | None = None
 
 
 def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> Summary:
@@ -74,6 +76,7 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
         noisy_rule=str(meta.get("noisy_rule", "similarity <= beta")),
         mixture_noise=_mixture_noise(meta),
         contrast=meta.get("contrast"),
+        judge=meta.get("judge"),
     )
 
 
@@ -102,6 +105,18 @@ def _noise_similarities(out: OutputDir, seed: int, limit: int = 200_000) -> np.n
     return osa.shuffled_similarities(img, txt, min(65_536, 16 * rows), seed)
 
 
+def _judge_line(judge: dict[str, Any] | None) -> str:
+    """What the judge did: off, its mode, and whether its word check entered p_clean."""
+    if judge is None:
+        return "off"
+    head = f"{judge.get('mode')} ({judge.get('id')}; scores in judge_score)"
+    if "platt_fine" not in judge:
+        return head + "; p_clean is its posterior where it judged"
+    if judge.get("fine_prior") is None:
+        return head + f"; its word check left out of p_clean: {judge.get('fine_off')}"
+    return head + f"; p_clean = OSA's x its word check (corpus share with every word right: {100 * judge['fine_prior']:.1f}%)"
+
+
 def _row(r: dict[str, Any]) -> str:
     sim = r[schema.COL_SIMILARITY]
     sim_s = "   nan" if sim is None or np.isnan(sim) else f"{sim:+.3f}"
@@ -119,6 +134,7 @@ def format_summary(s: Summary) -> str:
         f"flagged noisy ({s.noisy_rule}): {100 * s.flagged_noisy:.1f}% of ok pairs",
         "corpus contrast: " + (f"on (bank of {s.contrast['bank_rows']} calibration pairs; weights read adjusted_similarity)"
                                if s.contrast else "off (weights read the similarity)"),
+        "judge: " + _judge_line(s.judge),
         "noise-rate estimate (pairs below the median of random mismatched pairs x 2; GMM without embeddings): "
         + (f"{100 * s.noise_rate_gmm:.1f}%" if s.noise_rate_gmm is not None else "n/a (fewer than 16 pairs)"),
         "noise share by the p_clean mixture (calibration sample): "

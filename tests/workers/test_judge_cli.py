@@ -85,6 +85,10 @@ def test_a_near_miss_judge_is_combined_with_osa_and_rescored_alike(make_shards, 
             q = p_clean_of(fine_llr(np.array([b[schema.COL_JUDGE_SCORE]]), (1.0, 0.0), (2.0, 0.5)), meta["fine_prior"])[0]
             assert b["p_clean"] == pytest.approx(a["p_clean"] * q, abs=1e-5) and b["p_clean"] <= a["p_clean"] + 1e-6
             assert b["weight"] == b["p_clean"] and b["noisy"] == (b["p_clean"] <= 0.5)
+    from pairclean.output.folder import OutputDir
+    from pairclean.output.report import format_summary, summarize
+
+    assert "p_clean = OSA's x its word check (corpus share with every word right: " in format_summary(summarize(OutputDir(str(judged))))
     # rescoring to other options gives what a fresh judged score with those options writes
     fresh = tmp_path / "fresh"
     assert _score(shards, fresh, "--judge", "all", "--judge-checkpoint", str(judge), "--beta-recipe", "shuffled") == 0
@@ -111,6 +115,10 @@ def test_a_near_miss_judge_stays_off_where_its_prior_cannot_be_trusted(make_shar
         assert _score(shards, out, "--judge", "all", "--judge-checkpoint", str(judge)) == 0
         meta = _meta(out, "part-00000")["judge"]
         assert meta["fine_prior"] is None and reason in meta["fine_off"]
+        from pairclean.output.folder import OutputDir
+        from pairclean.output.report import format_summary, summarize
+
+        assert "word check left out of p_clean: " + meta["fine_off"] in format_summary(summarize(OutputDir(str(out))))
         for a, b in zip(_table(off, "part-00000").to_pylist(), _table(out, "part-00000").to_pylist()):
             # the judge's score is written, OSA's outputs stay
             assert math.isfinite(b[schema.COL_JUDGE_SCORE])
