@@ -13,7 +13,9 @@ wrong caption of one kind:
 - ``mix``: the chosen pairs split evenly over the four kinds above.
 
 Each (kind, rate) becomes WebDataset shards scored by the real CLI (``pairclean score
---executor local``; ``--judge MODE`` is passed through when the CLI has that option). It
+--executor local``; ``--judge MODE`` is passed through when the CLI has that option: the
+default, ``auto``, judges every pair with pairclean-lite; ``--judge off`` gives OSA and the
+corpus contrast alone). It
 prints one row per (kind, rate): ROC-AUC of ``similarity``, ``weight`` and ``p_clean``
 (clean = positive); noise recall and clean accuracy of the ``noisy`` flag; ECE (15 bins)
 and Brier score of ``p_clean``; mean ``p_clean`` of clean and of noisy pairs; the largest
