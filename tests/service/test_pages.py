@@ -96,6 +96,8 @@ def test_pages_render_with_security_headers(demo_service) -> None:
     assert "<svg" in job and "β = " in job and "random-inputs" in job and "demo-000000" in job
     # the demo's 10 pairs are too few for the corpus contrast (16): the page says what weights read
     assert 'data-why="contrast"' in job and "Corpus contrast: off: weights read the similarity" in job
+    # the judge ran (pairclean-lite's default) but 10 pairs are too few to trust its word check
+    assert 'data-why="judge"' in job and "its word check is left out of p_clean (10 judged calibration pairs, fewer than 100" in job
     assert not [p for p in httpx.get(f"{demo_service.url}/openapi.json").json()["paths"] if p.startswith("/ui") or p == "/"]
 
 
