@@ -94,11 +94,8 @@ def run(model: nn.Module, train: SplitFeatures, dev: SplitFeatures, args: argpar
             logits = model(*jt._tensors(train, img[s : s + args.batch], txt[s : s + args.batch]))
             w = torch.where(y > 0, torch.tensor(pos_w), torch.tensor(1.0))
             loss = nn.functional.binary_cross_entropy_with_logits(logits, y, weight=w) / (0.5 * (1 + pos_w))
-            src = train.source[txt[s : s + args.batch]]
-            edited = src >= 0
-            if args.pair_weight > 0 and edited.any():  # own caption above its edit, same photo
-                own = model(*jt._tensors(train, img[s : s + args.batch][edited], src[edited]))
-                loss = loss + args.pair_weight * nn.functional.softplus(logits[torch.from_numpy(edited)] - own).mean()
+            # own caption above its edit, same photo (the shipped recipe's term)
+            loss = loss + jt.ranking_loss(model, train, img[s : s + args.batch], txt[s : s + args.batch], logits, args.pair_weight)
             opt.zero_grad()
             loss.backward()  # type: ignore[no-untyped-call]
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)

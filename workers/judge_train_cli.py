@@ -54,7 +54,7 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     from pairclean.lite.evaldata import find_flickr8k
     from pairclean.lite.judge_data import build_cache, load_split
     from pairclean.judge.runner import save_judge
-    from pairclean.lite.judge_train import JudgeRecipe, calibrated_report, fit_platt, train_judge
+    from pairclean.lite.judge_train import JudgeRecipe, calibrated_report, fit_platts, train_judge
 
     if not 1 <= args.train_captions <= 5:
         raise InputError(f"--train-captions must be 1-5, got {args.train_captions}")
@@ -71,8 +71,7 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     recipe = JudgeRecipe(epochs=args.epochs, width=args.width, layers=args.layers, seed=args.seed, lr=args.lr, batch=args.batch,
                          pair_weight=args.pair_weight)
     model, report = train_judge(train, dev, recipe)
-    platt = fit_platt(model, dev)
-    platt_fine = fit_platt(model, dev, fine=True)
+    platt, platt_fine = fit_platts(model, dev)
     figures = calibrated_report(model, dev, platt)
     for name, row in figures.items():
         print(f"{name:<22} judge AUC {row['judge_auc']:.3f} (cosine {row['cosine_auc']:.3f})  ECE {row['ece']:.3f}  "

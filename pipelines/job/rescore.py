@@ -22,7 +22,7 @@ from pairclean.errors import InputError
 from pairclean.calibrate.calibration import Calibration
 from pairclean.spec import JobSpec, spec_digest
 from pairclean.output.folder import OutputDir, ShardRecord
-from pairclean.job.work import judged_p_clean, refit_fine_prior
+from pairclean.job.work import judged_p_clean, osa_p_clean, refit_fine_prior
 from pairclean.output.tables import output_metadata, read_embeddings, scores_table
 
 __all__ = ["rescore"]
@@ -146,7 +146,7 @@ def _with_judge(calibration: Calibration, frozen: dict[str, Any], tables: list[t
     llr = np.concatenate([np.zeros(0, np.float32), *llr_parts])[:n]
     scored_all = np.concatenate([np.zeros(0, np.float32), *scored_parts])[:n]
     keep = np.isfinite(llr)  # under --judge band, pairs outside the band were never judged
-    judge = refit_fine_prior(frozen, llr[keep], scored_all[keep], calibration)
+    judge = refit_fine_prior(frozen, llr[keep], osa_p_clean(scored_all[keep], calibration))
     return replace(calibration, extra={**calibration.extra, "judge": judge})
 
 
@@ -174,7 +174,7 @@ def _judge_columns(table: pa.Table, calibration: Calibration, adjusted: np.ndarr
         return {}
     llr = _judge_scores(table)
     scored = table.column(schema.COL_SIMILARITY).to_numpy() if adjusted is None else adjusted
-    return {"second_stage": judged_p_clean(llr, np.asarray(scored, np.float32), calibration),
+    return {"second_stage": judged_p_clean(llr, osa_p_clean(np.asarray(scored, np.float32), calibration), calibration.extra["judge"]),
             "extra_scores": {schema.COL_JUDGE_SCORE: llr}}
 
 

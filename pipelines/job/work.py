@@ -147,7 +147,6 @@ def judge_calibration(results: Sequence[ShardResult], spec: JobSpec, calibration
     pair under ``--judge all``). Uses the first ``spec.calibration_pairs`` ok pairs;
     ``contrast``: the calibration's corpus contrast (OSA's p_clean then reads the adjusted
     similarities; the band stays a window of the similarity)."""
-    from pairclean import osa
     from pairclean.judge import posterior
 
     n = spec.calibration_pairs
@@ -155,46 +154,48 @@ def judge_calibration(results: Sequence[ShardResult], spec: JobSpec, calibration
     llr = np.concatenate([np.zeros(0, np.float32)] + [r.judge_llr[r.ok_mask] for r in results if r.judge_llr is not None])[:n]
     scored = sims if contrast is None else np.concatenate(
         [np.zeros(0, np.float32)] + [contrast.adjust(r.similarity, r.image_emb, r.text_emb)[r.ok_mask] for r in results])[:n]
-    osa_p = osa.apply_weighting(scored, calibration.beta, calibration.p_clean_params())
+    osa_p = osa_p_clean(scored, calibration)
     doc = refit_fine_prior({"mode": spec.judge, "budget": spec.judge_budget, "prior_clean": posterior.estimate_prior(llr),
-                            "pairs": int(len(llr)), **identity}, llr, scored, calibration)
-    judge_p = judged_p_clean(llr, scored, replace(calibration, extra={**calibration.extra, "judge": doc}))
-    band = posterior.FULL_BAND if spec.judge == "all" else posterior.choose_band(sims, judge_p, osa_p, float(spec.judge_budget or 0.0))
+                            "pairs": int(len(llr)), **identity}, llr, osa_p)
+    band = posterior.FULL_BAND if spec.judge == "all" else posterior.choose_band(
+        sims, judged_p_clean(llr, osa_p, doc), osa_p, float(spec.judge_budget or 0.0))
     return {**doc, "band": [_finite(band[0]), _finite(band[1])]}
 
 
-def judged_p_clean(llr: NDArray[np.float32], scored: NDArray[np.float32], calibration: Calibration) -> NDArray[np.float32]:
-    """The cascade's p_clean (N,) of pairs with judge ratios ``llr`` (N,) (NaN: not judged,
-    stays NaN) and OSA scores ``scored`` (N,) (the similarity, or the contrast's adjusted one).
-
-    A judge with a near-miss map (``fine_prior`` in the calibration's judge record) is
-    combined with OSA's p_clean (``posterior.combined_p_clean``), or leaves OSA's outputs
-    (all NaN) where its factor is off (``fine_prior`` None); an older one replaces it.
-    """
+def osa_p_clean(scored: NDArray[np.float32], calibration: Calibration) -> NDArray[np.float32]:
+    """OSA's p_clean (N,) of the scores ``scored`` (N,) (the similarity, or the contrast's
+    adjusted one) under ``calibration``, as ``scores_table`` writes it."""
     from pairclean import osa
+
+    return osa.apply_weighting(scored, calibration.beta, calibration.p_clean_params())
+
+
+def judged_p_clean(llr: NDArray[np.float32], osa_p: NDArray[np.float32], frozen: dict[str, Any]) -> NDArray[np.float32]:
+    """The cascade's p_clean (N,) of pairs with judge ratios ``llr`` (N,) (NaN: not judged,
+    stays NaN) and OSA's p_clean ``osa_p`` (N,), under the calibration's judge record ``frozen``.
+
+    A judge with a near-miss map (``fine_prior`` in the record) is combined with OSA's
+    p_clean (``posterior.combined_p_clean``), or leaves OSA's outputs (all NaN) where its
+    factor is off (``fine_prior`` None); an older one replaces it.
+    """
     from pairclean.judge import posterior
 
-    frozen = calibration.extra["judge"]
     if "fine_prior" not in frozen:
         return posterior.p_clean_of(llr, float(frozen["prior_clean"]))
     if frozen["fine_prior"] is None:  # the factor is off (``fine_off`` says why): OSA's outputs stay
         return np.full(len(llr), np.nan, np.float32)
-    osa_p = osa.apply_weighting(scored, calibration.beta, calibration.p_clean_params())
     fine = posterior.fine_llr(llr, _pair(frozen["platt"]), _pair(frozen["platt_fine"]))
     return posterior.combined_p_clean(osa_p, fine, float(frozen["fine_prior"]))
 
 
-def refit_fine_prior(frozen: dict[str, Any], llr: NDArray[np.float32], scored: NDArray[np.float32],
-                     calibration: Calibration) -> dict[str, Any]:
-    """The judge record ``frozen`` with its near-miss prior refitted under ``calibration``
-    (``llr``, ``scored``: (N,) of the calibration pairs, as ``judge_calibration`` reads
+def refit_fine_prior(frozen: dict[str, Any], llr: NDArray[np.float32], osa_p: NDArray[np.float32]) -> dict[str, Any]:
+    """The judge record ``frozen`` with its near-miss prior refitted from the calibration
+    pairs' ratios ``llr`` and OSA's p_clean ``osa_p`` (N,) (as ``judge_calibration`` reads
     them); unchanged for a judge without a near-miss map."""
-    from pairclean import osa
     from pairclean.judge import posterior
 
     if "platt_fine" not in frozen:
         return dict(frozen)
-    osa_p = osa.apply_weighting(scored, calibration.beta, calibration.p_clean_params())
     fine = posterior.fine_llr(llr, _pair(frozen["platt"]), _pair(frozen["platt_fine"]))
     prior, why = posterior.fine_prior_or_reason(fine, osa_p)
     return {**{k: v for k, v in frozen.items() if k != "fine_off"}, "fine_prior": prior, **({"fine_off": why} if why else {})}
@@ -354,5 +355,5 @@ class ShardWork:
         band = judge_band(calibration)
         assert band is not None
         llr = np.where(in_band(result.similarity, band) & result.ok_mask, result.judge_llr, np.nan).astype(np.float32)
-        scored = result.similarity if adjusted is None else adjusted
-        return judged_p_clean(llr, scored, calibration), {schema.COL_JUDGE_SCORE: llr}
+        osa_p = osa_p_clean(result.similarity if adjusted is None else adjusted, calibration)
+        return judged_p_clean(llr, osa_p, calibration.extra["judge"]), {schema.COL_JUDGE_SCORE: llr}

@@ -10,7 +10,7 @@ the noise model is fitted on what the corpus shows, near-misses included. Then
 is the corpus prior, never a confident answer.
 
 A judge whose weights carry a second Platt map, ``platt_fine`` (clean pairs against
-one-word edits only: see ``pairclean.lite.judge_train.fit_platt``), is combined with OSA instead
+one-word edits only: see ``pairclean.lite.judge_train.fit_platts``), is combined with OSA instead
 of replacing it (``combined_p_clean``): a pair is clean when it passes both tests, OSA's
 (is this caption about this photo at all: random and near-image mismatches, calibrated on
 the corpus) and the judge's (given that, is every word right). The judge's near-miss prior

@@ -406,7 +406,7 @@ def _why(view: JobOverview) -> dict[str, Any]:
         "refine": refine.get("method") if isinstance(refine, dict) else None,
         "contrast_rows": (cal.extra.get("contrast") or {}).get("bank_rows") if cal else None,
         "mixture_noise": _mixture_noise(cal.extra if cal else {}),
-        "judge": (cal.extra.get("judge") if cal else None) or None,
+        "judge": cal.extra.get("judge") if cal else None,
     }
 
 
