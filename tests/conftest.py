@@ -120,15 +120,16 @@ def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Any:
 def tiny_judge() -> Callable[..., Path]:
     """Writes a judge with random weights shaped for ``pairclean-tiny-test`` (issue 21 tests)."""
 
-    def make(path: Path, seed: int = 0, platt_fine: tuple[float, float] | None = None) -> Path:
-        """``platt_fine``: a near-miss map (the judge is then combined with OSA, not in its place)."""
+    def make(path: Path, seed: int = 0, platt_fine: tuple[float, float] | None = None, colour_bins: int = 0) -> Path:
+        """``platt_fine``: a near-miss map (the judge is then combined with OSA, not in its place);
+        ``colour_bins``: it also reads the regions' colour make-up."""
         import torch
 
         from pairclean.judge.model import Judge, JudgeConfig
         from pairclean.judge.runner import save_judge
 
         torch.manual_seed(seed)
-        config = JudgeConfig(text_dim=64, image_dim=64, regions=16, width=16, layers=1, heads=2)
+        config = JudgeConfig(text_dim=64, image_dim=64, regions=16, width=16, layers=1, heads=2, colour_bins=colour_bins)
         extra: dict[str, object] = {"note": "random weights, for tests"}
         if platt_fine is not None:
             extra["platt_fine"] = list(platt_fine)

@@ -42,6 +42,8 @@ def add_judge_train_parser(sub: Any) -> None:
     p.add_argument("--lr", type=float, default=base.lr)
     p.add_argument("--batch", type=int, default=base.batch)
     p.add_argument("--seed", type=int, default=base.seed)
+    p.add_argument("--colours", choices=("on", "off"), default="on" if base.colours else "off",
+                   help="also read each region's colour make-up (off: the shipped judge; see its model card)")
     p.add_argument("--threads", type=int, default=None)
 
 
@@ -67,9 +69,9 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     # PyTorch fp32 towers: the judge reads what `pairclean score` computes for pairclean-lite.
     estimator = load_estimator(EstimatorSpec(model="pairclean-lite", precision="fp32", engine="torch"))
     build_cache(root, cache, estimator, seed=args.seed, train_captions=args.train_captions)
-    train, dev = load_split(cache, "train"), load_split(cache, "dev")
     recipe = JudgeRecipe(epochs=args.epochs, width=args.width, layers=args.layers, seed=args.seed, lr=args.lr, batch=args.batch,
-                         pair_weight=args.pair_weight)
+                         pair_weight=args.pair_weight, colours=args.colours == "on")
+    train, dev = load_split(cache, "train", recipe.colours), load_split(cache, "dev", recipe.colours)
     model, report = train_judge(train, dev, recipe)
     platt, platt_fine = fit_platts(model, dev)
     figures = calibrated_report(model, dev, platt)

@@ -8,7 +8,9 @@ the pair's pooled cosine (the estimator's own similarity, OSA's input) is added 
 learned weight: the judge starts from what OSA knows and learns what parts add.
 
 Inputs (torch): tokens (N, L, W) float, mask (N, L) bool (True = real token), regions
-(N, R, C) float, cosine (N,) float. Output: logits (N,) float32 (clean vs not).
+(N, R, C + colour_bins) float (the tower's channels, then ``features.region_colours`` where
+the config has ``colour_bins``: a separate projection, added, so the colour shares are not
+drowned in the tower's LayerNorm), cosine (N,) float. Output: logits (N,) float32 (clean vs not).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class JudgeConfig:
     layers: int = 2
     heads: int = 4
     dropout: float = 0.1
+    #: Colour channels per region after the tower's (``features.region_colours``); 0: none.
+    colour_bins: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -70,6 +74,7 @@ class Judge(nn.Module):
         w = config.width
         self.text_in = nn.Sequential(nn.LayerNorm(config.text_dim), nn.Linear(config.text_dim, w))
         self.image_in = nn.Sequential(nn.LayerNorm(config.image_dim), nn.Linear(config.image_dim, w))
+        self.colour_in = nn.Linear(config.colour_bins, w) if config.colour_bins else None
         self.region_pos = nn.Parameter(torch.zeros(1, config.regions, w))
         self.image_ln = nn.LayerNorm(w)
         self.layers = nn.ModuleList(_Layer(w, config.heads, config.dropout) for _ in range(config.layers))
@@ -83,7 +88,13 @@ class Judge(nn.Module):
         if regions.shape[1] != self.config.regions:
             raise ValueError(f"judge expects {self.config.regions} image regions, got {regions.shape[1]}")
         x = self.text_in(tokens.float())
-        img = self.image_ln(self.image_in(regions.float()) + self.region_pos)
+        if regions.shape[2] != self.config.image_dim + self.config.colour_bins:
+            raise ValueError(f"judge expects {self.config.image_dim} + {self.config.colour_bins} channels per region, got {regions.shape[2]}")
+        regions = regions.float()
+        img = self.image_in(regions[..., : self.config.image_dim]) + self.region_pos
+        if self.colour_in is not None:
+            img = img + self.colour_in(regions[..., self.config.image_dim :])
+        img = self.image_ln(img)
         pad = ~mask
         for layer in self.layers:
             x = layer(x, pad, img)

@@ -26,7 +26,7 @@ from pairclean.errors import ModelLoadError
 from pairclean.embed.estimators import Estimator
 from pairclean.embed.estimators.base import file_sha256
 from pairclean.osa import cosine_rows
-from pairclean.judge.features import image_parts, image_parts_dim, text_parts, text_parts_dim
+from pairclean.judge.features import COLOUR_BINS, colour_grid, estimator_colours, image_parts, image_parts_dim, text_parts, text_parts_dim
 from pairclean.judge.model import Judge, JudgeConfig
 from pairclean.judge.posterior import FULL_BAND, in_band, llr_of
 
@@ -135,6 +135,9 @@ class JudgeRunner:
                 f"({cfg.regions} regions x {cfg.image_dim}, tokens {cfg.text_dim}); "
                 f"{estimator.info.model_id} gives {regions} x {channels}, tokens {width}"
             )
+        if cfg.colour_bins and cfg.colour_bins != COLOUR_BINS:
+            raise ModelLoadError(f"judge {judge.path!r} reads {cfg.colour_bins} colour channels; this release computes {COLOUR_BINS}")
+        self._colour_grid = colour_grid(regions) if cfg.colour_bins else None
         self._parts = _onnx_parts(estimator)
 
     def with_band(self, band: tuple[float, float]) -> JudgeRunner:
@@ -153,6 +156,8 @@ class JudgeRunner:
             pooled, regions = self._parts(x)
         else:
             pooled, regions = image_parts(est.model, x)
+        if self._colour_grid is not None:
+            regions = torch.cat([regions.float(), estimator_colours(est, pixels, self._colour_grid).to(regions.device)], dim=2)
         ids = est.tokenizer(list(texts)).to(est._device)
         tpooled, tokens, mask = text_parts(est.model, ids)
         img = _normalised(pooled)

@@ -6,6 +6,8 @@ stores per split (float16 where large, under ``cache``, never in the repository)
 
 - ``images-<split>.npz``: ``regions`` (I, R, C) float16, ``emb`` (I, D) float32 (the
   estimator's L2-normalised image embeddings), ``names``;
+- ``colours-<split>.npz``: ``colours`` (I, R, K) float16, each region's colour make-up
+  (``pairclean.judge.features.region_colours`` on the same pixels and grid);
 - ``texts-<split>.npz``: ``tokens`` (T, L, W) float16 (L = ``MAX_TOKENS``), ``mask`` (T, L)
   bool, ``emb`` (T, D) float32, ``image`` (T,) int64 (the photo a caption was written for,
   or whose caption an edit came from), ``kind`` (T,) str ("" for a real caption, else the
@@ -50,6 +52,8 @@ class SplitFeatures:
     kind: NDArray[np.str_]
     source: NDArray[np.int64]
     texts: list[str]
+    #: (I, R, K) colour make-up of each region (None: a cache built before colours).
+    colours: NDArray[np.float16] | None = None
 
 
 def _texts_of(images: list[Any], split: str, seed: int, train_captions: int) -> tuple[list[str], list[int], list[str], list[int]]:
@@ -114,6 +118,9 @@ def build_cache(root: Path, cache: Path, estimator: Any, batch: int = 64, seed: 
                 embs.append(torch.nn.functional.normalize(pooled.float(), dim=-1).numpy())
             _save(ipath, regions=np.concatenate(regions), emb=np.concatenate(embs), names=np.array([i.image for i in images]))
             log.info("%s images: %d in %.0f s", split, len(images), time.perf_counter() - t0)
+        cpath = cache / f"colours-{split}.npz"
+        if not cpath.exists():
+            _save(cpath, colours=_colours_of(images, estimator, batch))
         tpath = cache / f"texts-{split}.npz"
         if not tpath.exists():
             t0 = time.perf_counter()
@@ -134,17 +141,43 @@ def build_cache(root: Path, cache: Path, estimator: Any, batch: int = 64, seed: 
             log.info("%s texts: %d in %.0f s", split, len(texts), time.perf_counter() - t0)
 
 
+def _pixels(images: list[Any], estimator: Any) -> Any:
+    import torch
+    from PIL import Image
+
+    px = []
+    for im in images:
+        with Image.open(im.path) as pil:
+            px.append(estimator.preprocess(pil.convert("RGB")))
+    return torch.stack(px)
+
+
+def _colours_of(images: list[Any], estimator: Any, batch: int) -> NDArray[np.float16]:
+    """(I, R, K) ``region_colours`` of ``images`` on the grid of the estimator's regions."""
+    from pairclean.judge.features import colour_grid, estimator_colours, image_parts_dim
+
+    t0 = time.perf_counter()
+    grid = colour_grid(image_parts_dim(estimator.model, estimator.image_size)[0])
+    out = [estimator_colours(estimator, _pixels(images[s : s + batch], estimator), grid).numpy().astype(np.float16)
+           for s in range(0, len(images), batch)]
+    log.info("colours of %d images in %.0f s", len(images), time.perf_counter() - t0)
+    return np.concatenate(out)
+
+
 def _save(path: Path, **arrays: Any) -> None:
     tmp = path.with_name(path.name + ".tmp.npz")
     np.savez(tmp, **arrays)
     tmp.replace(path)
 
 
-def load_split(cache: Path, split: str) -> SplitFeatures:
-    """The cached features of ``split`` (``build_cache`` first)."""
+def load_split(cache: Path, split: str, colours: bool = False) -> SplitFeatures:
+    """The cached features of ``split`` (``build_cache`` first); ``colours``: with the regions'
+    colour make-up (an error where the cache has none), else without."""
     im = np.load(cache / f"images-{split}.npz", allow_pickle=False)
     tx = np.load(cache / f"texts-{split}.npz", allow_pickle=False)
+    cpath = cache / f"colours-{split}.npz"
     return SplitFeatures(
         regions=im["regions"], image_emb=im["emb"], tokens=tx["tokens"], mask=tx["mask"], text_emb=tx["emb"],
         image=tx["image"], kind=tx["kind"], source=tx["source"], texts=list(tx["texts"]),
+        colours=np.load(cpath, allow_pickle=False)["colours"] if colours else None,
     )

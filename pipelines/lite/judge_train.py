@@ -63,6 +63,10 @@ class JudgeRecipe:
     seed: int = 0
     #: Weight of the edit ranking loss (0: BCE only, the first shipped judge).
     pair_weight: float = 2.0
+    #: Read each region's colour make-up besides the tower's channels (``features.region_colours``).
+    #: Off in the shipped recipe: measured on, dev colour edits +0.01 AUC (own caption above
+    #: its colour edit 0.852 -> 0.863) but `pairclean score` edits AUC -0.013 (one seed each).
+    colours: bool = False
     #: Train on at most this many train photos (None: all); for quick comparisons.
     max_images: int | None = None
 
@@ -126,6 +130,8 @@ def _tensors(feats: SplitFeatures, img: NDArray[np.int64], txt: NDArray[np.int64
     mask = torch.from_numpy(feats.mask[txt])
     width = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1
     regions = torch.from_numpy(feats.regions[img])
+    if feats.colours is not None:
+        regions = torch.cat([regions, torch.from_numpy(feats.colours[img])], dim=2)
     cosine = torch.from_numpy(np.einsum("nd,nd->n", feats.image_emb[img], feats.text_emb[txt]))
     return tokens[:, :width], mask[:, :width], regions, cosine
 
@@ -199,6 +205,8 @@ def train_judge(train: SplitFeatures, dev: SplitFeatures, recipe: JudgeRecipe) -
 
     torch.manual_seed(recipe.seed)
     rng = np.random.default_rng(recipe.seed)
+    if recipe.colours != (train.colours is not None) or recipe.colours != (dev.colours is not None):
+        raise ValueError(f"the recipe {'reads' if recipe.colours else 'does not read'} colours; load the splits with colours={recipe.colours}")
     real = np.nonzero(train.kind == "")[0]
     if recipe.max_images is not None:
         real = real[train.image[real] < recipe.max_images]
@@ -209,7 +217,8 @@ def train_judge(train: SplitFeatures, dev: SplitFeatures, recipe: JudgeRecipe) -
     t2i = _topk_excluding(train.text_emb[real], img_emb, train.image[real], np.arange(n_img), recipe.top_k)
     i2t_idx, i2t_val = _topk_excluding(img_emb, train.text_emb[real], np.arange(n_img), train.image[real], recipe.top_k)
     config = JudgeConfig(text_dim=train.tokens.shape[2], image_dim=train.regions.shape[2], regions=train.regions.shape[1],
-                         width=recipe.width, layers=recipe.layers, heads=recipe.heads, dropout=recipe.dropout)
+                         width=recipe.width, layers=recipe.layers, heads=recipe.heads, dropout=recipe.dropout,
+                         colour_bins=0 if train.colours is None else int(train.colours.shape[2]))
     model = Judge(config)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
     pairs = dev_pairs(dev)

@@ -27,6 +27,7 @@ from pairclean.judge.posterior import (
     p_clean_of,
     platt_fit,
 )
+from pairclean.judge.features import COLOUR_BINS, region_colours
 from pairclean.judge.runner import JudgeRunner, load_judge, save_judge
 
 @pytest.fixture(scope="module")
@@ -159,6 +160,48 @@ def test_runner_embeds_like_the_estimator_and_judges_only_the_band(tmp_path: Pat
     judged = np.isfinite(banded.llr)
     assert judged.sum() == 4 and (judged == (sims >= band[0])).all()
     np.testing.assert_allclose(banded.llr[judged], out.llr[judged], atol=1e-5)
+
+
+def _flat(rgb: tuple[float, float, float], size: int = 56) -> torch.Tensor:
+    """One (1, 3, size, size) image of one colour, normalised with mean = std = 0.5."""
+    return (torch.tensor(rgb).view(1, 3, 1, 1).expand(1, 3, size, size) - 0.5) / 0.5
+
+
+def test_region_colours_name_the_colours_captions_use() -> None:
+    def bins(rgb: tuple[float, float, float]) -> np.ndarray:
+        out = region_colours(_flat(rgb), (0.5,) * 3, (0.5,) * 3, 7)
+        assert out.shape == (1, 49, COLOUR_BINS)
+        np.testing.assert_allclose(out.sum(-1).numpy(), 1.0, atol=1e-5)  # shares of one region's pixels
+        return out[0, 0].numpy()
+
+    black, white, grey = bins((0, 0, 0)), bins((1, 1, 1)), bins((0.5, 0.5, 0.5))
+    assert black[-3] == pytest.approx(1) and grey[-2] == pytest.approx(1) and white[-1] == pytest.approx(1)
+    red, dark_red, blue = bins((0.9, 0.1, 0.1)), bins((0.45, 0.05, 0.05)), bins((0.1, 0.2, 0.9))
+    hues = COLOUR_BINS - 3
+    assert red[:hues].argmax() == hues // 2  # a bright red: the bright half's red sector
+    assert dark_red[:hues].argmax() == 0 and blue[:hues].argmax() != red[:hues].argmax()
+    # left half red, right half blue: each region reports its own side
+    split = torch.cat([_flat((0.9, 0.1, 0.1))[..., :28], _flat((0.1, 0.2, 0.9))[..., 28:]], dim=3)
+    grid = region_colours(split, (0.5,) * 3, (0.5,) * 3, 7)[0].reshape(7, 7, COLOUR_BINS)
+    assert torch.allclose(grid[3, 0], torch.from_numpy(red)) and torch.allclose(grid[3, 6], torch.from_numpy(blue))
+
+
+def test_a_judge_reads_the_colours_of_its_regions(tmp_path: Path, tiny_estimator, tiny_judge) -> None:
+    runner = JudgeRunner(load_judge(str(tiny_judge(tmp_path / "c.safetensors", colour_bins=COLOUR_BINS))), tiny_estimator)
+    pixels, texts = _batch(tiny_estimator, 4)
+    out = runner.encode_batch(pixels, texts)
+    assert np.isfinite(out.llr).all()
+    # the same judge with its colour projection zeroed ignores colours, and scores otherwise
+    loaded = load_judge(str(tmp_path / "c.safetensors"))
+    with torch.no_grad():
+        loaded.model.colour_in.weight.zero_()
+    blind = JudgeRunner(loaded, tiny_estimator).encode_batch(pixels, texts)
+    assert np.abs(out.llr - blind.llr).max() > 1e-4
+    path = tmp_path / "odd.safetensors"
+    save_judge(str(path), Judge(JudgeConfig(text_dim=64, image_dim=64, regions=16, width=16, layers=1, heads=2, colour_bins=5)),
+               (1.0, 0.0), "pairclean-tiny-test", {})
+    with pytest.raises(ModelLoadError, match="5 colour channels"):
+        JudgeRunner(load_judge(str(path)), tiny_estimator)
 
 
 def test_a_judge_for_another_estimator_is_refused(tmp_path: Path, tiny_estimator) -> None:

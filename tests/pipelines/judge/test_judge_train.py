@@ -1,0 +1,83 @@
+"""``pairclean train-judge``'s library path end to end on a tiny config: a Flickr8k-shaped
+folder made from the bundled sample's photos, the tiny real estimator's regions and tokens
+cached by ``build_cache``, a judge trained for one epoch, its Platt maps and dev figures."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pairclean.embed.estimators import EstimatorSpec, load_estimator
+from pairclean.judge.features import COLOUR_BINS
+from pairclean.lite.judge_data import build_cache, load_split
+from pairclean.lite.judge_train import JudgeRecipe, calibrated_report, fit_platts, train_judge
+
+SAMPLE = Path(__file__).resolve().parents[3] / "pipelines" / "data" / "sample" / "demo-000000.tar"
+# Captions with words the edits know (nouns, colours, numbers, actions), five per photo.
+CAPTIONS = (
+    "a brown dog runs on the grass", "two men ride bikes on a street", "a little girl sits on a beach",
+    "a white horse stands in a field", "a man in a red hat walks in the snow",
+)
+
+
+def _flickr_folder(root: Path) -> Path:
+    """Ten sample photos, five captions each: six in train, four in dev."""
+    (root / "images").mkdir(parents=True)
+    lines = []
+    with tarfile.open(SAMPLE) as tar:
+        photos = [m for m in tar.getmembers() if m.name.endswith(".jpg")]
+        for k, member in enumerate(photos):
+            name = f"{k:04d}.jpg"
+            (root / "images" / name).write_bytes(tar.extractfile(member).read())  # type: ignore[union-attr]
+            split = "train" if k < 6 else "dev"
+            for c in range(5):
+                caption = CAPTIONS[(k + c) % len(CAPTIONS)]
+                lines.append(json.dumps({"image": name, "caption": caption, "split": split}))
+    (root / "captions.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = _flickr_folder(tmp_path_factory.mktemp("flickr"))
+    cache = tmp_path_factory.mktemp("judge-cache")
+    estimator = load_estimator(EstimatorSpec(model="pairclean-tiny-test", engine="torch"))
+    build_cache(root, cache, estimator, batch=4, train_captions=2)
+    return cache
+
+
+def test_build_cache_stores_regions_tokens_edits_and_colours(cached: Path) -> None:
+    train, dev = load_split(cached, "train", colours=True), load_split(cached, "dev")
+    assert train.regions.shape[0] == 6 and dev.regions.shape[0] == 4 and dev.colours is None
+    assert train.colours is not None and train.colours.shape == (6, train.regions.shape[1], COLOUR_BINS)
+    real = train.kind == ""
+    assert real.sum() == 12  # two captions per train photo
+    edited = np.nonzero(~real)[0]
+    assert len(edited) > 0 and (train.source[edited] >= 0).all()
+    # an edit belongs to the photo of the caption it was made from, and differs from it
+    assert (train.image[edited] == train.image[train.source[edited]]).all()
+    assert all(train.texts[r] != train.texts[train.source[r]] for r in edited)
+    assert (dev.kind == "").sum() == 20 and set(dev.kind[dev.kind != ""]) <= {"object", "attribute", "count", "action", "swap"}
+
+
+@pytest.mark.parametrize("colours", [False, True])
+def test_a_tiny_judge_trains_and_reports(cached: Path, colours: bool) -> None:
+    train, dev = load_split(cached, "train", colours), load_split(cached, "dev", colours)
+    recipe = JudgeRecipe(width=16, heads=2, epochs=1, batch=8, top_k=2, warmup=1, colours=colours)
+    model, report = train_judge(train, dev, recipe)
+    assert model.config.colour_bins == (COLOUR_BINS if colours else 0)
+    assert len(report["history"]) == 1 and np.isfinite(report["history"][0]["loss"])
+    assert {"random", "nearest_image"} <= set(report["dev"]) and report["train_pairs_per_epoch"] > 12
+    platt, platt_fine = fit_platts(model, dev)
+    assert np.isfinite(platt).all() and np.isfinite(platt_fine).all()
+    figures = calibrated_report(model, dev, platt)
+    assert all(0.0 <= row["ece"] <= 1.0 for row in figures.values())
+
+
+def test_a_recipe_and_its_features_must_agree_on_colours(cached: Path) -> None:
+    with pytest.raises(ValueError, match="reads colours"):
+        train_judge(load_split(cached, "train"), load_split(cached, "dev"), JudgeRecipe(width=16, heads=2, epochs=1, top_k=2, colours=True))
