@@ -23,6 +23,9 @@ __all__ = ["add_judge_train_parser", "cmd_train_judge"]
 
 log = logging.getLogger(__name__)
 
+#: Members of the shipped judge (``pairclean.judge.model.JudgeEnsemble``).
+DEFAULT_MEMBERS = 3
+
 
 def add_judge_train_parser(sub: Any) -> None:
     """Register the ``train-judge`` sub-command."""
@@ -41,7 +44,9 @@ def add_judge_train_parser(sub: Any) -> None:
     p.add_argument("--layers", type=int, default=base.layers)
     p.add_argument("--lr", type=float, default=base.lr)
     p.add_argument("--batch", type=int, default=base.batch)
-    p.add_argument("--seed", type=int, default=base.seed)
+    p.add_argument("--seed", type=int, default=base.seed, help="seed of the data (edits) and of the first member")
+    p.add_argument("--members", type=int, default=DEFAULT_MEMBERS,
+                   help="judges trained from seeds SEED, SEED+1, ... whose logits are averaged (1: one judge)")
     p.add_argument("--colours", choices=("on", "off"), default="on" if base.colours else "off",
                    help="also read each region's colour make-up (off: the shipped judge; see its model card)")
     p.add_argument("--threads", type=int, default=None)
@@ -56,10 +61,12 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     from pairclean.lite.evaldata import find_flickr8k
     from pairclean.lite.judge_data import build_cache, load_split
     from pairclean.judge.runner import save_judge
-    from pairclean.lite.judge_train import JudgeRecipe, calibrated_report, fit_platts, train_judge
+    from pairclean.lite.judge_train import JudgeRecipe, calibrated_report, fit_platts, train_members
 
     if not 1 <= args.train_captions <= 5:
         raise InputError(f"--train-captions must be 1-5, got {args.train_captions}")
+    if not 1 <= args.members <= 8:
+        raise InputError(f"--members must be 1-8, got {args.members}")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     root = Path(args.data) if args.data else find_flickr8k(os.getcwd())
     if root is None or not (root / "captions.jsonl").exists():
@@ -72,13 +79,14 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     recipe = JudgeRecipe(epochs=args.epochs, width=args.width, layers=args.layers, seed=args.seed, lr=args.lr, batch=args.batch,
                          pair_weight=args.pair_weight, colours=args.colours == "on")
     train, dev = load_split(cache, "train", recipe.colours), load_split(cache, "dev", recipe.colours)
-    model, report = train_judge(train, dev, recipe)
+    model, report = train_members(train, dev, recipe, args.members)
     platt, platt_fine = fit_platts(model, dev)
     figures = calibrated_report(model, dev, platt)
     for name, row in figures.items():
         print(f"{name:<22} judge AUC {row['judge_auc']:.3f} (cosine {row['cosine_auc']:.3f})  ECE {row['ece']:.3f}  "
               f"Brier {row['brier']:.3f}  p_clean clean {row['p_clean_clean']:.2f} noisy {row['p_clean_noisy']:.2f}", flush=True)
-    extra = {"recipe": asdict(recipe) | {"train_captions": args.train_captions}, "history": report["history"], "platt_fine": list(platt_fine),
+    extra = {"recipe": asdict(recipe) | {"train_captions": args.train_captions, "members": args.members},
+             "history": report["history"], "platt_fine": list(platt_fine),
              "dev": figures, "data": "Flickr8k train (training), dev (selection, Platt map, figures)"}
     sha = save_judge(args.out, model, platt, "pairclean-lite", extra)
     print(f"judge -> {args.out} (sha256 {sha}, Platt a={platt[0]:.3f} b={platt[1]:.3f}, {report['seconds']} s)")

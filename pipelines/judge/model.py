@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["JudgeConfig", "Judge"]
+__all__ = ["JudgeConfig", "Judge", "JudgeEnsemble", "JudgeModel", "build_judge"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,8 @@ class JudgeConfig:
     dropout: float = 0.1
     #: Colour channels per region after the tower's (``features.region_colours``); 0: none.
     colour_bins: int = 0
+    #: Judges of this shape trained from different seeds whose logits are averaged (``JudgeEnsemble``).
+    members: int = 1
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -107,3 +109,42 @@ class Judge(nn.Module):
     def describe(self) -> dict[str, Any]:
         """Config and size, for metadata and logs."""
         return {"config": asdict(self.config), "parameters": sum(p.numel() for p in self.parameters())}
+
+
+class JudgeEnsemble(nn.Module):
+    """``config.members`` judges of one shape, trained from different seeds; the logit is the
+    mean of theirs. Why: one training seed moves the dev AUC of a kind by about 0.01; two
+    members' mean was above either member on every kind (one-word edits 0.815 / 0.821 ->
+    0.827), for a judge that costs about 1% of the image tower a member."""
+
+    def __init__(self, config: JudgeConfig) -> None:
+        super().__init__()
+        self.config = config
+        single = JudgeConfig(**{**asdict(config), "members": 1})
+        self.members = nn.ModuleList(Judge(single) for _ in range(config.members))
+
+    @classmethod
+    def of(cls, judges: list[Judge]) -> JudgeEnsemble:
+        """The ensemble of trained ``judges`` (one config)."""
+        configs = {j.config for j in judges}
+        if len(configs) != 1:
+            raise ValueError("the members of a judge ensemble must share one config")
+        out = cls(JudgeConfig(**{**asdict(judges[0].config), "members": len(judges)}))
+        for slot, judge in zip(out.members, judges):
+            slot.load_state_dict(judge.state_dict())
+        return out.eval()
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor, regions: torch.Tensor, cosine: torch.Tensor) -> torch.Tensor:
+        return torch.stack([m(tokens, mask, regions, cosine) for m in self.members]).mean(0)
+
+    def describe(self) -> dict[str, Any]:
+        """Config and size, for metadata and logs."""
+        return {"config": asdict(self.config), "parameters": sum(p.numel() for p in self.parameters())}
+
+
+JudgeModel = Judge | JudgeEnsemble
+
+
+def build_judge(config: JudgeConfig) -> JudgeModel:
+    """An untrained judge of ``config``: one ``Judge``, or a ``JudgeEnsemble`` of ``config.members``."""
+    return JudgeEnsemble(config) if config.members > 1 else Judge(config)

@@ -27,7 +27,7 @@ from pairclean.embed.estimators import Estimator
 from pairclean.embed.estimators.base import file_sha256
 from pairclean.osa import cosine_rows
 from pairclean.judge.features import COLOUR_BINS, colour_grid, estimator_colours, image_parts, image_parts_dim, text_parts, text_parts_dim
-from pairclean.judge.model import Judge, JudgeConfig
+from pairclean.judge.model import JudgeConfig, JudgeModel, build_judge
 from pairclean.judge.posterior import FULL_BAND, in_band, llr_of
 
 __all__ = ["JUDGE_FILE", "JUDGE_MODES", "LoadedJudge", "default_judge_path", "load_judge", "save_judge", "JudgeRunner", "JudgeBatch"]
@@ -49,7 +49,7 @@ def default_judge_path() -> str:
 class LoadedJudge:
     """A judge model in eval mode with its identity and Platt map."""
 
-    model: Judge
+    model: JudgeModel
     path: str
     sha256: str
     platt: tuple[float, float]
@@ -65,7 +65,7 @@ class LoadedJudge:
         return doc
 
 
-def save_judge(path: str, model: Judge, platt: tuple[float, float], estimator: str, extra: dict[str, Any]) -> str:
+def save_judge(path: str, model: JudgeModel, platt: tuple[float, float], estimator: str, extra: dict[str, Any]) -> str:
     """Write ``model`` as a judge weights file (atomically); returns its sha256."""
     from safetensors.torch import save_file
 
@@ -93,7 +93,7 @@ def load_judge(path: str | None = None) -> LoadedJudge:
             meta = fh.metadata() or {}
         config = JudgeConfig.from_json(meta["judge_config"])
         platt = tuple(float(v) for v in json.loads(meta["platt"]))
-        model = Judge(config)
+        model = build_judge(config)
         model.load_state_dict(load_file(path))
     except (KeyError, ValueError, RuntimeError, OSError, SafetensorError) as exc:
         raise ModelLoadError(f"{path!r} is not a pairclean judge file: {exc}") from exc

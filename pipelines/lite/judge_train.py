@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,7 @@ from numpy.typing import NDArray
 from pairclean.lite.judge_data import SplitFeatures
 from pairclean.judge.metrics import roc_auc
 
-__all__ = ["JudgeRecipe", "train_judge", "ranking_loss", "dev_pairs", "score_pairs", "evaluate", "fit_platts"]
+__all__ = ["JudgeRecipe", "train_judge", "train_members", "ranking_loss", "dev_pairs", "score_pairs", "evaluate", "fit_platts"]
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +262,25 @@ def train_judge(train: SplitFeatures, dev: SplitFeatures, recipe: JudgeRecipe) -
     model.eval()
     return model, {"recipe": asdict(recipe), "history": history, "dev": best[2], "train_pairs_per_epoch": int(len(labels)),
                    "seconds": round(time.perf_counter() - started, 1)}
+
+
+def train_members(train: SplitFeatures, dev: SplitFeatures, recipe: JudgeRecipe, members: int) -> tuple[Any, dict[str, Any]]:
+    """``members`` judges from seeds ``recipe.seed``, ``recipe.seed + 1``, ... (each selected on
+    dev as ``train_judge`` does), as one ``JudgeEnsemble`` (a single ``Judge`` when 1); the
+    report's ``history`` lists every member's epochs (``member`` = its seed), ``dev`` is the
+    first member's."""
+    from pairclean.judge.model import JudgeEnsemble
+
+    models, history, seconds = [], [], 0.0
+    first: dict[str, Any] = {}
+    for k in range(members):
+        model, report = train_judge(train, dev, replace(recipe, seed=recipe.seed + k))
+        models.append(model)
+        history += [{"member": recipe.seed + k, **h} for h in report["history"]]
+        seconds += report["seconds"]
+        first = first or report
+    ensemble = models[0] if members == 1 else JudgeEnsemble.of(models)
+    return ensemble, {**first, "history": history, "seconds": round(seconds, 1), "members": members}
 
 
 def ranking_loss(model: Any, train: SplitFeatures, img: NDArray[np.int64], txt: NDArray[np.int64], logits: Any,

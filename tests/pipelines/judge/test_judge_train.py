@@ -81,3 +81,34 @@ def test_a_tiny_judge_trains_and_reports(cached: Path, colours: bool) -> None:
 def test_a_recipe_and_its_features_must_agree_on_colours(cached: Path) -> None:
     with pytest.raises(ValueError, match="reads colours"):
         train_judge(load_split(cached, "train"), load_split(cached, "dev"), JudgeRecipe(width=16, heads=2, epochs=1, top_k=2, colours=True))
+
+
+def test_members_train_from_successive_seeds_and_average(cached: Path, tmp_path: Path) -> None:
+    import torch
+
+    from pairclean.judge.model import Judge, JudgeEnsemble
+    from pairclean.judge.runner import load_judge, save_judge
+    from pairclean.lite.judge_train import _tensors, train_members
+
+    train, dev = load_split(cached, "train"), load_split(cached, "dev")
+    recipe = JudgeRecipe(width=16, heads=2, epochs=1, batch=8, top_k=2, warmup=1, seed=3)
+    ensemble, report = train_members(train, dev, recipe, 2)
+    assert isinstance(ensemble, JudgeEnsemble) and ensemble.config.members == 2
+    assert [h["member"] for h in report["history"]] == [3, 4] and report["members"] == 2
+    single, _ = train_judge(train, dev, JudgeRecipe(width=16, heads=2, epochs=1, batch=8, top_k=2, warmup=1, seed=4))
+    rows = np.arange(len(dev.kind))
+    inputs = _tensors(dev, dev.image[rows], rows)
+    with torch.inference_mode():
+        members = torch.stack([m(*inputs) for m in ensemble.members])
+        both = ensemble(*inputs)
+        torch.testing.assert_close(both, members.mean(0))
+        torch.testing.assert_close(members[1], single(*inputs))  # member k is the judge of seed SEED + k
+    path = tmp_path / "ensemble.safetensors"
+    save_judge(str(path), ensemble, (1.0, 0.0), "pairclean-tiny-test", {})
+    loaded = load_judge(str(path))
+    assert isinstance(loaded.model, JudgeEnsemble) and loaded.identity()["config"]["members"] == 2
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded.model(*inputs), both)
+    with pytest.raises(ValueError, match="share one config"):
+        JudgeEnsemble.of([single, Judge(single.config.__class__(width=32, heads=2))])
+    assert isinstance(train_members(train, dev, recipe, 1)[0], Judge)
