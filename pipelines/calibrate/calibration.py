@@ -153,6 +153,7 @@ def calibrate(
     text_emb: NDArray[np.float32] | None,
     random_beta: RandomBeta,
     contrast: Contrast | None = None,
+    word_check: bool = False,
 ) -> Calibration:
     """Resolve beta and the weighting parameters from ok-pair arrays.
 
@@ -165,6 +166,9 @@ def calibrate(
     ``contrast`` (with embeddings): everything is fitted on the adjusted similarities
     (``pairclean.calibrate.contrast``), the noise references included; recorded in
     ``extra["contrast"]``.
+
+    ``word_check``: a judge's word check will multiply ``p_clean``, so its near-miss share is
+    what copied captions show, not the similarity profile's guess (``fit_p_clean(profile=False)``).
     """
     sims = np.asarray(similarities, dtype=np.float32)
     fallback: dict[str, str] = {}
@@ -204,7 +208,7 @@ def calibrate(
         refs = p_clean_model.noise_references(image_emb, text_emb, noise, seed, pair_scores=pair_scores)
         # under a contrast, copied captions give a floor on the near-miss share (contrast.py)
         floor = copied_caption_share(similarities, image_emb, text_emb) if pair_scores is not None else 0.0
-        curve = p_clean_model.fit_p_clean(sims, refs, seed, min_near_share=floor).to_json()
+        curve = p_clean_model.fit_p_clean(sims, refs, seed, min_near_share=floor, profile=not word_check).to_json()
     return Calibration(
         beta=float(beta),
         recipe=beta_recipe,

@@ -22,7 +22,7 @@ from pairclean.errors import InputError
 from pairclean.calibrate.calibration import Calibration
 from pairclean.spec import JobSpec, spec_digest
 from pairclean.output.folder import OutputDir, ShardRecord
-from pairclean.job.work import judged_p_clean, osa_p_clean, refit_fine_prior
+from pairclean.job.work import has_word_check, judged_p_clean, osa_p_clean, refit_fine_prior, with_judge_record
 from pairclean.output.tables import output_metadata, read_embeddings, scores_table
 
 __all__ = ["rescore"]
@@ -87,15 +87,21 @@ def rescore(
         img, txt = _embeddings(out, [r for r, _ in tables], n)
     # As a fresh score: the bank is the calibration sample's images (same pairs, same rounding).
     fitted = fit_contrast(img, txt) if spec.contrast and img is not None and txt is not None else None
-    calibration = calibrate(
-        beta_recipe=beta_recipe, k=spec.beta_k, seed=spec.seed, weighting=weighting,
-        batch_size=spec.batch_size, similarities=sims, image_emb=img, text_emb=txt,
-        random_beta=(lambda: random_beta(spec)) if random_beta else _no_model, contrast=fitted,
-    )
+    def fit(word_check: bool) -> Calibration:
+        return calibrate(
+            beta_recipe=beta_recipe, k=spec.beta_k, seed=spec.seed, weighting=weighting,
+            batch_size=spec.batch_size, similarities=sims, image_emb=img, text_emb=txt,
+            random_beta=(lambda: random_beta(spec)) if random_beta else _no_model, contrast=fitted,
+            word_check=word_check,
+        )
+
+    calibration = fit(old_judge is not None and has_word_check(old_judge))
     if "contrast" not in calibration.extra:
         fitted = None
     if old_judge is not None:
-        calibration = _with_judge(calibration, old_judge, tables, n, fitted, out)
+        judged = old_judge
+        calibration = with_judge_record(calibration, lambda cal: _judge_record(cal, judged, tables, n, fitted, out),
+                                        lambda: fit(False))
     if fitted is not None:
         out.write_contrast_bank(fitted.bank)
     digest = spec_digest(spec)
@@ -129,10 +135,10 @@ def _old_judge(out: OutputDir, spec: JobSpec) -> dict[str, Any] | None:
     return dict(old.extra["judge"])
 
 
-def _with_judge(calibration: Calibration, frozen: dict[str, Any], tables: list[tuple[ShardRecord, pa.Table]], n: int,
-                fitted: Contrast | None, out: OutputDir) -> Calibration:
-    """``calibration`` with the judge record, its near-miss prior refitted on the first ``n``
-    ok pairs' stored ratios under the new calibration (as a fresh score fits it)."""
+def _judge_record(calibration: Calibration, frozen: dict[str, Any], tables: list[tuple[ShardRecord, pa.Table]], n: int,
+                  fitted: Contrast | None, out: OutputDir) -> dict[str, Any]:
+    """The judge record ``frozen`` with its near-miss prior refitted on the first ``n`` ok
+    pairs' stored ratios under ``calibration`` (as a fresh score fits it)."""
     llr_parts, scored_parts, rows = [], [], 0
     for record, table in tables:
         if rows >= n:
@@ -146,8 +152,7 @@ def _with_judge(calibration: Calibration, frozen: dict[str, Any], tables: list[t
     llr = np.concatenate([np.zeros(0, np.float32), *llr_parts])[:n]
     scored_all = np.concatenate([np.zeros(0, np.float32), *scored_parts])[:n]
     keep = np.isfinite(llr)  # under --judge band, pairs outside the band were never judged
-    judge = refit_fine_prior(frozen, llr[keep], osa_p_clean(scored_all[keep], calibration))
-    return replace(calibration, extra={**calibration.extra, "judge": judge})
+    return refit_fine_prior(frozen, llr[keep], osa_p_clean(scored_all[keep], calibration))
 
 
 def _judge_scores(table: pa.Table) -> np.ndarray:

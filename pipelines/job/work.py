@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -100,9 +100,11 @@ def calibrate_on(results: Sequence[ShardResult], spec: JobSpec, random_beta: Any
     return fit_calibration(results, spec, random_beta, dim)[0]
 
 
-def fit_calibration(results: Sequence[ShardResult], spec: JobSpec, random_beta: Any, dim: int) -> tuple[Calibration, Contrast | None]:
+def fit_calibration(results: Sequence[ShardResult], spec: JobSpec, random_beta: Any, dim: int,
+                    word_check: bool = False) -> tuple[Calibration, Contrast | None]:
     """``calibrate_on`` and the corpus contrast it was fitted with (``spec.contrast``; None
-    when off or the sample is too small): the caller stores the contrast's bank."""
+    when off or the sample is too small): the caller stores the contrast's bank.
+    ``word_check``: see ``calibration.calibrate``."""
     masks = [r.ok_mask for r in results]
     n = spec.calibration_pairs
     sims = np.concatenate([np.zeros(0, np.float32)] + [r.similarity[m] for r, m in zip(results, masks)])[:n]
@@ -116,7 +118,7 @@ def fit_calibration(results: Sequence[ShardResult], spec: JobSpec, random_beta: 
         calibration = calibrate(
             beta_recipe=spec.beta_recipe, k=spec.beta_k, seed=spec.seed, weighting=spec.weighting,
             batch_size=spec.batch_size, similarities=sims, image_emb=img, text_emb=txt, random_beta=random_beta,
-            contrast=contrast,
+            contrast=contrast, word_check=word_check,
         )
         return calibration, contrast
     except ValueError as exc:
@@ -160,6 +162,24 @@ def judge_calibration(results: Sequence[ShardResult], spec: JobSpec, calibration
     band = posterior.FULL_BAND if spec.judge == "all" else posterior.choose_band(
         sims, judged_p_clean(llr, osa_p, doc), osa_p, float(spec.judge_budget or 0.0))
     return {**doc, "band": [_finite(band[0]), _finite(band[1])]}
+
+
+def has_word_check(judge: dict[str, Any]) -> bool:
+    """Whether a judge (its identity or record) has a near-miss map, i.e. multiplies OSA's
+    p_clean by its word check rather than replacing it (``posterior.combined_p_clean``)."""
+    return "platt_fine" in judge
+
+
+def with_judge_record(calibration: Calibration, record: Callable[[Calibration], dict[str, Any]],
+                      refit: Callable[[], Calibration]) -> Calibration:
+    """``calibration`` (fitted for a word check where the judge has one) with the judge's
+    record ``record(calibration)``; where the record's guard turns the word check off
+    (``fine_prior`` None), OSA's outputs stand alone, so OSA is refitted as without a judge
+    (``refit()``). A fresh score and ``pairclean rescore`` both calibrate through here."""
+    frozen = record(calibration)
+    if has_word_check(frozen) and frozen.get("fine_prior") is None:
+        calibration = refit()
+    return replace(calibration, extra={**calibration.extra, "judge": frozen})
 
 
 def osa_p_clean(scored: NDArray[np.float32], calibration: Calibration) -> NDArray[np.float32]:
@@ -263,15 +283,18 @@ class ShardWork:
             ok += int(result.ok_mask.sum())
         if not held:
             return CalibrationOutcome(None, [ShardOutcome(u, None, e) for u, _, e in outcomes])
-        calibration, contrast = fit_calibration(held, self.spec, self.random_beta, dim)
+        identity = None if self.judge is None else self.judge.judge.identity()
+        word_check = identity is not None and has_word_check(identity)
+        calibration, contrast = fit_calibration(held, self.spec, self.random_beta, dim, word_check)
         if contrast is not None and "contrast" in calibration.extra:
             # the bank first: a worker that sees the calibration can always read its bank
             self.out.write_contrast_bank(contrast.bank)
             self._contrast = (calibration.extra["contrast"]["bank_sha256"], contrast)
-        if self.judge is not None:
-            frozen = judge_calibration(held, self.spec, calibration, self.judge.judge.identity(),
-                                       self.contrast_of(calibration))
-            calibration = replace(calibration, extra={**calibration.extra, "judge": frozen})
+        if identity is not None:
+            calibration = with_judge_record(
+                calibration,
+                lambda cal: judge_calibration(held, self.spec, cal, identity, self.contrast_of(cal)),
+                lambda: fit_calibration(held, self.spec, self.random_beta, dim)[0])
         written = [
             ShardOutcome(u, self.write(r, calibration) if r is not None else None, e) for u, r, e in outcomes
         ]

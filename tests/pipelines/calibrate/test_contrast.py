@@ -141,3 +141,19 @@ def test_copied_captions_floor_the_near_miss_share() -> None:
     fit = cal.extra["p_clean"]["fit"]
     assert fit["min_near_share"] == pytest.approx(share)
     assert fit["near_share"] >= share
+
+
+def test_a_word_check_leaves_the_profiles_guess_out() -> None:
+    """Under a judge's word check the near-miss share is what copies show, never the
+    similarity profile's guess: the word-level near-misses are the check's to count."""
+    img, txt, _ = _corpus(n=400, near=0.3)
+    sims = (img * txt).sum(1)
+    share = cm.copied_caption_share(sims, img, txt)
+    c = cm.fit_contrast(img, txt)
+    kw = dict(beta_recipe="gmm", k=32, seed=0, weighting="p-clean", batch_size=64, similarities=sims,
+              image_emb=img, text_emb=txt, random_beta=lambda: 0.0, contrast=c)
+    checked = calibrate(**kw, word_check=True).extra["p_clean"]["fit"]  # type: ignore[arg-type]
+    assert checked["near_share"] == pytest.approx(share) and checked["near_share_source"].startswith("copies only")
+    assert checked["share_profile"] == []  # the profile was not consulted
+    default = calibrate(**kw).extra["p_clean"]["fit"]  # type: ignore[arg-type]
+    assert default["share_profile"] and default["near_share"] >= checked["near_share"]
