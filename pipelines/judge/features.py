@@ -94,6 +94,8 @@ def region_colours(pixels: torch.Tensor, mean: tuple[float, ...], std: tuple[flo
     achromatic rest (1 - chroma) in three soft lightness levels (black, grey, white). A
     pixel's weights sum to 1, so each region's values sum to 1. Pure arithmetic on the
     input pixels (averaged in 8x8 blocks first): no weights, well under 1 ms an image.
+    Measured: dev colour edits +0.01 AUC, no gain through `pairclean score`; the shipped
+    judge does not read them (``JUDGE_MODEL_CARD.md``).
     """
     m = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
     sd = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)

@@ -94,7 +94,6 @@ def build_cache(root: Path, cache: Path, estimator: Any, batch: int = 64, seed: 
     edits (60,000 texts) would take an hour; one caption and its edit per photo is 12,000.
     """
     import torch
-    from PIL import Image
 
     from pairclean.judge.features import image_parts, text_parts
 
@@ -107,11 +106,7 @@ def build_cache(root: Path, cache: Path, estimator: Any, batch: int = 64, seed: 
             t0 = time.perf_counter()
             regions, embs = [], []
             for start in range(0, len(images), batch):
-                px = []
-                for im in images[start : start + batch]:
-                    with Image.open(im.path) as pil:
-                        px.append(estimator.preprocess(pil.convert("RGB")))
-                x = torch.stack(px).contiguous(memory_format=torch.channels_last)
+                x = _pixels(images[start : start + batch], estimator).contiguous(memory_format=torch.channels_last)
                 with torch.inference_mode():
                     pooled, reg = image_parts(model, x)
                 regions.append(reg.to(torch.float16).numpy())
