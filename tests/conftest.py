@@ -120,8 +120,10 @@ def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Any:
 def tiny_judge() -> Callable[..., Path]:
     """Writes a judge with random weights shaped for ``pairclean-tiny-test`` (issue 21 tests)."""
 
-    def make(path: Path, seed: int = 0, platt_fine: tuple[float, float] | None = None, colour_bins: int = 0) -> Path:
+    def make(path: Path, seed: int = 0, platt_fine: tuple[float, float] | None = None, colour_bins: int = 0,
+             fine_rates: tuple[float, float] | None = None) -> Path:
         """``platt_fine``: a near-miss map (the judge is then combined with OSA, not in its place);
+        ``fine_rates``: its dev pass rates (the near-miss prior is then an adjusted count);
         ``colour_bins``: it also reads the regions' colour make-up."""
         import torch
 
@@ -133,6 +135,8 @@ def tiny_judge() -> Callable[..., Path]:
         extra: dict[str, object] = {"note": "random weights, for tests"}
         if platt_fine is not None:
             extra["platt_fine"] = list(platt_fine)
+        if fine_rates is not None:
+            extra["fine_rates"] = list(fine_rates)
         save_judge(str(path), Judge(config), (1.0, 0.0), TINY, extra)
         return path
 

@@ -64,7 +64,7 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     from pairclean.lite.evaldata import find_flickr8k
     from pairclean.lite.judge_data import build_cache, load_split
     from pairclean.judge.runner import save_judge
-    from pairclean.lite.judge_train import JudgeRecipe, calibrated_report, fit_platts, train_members
+    from pairclean.lite.judge_train import JudgeRecipe, calibrated_report, fine_rates, fit_platts, train_members
 
     if not 1 <= args.train_captions <= 5:
         raise InputError(f"--train-captions must be 1-5, got {args.train_captions}")
@@ -84,12 +84,13 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     train, dev = load_split(cache, "train", recipe.colours), load_split(cache, "dev", recipe.colours)
     model, report = train_members(train, dev, recipe, args.members)
     platt, platt_fine = fit_platts(model, dev)
+    rates = fine_rates(model, dev, platt_fine)
     figures = calibrated_report(model, dev, platt)
     for name, row in figures.items():
         print(f"{name:<22} judge AUC {row['judge_auc']:.3f} (cosine {row['cosine_auc']:.3f})  ECE {row['ece']:.3f}  "
               f"Brier {row['brier']:.3f}  p_clean clean {row['p_clean_clean']:.2f} noisy {row['p_clean_noisy']:.2f}", flush=True)
     extra = {"recipe": asdict(recipe) | {"train_captions": args.train_captions, "members": args.members},
-             "history": report["history"], "platt_fine": list(platt_fine),
+             "history": report["history"], "platt_fine": list(platt_fine), "fine_rates": list(rates),
              "dev": figures, "data": "Flickr8k train (training), dev (selection, Platt map, figures)"}
     sha = save_judge(args.out, model, platt, "pairclean-lite", extra)
     print(f"judge -> {args.out} (sha256 {sha}, Platt a={platt[0]:.3f} b={platt[1]:.3f}, {report['seconds']} s)")

@@ -217,7 +217,8 @@ def refit_fine_prior(frozen: dict[str, Any], llr: NDArray[np.float32], osa_p: ND
     if "platt_fine" not in frozen:
         return dict(frozen)
     fine = posterior.fine_llr(llr, _pair(frozen["platt"]), _pair(frozen["platt_fine"]))
-    prior, why = posterior.fine_prior_or_reason(fine, osa_p)
+    rates = _pair(frozen["fine_rates"]) if "fine_rates" in frozen else None
+    prior, why = posterior.fine_prior_or_reason(fine, osa_p, rates)
     return {**{k: v for k, v in frozen.items() if k != "fine_off"}, "fine_prior": prior, **({"fine_off": why} if why else {})}
 
 

@@ -62,6 +62,8 @@ class LoadedJudge:
                "platt": list(self.platt), "config": json.loads(self.model.config.to_json())}
         if "platt_fine" in self.meta:  # judges trained to catch near-misses (see posterior.combined_p_clean)
             doc["platt_fine"] = [float(x) for x in self.meta["platt_fine"]]
+        if "fine_rates" in self.meta:  # its word check's pass rates on dev (posterior.adjusted_count)
+            doc["fine_rates"] = [float(x) for x in self.meta["fine_rates"]]
         return doc
 
 

@@ -37,7 +37,7 @@ from numpy.typing import NDArray
 from pairclean.lite.judge_data import SplitFeatures
 from pairclean.judge.metrics import roc_auc
 
-__all__ = ["JudgeRecipe", "train_judge", "train_members", "ranking_loss", "dev_pairs", "score_pairs", "evaluate", "fit_platts"]
+__all__ = ["JudgeRecipe", "train_judge", "train_members", "ranking_loss", "dev_pairs", "score_pairs", "evaluate", "fit_platts", "fine_rates"]
 
 log = logging.getLogger(__name__)
 
@@ -323,6 +323,17 @@ def fit_platts(model: Any, dev: SplitFeatures) -> tuple[tuple[float, float], tup
 
     noise_kinds = [k for k in scores if k != "clean"]
     return against(noise_kinds), against([k for k in noise_kinds if k.startswith("edit_")])
+
+
+def fine_rates(model: Any, dev: SplitFeatures, platt_fine: tuple[float, float]) -> tuple[float, float]:
+    """(share of dev clean pairs, share of dev one-word edits) whose ratio under the near-miss
+    map ``platt_fine`` is above 0: what ``posterior.adjusted_count`` corrects a corpus's count by."""
+    from pairclean.judge.posterior import llr_of
+
+    pairs = dev_pairs(dev)
+    clean = llr_of(score_pairs(model, dev, *pairs["clean"]), platt_fine)
+    edits = np.concatenate([llr_of(score_pairs(model, dev, *v), platt_fine) for k, v in pairs.items() if _is_fine(k)])
+    return float((clean > 0).mean()), float((edits > 0).mean())
 
 
 def calibrated_report(model: Any, dev: SplitFeatures, platt: tuple[float, float], rates: tuple[float, ...] = (0.2, 0.5),

@@ -71,14 +71,15 @@ def test_a_near_miss_judge_is_combined_with_osa_and_rescored_alike(make_shards, 
 
     monkeypatch.setattr(posterior, "MIN_FINE_PAIRS", 8)  # a 12-pair calibration sizes the near-misses here
     monkeypatch.setattr(posterior, "MIN_FINE_PRIOR", 0.0)  # and a random judge's prior is trusted
-    judge = tiny_judge(tmp_path / "fine-judge.safetensors", platt_fine=(2.0, 0.5))
+    # with dev pass rates: the near-miss prior is an adjusted count (posterior.adjusted_count)
+    judge = tiny_judge(tmp_path / "fine-judge.safetensors", platt_fine=(2.0, 0.5), fine_rates=(0.9, 0.2))
     shards = make_shards(n_shards=2, per_shard=8)
     off, judged = tmp_path / "off", tmp_path / "judged"
     assert _score(shards, off, "--judge", "off") == 0
     assert _score(shards, judged, "--judge", "all", "--judge-checkpoint", str(judge)) == 0
     for stem in ("part-00000", "part-00001"):
         meta = _meta(judged, stem)["judge"]
-        assert meta["platt_fine"] == [2.0, 0.5] and 0.02 <= meta["fine_prior"] <= 0.98
+        assert meta["platt_fine"] == [2.0, 0.5] and meta["fine_rates"] == [0.9, 0.2] and 0.02 <= meta["fine_prior"] <= 0.98
         for a, b in zip(_table(off, stem).to_pylist(), _table(judged, stem).to_pylist()):
             # clean = OSA's p_clean (the same one pass, the same calibration) times the judge's
             # posterior that no word is wrong

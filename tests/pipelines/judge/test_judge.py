@@ -17,6 +17,7 @@ from pairclean.judge.metrics import brier, ece, roc_auc
 from pairclean.judge.model import Judge, JudgeConfig
 from pairclean.judge.posterior import (
     FULL_BAND,
+    adjusted_count,
     choose_band,
     combined_p_clean,
     estimate_prior,
@@ -92,6 +93,27 @@ def test_the_near_miss_prior_reads_only_the_pairs_osa_calls_clean() -> None:
     assert few is None and why is not None and "fewer than 100" in why
     low, why = fine_prior_or_reason(fine - 6, osa_p)
     assert low is None and why is not None and "near-miss prior" in why
+
+
+def test_the_adjusted_count_sizes_a_corpus_where_em_trusts_a_misshapen_map() -> None:
+    from scipy.stats import norm
+
+    rng = np.random.default_rng(0)
+    # true ratios: clean ~ N(+1, 1), a word wrong ~ N(-1, 1); the map handed over is half as
+    # steep (a shape error), which biases EM but not the count at 0
+    n_clean, n_noisy = 7000, 3000
+    raw = np.r_[rng.normal(1, 1, n_clean), rng.normal(-1, 1, n_noisy)]
+    misshapen = 0.5 * raw
+    rates = (float(norm.sf(0, 1, 1)), float(norm.sf(0, -1, 1)))  # pass rates measured on dev
+    counted = adjusted_count(misshapen, rates)
+    assert counted is not None and abs(counted - 0.7) < 0.02
+    assert abs(estimate_prior(misshapen) - 0.7) > abs(counted - 0.7)
+    # weights: pairs OSA calls mismatched count for nothing
+    junk = rng.normal(3, 1, 4000)
+    assert adjusted_count(np.r_[misshapen, junk], rates, weights=np.r_[np.ones(10000), np.zeros(4000)]) == pytest.approx(counted)
+    assert adjusted_count(misshapen, (0.6, 0.5)) is None  # rates too close to divide by
+    prior, why = fine_prior_or_reason(np.r_[misshapen][:500], np.ones(500), rates)
+    assert why is None and prior == pytest.approx(adjusted_count(misshapen[:500], rates))
 
 
 def test_fine_llr_remaps_the_same_raw_logit() -> None:
