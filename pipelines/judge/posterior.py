@@ -51,8 +51,8 @@ MIN_RATE_GAP = 0.2
 #: Fewer calibration pairs than this and the judge's near-miss prior is not estimated.
 MIN_FINE_PAIRS = 100
 #: A near-miss prior below this (most OSA-clean pairs wrong in a word) turns the factor off.
-#: On the hard-noise benchmark (Flickr8k dev) it is 0.87-0.98 except at 50% one-word edits
-#: (0.58); on the bundled demo's ten off-domain photos 0.47.
+#: On the hard-noise benchmark (Flickr8k dev) it is 0.82-0.98 except at 50% one-word edits
+#: (0.56, the adjusted count); on the bundled demo's ten off-domain photos 0.47 (EM).
 MIN_FINE_PRIOR = 0.5
 
 
@@ -144,7 +144,8 @@ def adjusted_count(llr: NDArray[np.floating], rates: tuple[float, float], weight
     near-miss map's shape is only roughly right across its range; on the hard-noise
     benchmark's one-word-edit corpora EM put the share of pairs with every word right
     0.04-0.05 too high (0.579 for 0.533 at 50%), while the count needs the map to be right
-    at one point only (0.555; ECE 0.061 -> 0.052, and at 20% 0.038 -> 0.024).
+    at one point only (0.555; through `pairclean score`, ECE 0.061 -> 0.051 at 50% and
+    0.038 -> 0.024 at 20%).
     """
     tpr, fpr = rates
     x = np.asarray(llr, np.float64)
