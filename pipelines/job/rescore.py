@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from pairclean import osa, schema
 from pairclean.calibrate.calibration import calibrate, needs_corpus
-from pairclean.calibrate.contrast import Contrast, fit_contrast
+from pairclean.calibrate.contrast import fit_contrast
 from pairclean.errors import InputError
 from pairclean.calibrate.calibration import Calibration
 from pairclean.spec import JobSpec, spec_digest
@@ -99,8 +99,10 @@ def rescore(
     if "contrast" not in calibration.extra:
         fitted = None
     if old_judge is not None:
-        judged = old_judge
-        calibration = with_judge_record(calibration, lambda cal: _judge_record(cal, judged, tables, n, fitted, out),
+        judged = old_judge  # bound for the lambda (mypy does not narrow inside it)
+        # the calibration sample's scores as OSA read them: the same pairs, already in memory
+        scored = sims if fitted is None or img is None or txt is None else fitted.adjust(sims, img, txt)
+        calibration = with_judge_record(calibration, lambda cal: _judge_record(cal, judged, tables, scored),
                                         lambda: fit(False))
     if fitted is not None:
         out.write_contrast_bank(fitted.bank)
@@ -135,24 +137,15 @@ def _old_judge(out: OutputDir, spec: JobSpec) -> dict[str, Any] | None:
     return dict(old.extra["judge"])
 
 
-def _judge_record(calibration: Calibration, frozen: dict[str, Any], tables: list[tuple[ShardRecord, pa.Table]], n: int,
-                  fitted: Contrast | None, out: OutputDir) -> dict[str, Any]:
-    """The judge record ``frozen`` with its near-miss prior refitted on the first ``n`` ok
-    pairs' stored ratios under ``calibration`` (as a fresh score fits it)."""
-    llr_parts, scored_parts, rows = [], [], 0
-    for record, table in tables:
-        if rows >= n:
-            break
-        ok = schema.ok_mask(table)
-        sims = table.column(schema.COL_SIMILARITY).to_numpy()
-        scored = sims if fitted is None else fitted.adjust(sims, *_shard_embeddings(out, record, table))
-        llr_parts.append(_judge_scores(table)[ok])
-        scored_parts.append(scored[ok])
-        rows += int(ok.sum())
-    llr = np.concatenate([np.zeros(0, np.float32), *llr_parts])[:n]
-    scored_all = np.concatenate([np.zeros(0, np.float32), *scored_parts])[:n]
+def _judge_record(calibration: Calibration, frozen: dict[str, Any], tables: list[tuple[ShardRecord, pa.Table]],
+                  scored: np.ndarray) -> dict[str, Any]:
+    """The judge record ``frozen`` with its near-miss prior refitted under ``calibration`` on
+    the calibration sample: its OSA scores ``scored`` (n,) and the stored ratios of the same
+    first n ok pairs (as a fresh score fits it)."""
+    n = len(scored)
+    llr = np.concatenate([np.zeros(0, np.float32)] + [_judge_scores(t)[schema.ok_mask(t)] for _, t in tables])[:n]
     keep = np.isfinite(llr)  # under --judge band, pairs outside the band were never judged
-    return refit_fine_prior(frozen, llr[keep], osa_p_clean(scored_all[keep], calibration))
+    return refit_fine_prior(frozen, llr[keep], osa_p_clean(np.asarray(scored, np.float32)[keep], calibration))
 
 
 def _judge_scores(table: pa.Table) -> np.ndarray:

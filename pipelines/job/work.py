@@ -214,7 +214,7 @@ def refit_fine_prior(frozen: dict[str, Any], llr: NDArray[np.float32], osa_p: ND
     them); unchanged for a judge without a near-miss map."""
     from pairclean.judge import posterior
 
-    if "platt_fine" not in frozen:
+    if not has_word_check(frozen):
         return dict(frozen)
     fine = posterior.fine_llr(llr, _pair(frozen["platt"]), _pair(frozen["platt_fine"]))
     rates = _pair(frozen["fine_rates"]) if "fine_rates" in frozen else None
