@@ -14,8 +14,9 @@ one-word edits only: see ``pairclean.lite.judge_train.fit_platts``), is combined
 of replacing it (``combined_p_clean``): a pair is clean when it passes both tests, OSA's
 (is this caption about this photo at all: random and near-image mismatches, calibrated on
 the corpus) and the judge's (given that, is every word right). The judge's near-miss prior
-is estimated by the same EM, each calibration pair weighted by OSA's p_clean (the pairs OSA
-already calls mismatched say nothing about near-misses). So on a corpus of random swaps,
+is estimated on the calibration pairs, each weighted by OSA's p_clean (the pairs OSA
+already calls mismatched say nothing about near-misses): by an adjusted count where the
+judge carries its dev pass rates (``adjusted_count``), else by the same EM. So on a corpus of random swaps,
 the judge barely moves OSA's calibrated p_clean; on a corpus of one-word edits, which OSA
 cannot see, p_clean drops by the judge's posterior.
 
@@ -111,6 +112,14 @@ def fine_llr(llr: NDArray[np.floating], platt: tuple[float, float], platt_fine: 
     return llr_of(logits, platt_fine)
 
 
+def _weighted(llr: NDArray[np.floating], weights: NDArray[np.floating] | None) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """(ratios, weights) as float64, the pairs where either is not finite left out (weights 1 when None)."""
+    x = np.asarray(llr, np.float64)
+    w = np.ones_like(x) if weights is None else np.asarray(weights, np.float64)
+    keep = np.isfinite(x) & np.isfinite(w)
+    return x[keep], w[keep]
+
+
 def estimate_prior(llr: NDArray[np.floating], iters: int = 200, weights: NDArray[np.floating] | None = None) -> float:
     """The clean fraction of a corpus from the judge's ratios ``llr`` (N,) of a sample of it.
 
@@ -118,10 +127,7 @@ def estimate_prior(llr: NDArray[np.floating], iters: int = 200, weights: NDArray
     mean when given, (N,) >= 0), clipped to [0.02, 0.98] (a sample of a few thousand pairs
     cannot support a more extreme prior). 0.5 when empty or weightless.
     """
-    x = np.asarray(llr, np.float64)
-    w = np.ones_like(x) if weights is None else np.asarray(weights, np.float64)
-    keep = np.isfinite(x) & np.isfinite(w)
-    x, w = x[keep], w[keep]
+    x, w = _weighted(llr, weights)
     if x.size == 0 or w.sum() <= 0:
         return 0.5
     prior = 0.5
@@ -148,12 +154,10 @@ def adjusted_count(llr: NDArray[np.floating], rates: tuple[float, float], weight
     0.038 -> 0.024 at 20%).
     """
     tpr, fpr = rates
-    x = np.asarray(llr, np.float64)
-    w = np.ones_like(x) if weights is None else np.asarray(weights, np.float64)
-    keep = np.isfinite(x) & np.isfinite(w)
-    if tpr - fpr < MIN_RATE_GAP or not keep.any() or w[keep].sum() <= 0:
+    x, w = _weighted(llr, weights)
+    if tpr - fpr < MIN_RATE_GAP or x.size == 0 or w.sum() <= 0:
         return None
-    share = float(np.average(x[keep] > 0, weights=w[keep]))
+    share = float(np.average(x > 0, weights=w))
     return float(np.clip((share - fpr) / (tpr - fpr), *_PRIOR_RANGE))
 
 

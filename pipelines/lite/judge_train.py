@@ -322,7 +322,7 @@ def fit_platts(model: Any, dev: SplitFeatures) -> tuple[tuple[float, float], tup
         return platt_fit(np.r_[scores["clean"], noise], labels)
 
     noise_kinds = [k for k in scores if k != "clean"]
-    return against(noise_kinds), against([k for k in noise_kinds if k.startswith("edit_")])
+    return against(noise_kinds), against([k for k in noise_kinds if _is_fine(k)])
 
 
 def fine_rates(model: Any, dev: SplitFeatures, platt_fine: tuple[float, float]) -> tuple[float, float]:
