@@ -10,7 +10,12 @@ wrong caption of one kind:
   estimator's text embeddings, over all five captions of every other image);
 - ``edit``: a one-word edit of the own caption (object, colour/attribute, count, action,
   swapped roles; ``pairclean.judge.edits``, cycling through its kinds);
-- ``mix``: the chosen pairs split evenly over the four kinds above.
+- ``mix``: the chosen pairs split evenly over the four kinds above;
+- ``retrieved``: the shape of a corpus of retrieved candidates (how human-judged sets such as
+  Flickr8k's expert ratings were built): every image three times, with its own caption,
+  with the nearest-image caption and with the nearest-text caption, in shuffled order, so
+  images and captions repeat and two thirds of the pairs are near-misses (``--rates`` does
+  not apply; its rows say 67%).
 
 Each (kind, rate) becomes WebDataset shards scored by the real CLI (``pairclean score
 --executor local``; ``--judge MODE`` is passed through when the CLI has that option: the
@@ -18,14 +23,15 @@ default, ``auto``, judges every pair with pairclean-lite; ``--judge off`` gives 
 corpus contrast alone). It
 prints one row per (kind, rate): ROC-AUC of ``similarity``, ``weight`` and ``p_clean``
 (clean = positive); noise recall and clean accuracy of the ``noisy`` flag; ECE (15 bins)
-and Brier score of ``p_clean``; mean ``p_clean`` of clean and of noisy pairs; the largest
+and Brier score of ``p_clean``; mean ``p_clean`` of clean and of noisy pairs; the share of
+noisy pairs that ``p_clean`` calls clean with confidence (above ``CONFIDENT``); the largest
 share of pairs tied on one ``p_clean`` value; the job's noise-rate estimate; pairs/s of
 the whole command (start-up and model load included).
 
 Embeddings (for the neighbours) and shards are cached under ``--cache`` (default
-``~/.cache/pairclean/hard_noise`` or ``$PAIRCLEAN_CACHE_DIR/hard_noise``, outside the repository). ``--ceiling`` prints 100
-nearest-image-caption pairs with the image's five human captions, to count by eye how
-many still describe their image. ``--rescore-from TAG`` reruns only ``pairclean rescore`` on the
+``~/.cache/pairclean/hard_noise`` or ``$PAIRCLEAN_CACHE_DIR/hard_noise``, outside the repository). ``--ceiling [near-text]`` prints
+100 (``--ceiling-count``) nearest-image (nearest-text) caption pairs with the image's five
+human captions, to count by eye how many still describe their image. ``--rescore-from TAG`` reruns only ``pairclean rescore`` on the
 score folders of an earlier run, copied (no re-embedding: for a calibration change;
 pairs/s is then the earlier run's).
 
@@ -50,7 +56,9 @@ from _embed_dev import embed_dev
 
 from pairclean.calibrate.calibration import cache_dir as _default_cache
 
-KINDS = ("random", "near-image", "near-text", "edit", "mix")
+KINDS = ("random", "near-image", "near-text", "edit", "mix", "retrieved")
+#: A noisy pair whose p_clean is above this is called clean with confidence (a confident wrong answer).
+CONFIDENT = 0.8
 PER_SHARD = 250
 
 
@@ -140,19 +148,38 @@ def make_pairing(kind: str, rate: float, images: list[Any], emb: dict[str, np.nd
     return out, noisy, labels
 
 
-def write_shards(folder: Path, images: list[Any], captions: list[str], noisy: np.ndarray, labels: list[str]) -> list[str]:
-    """Shards of ``PER_SHARD`` pairs under ``folder`` (reused when already complete) and labels.json."""
+def make_retrieved(images: list[Any], emb: dict[str, np.ndarray], seed: int) -> tuple[list[str], np.ndarray, list[str], np.ndarray]:
+    """The ``retrieved`` corpus: (captions, noisy flags, kinds, image index) of 3 x N pairs in shuffled order."""
+    near_img = _nearest(emb["img"])
+    near_txt_img, near_txt_cap = _near_text(emb["txt"])
+    pairs = []
+    for i, img in enumerate(images):
+        pairs += [(i, img.captions[0], ""), (i, images[near_img[i]].captions[0], "near-image"),
+                  (i, images[near_txt_img[i]].captions[near_txt_cap[i]], "near-text")]
+    order = np.random.default_rng([seed, KINDS.index("retrieved")]).permutation(len(pairs))
+    pairs = [pairs[k] for k in order]
+    return ([p[1] for p in pairs], np.array([bool(p[2]) for p in pairs]), [p[2] for p in pairs],
+            np.array([p[0] for p in pairs], dtype=np.int64))
+
+
+def write_shards(folder: Path, images: list[Any], captions: list[str], noisy: np.ndarray, labels: list[str],
+                 owner: np.ndarray | None = None) -> list[str]:
+    """Shards of ``PER_SHARD`` pairs under ``folder`` (reused when already complete) and labels.json.
+
+    Pair k shows ``images[owner[k]]`` (default: pair k shows image k) with ``captions[k]``."""
     from pairclean.lite.evaldata import write_shard
 
+    owner = np.arange(len(images)) if owner is None else owner
+    n = len(captions)
     meta = folder / "labels.json"
-    doc = {"keys": [f"{i:05d}" for i in range(len(images))], "noisy": noisy.tolist(), "kind": labels, "captions": captions,
-           "images": [img.image for img in images]}
-    paths = [folder / f"part-{s // PER_SHARD:05d}.tar" for s in range(0, len(images), PER_SHARD)]
+    doc = {"keys": [f"{i:05d}" for i in range(n)], "noisy": noisy.tolist(), "kind": labels, "captions": captions,
+           "images": [images[int(i)].image for i in owner]}
+    paths = [folder / f"part-{s // PER_SHARD:05d}.tar" for s in range(0, n, PER_SHARD)]
     if meta.exists() and json.loads(meta.read_text()) == doc and all(p.exists() for p in paths):
         return [str(p) for p in paths]
     folder.mkdir(parents=True, exist_ok=True)
-    for s, path in zip(range(0, len(images), PER_SHARD), paths):
-        samples = [{"__key__": f"{i:05d}", "jpg": images[i].path.read_bytes(), "txt": captions[i]} for i in range(s, min(s + PER_SHARD, len(images)))]
+    for s, path in zip(range(0, n, PER_SHARD), paths):
+        samples = [{"__key__": f"{i:05d}", "jpg": images[int(owner[i])].path.read_bytes(), "txt": captions[i]} for i in range(s, min(s + PER_SHARD, n))]
         write_shard(path, samples)
     meta.write_text(json.dumps(doc))
     return [str(p) for p in paths]
@@ -191,6 +218,7 @@ def evaluate(out: Path, labels: dict[str, Any]) -> dict[str, Any]:
         "brier": float(((p - clean) ** 2).mean()),
         "p_clean_clean": float(p[clean].mean()),
         "p_clean_noisy": float(p[truth].mean()),
+        "noisy_confident": float((p[truth] > CONFIDENT).mean()),
         "max_tie": float(counts.max() / len(p)),
         "noise_rate_est": cal.get("noise_rate"),
         "true_noise_rate": float(truth.mean()),
@@ -233,12 +261,14 @@ def judge_supported() -> bool:
     return "--judge" in proc.stdout
 
 
-def print_ceiling(images: list[Any], emb: dict[str, np.ndarray], count: int, seed: int) -> None:
-    """``count`` nearest-image-caption pairs: the image, the borrowed caption, the image's own five."""
-    near = _nearest(emb["img"])
+def print_ceiling(images: list[Any], emb: dict[str, np.ndarray], count: int, seed: int, kind: str = "near-image") -> None:
+    """``count`` pairs of ``kind`` (near-image or near-text): the image, the borrowed caption, the image's own five."""
+    near_img = _nearest(emb["img"])
+    near_txt_img, near_txt_cap = _near_text(emb["txt"])
     rng = np.random.default_rng(seed)
     for i in rng.choice(len(images), size=min(count, len(images)), replace=False):
-        print(json.dumps({"image": images[i].image, "borrowed": images[near[i]].captions[0], "from": images[near[i]].image,
+        j, c = (near_img[i], 0) if kind == "near-image" else (near_txt_img[i], near_txt_cap[i])
+        print(json.dumps({"image": images[i].image, "borrowed": images[j].captions[c], "from": images[j].image,
                           "own": list(images[i].captions)}))
 
 
@@ -257,7 +287,9 @@ def main() -> None:
                     help="with --rescore-from: rescore with the corpus contrast on, off, or as scored")
     ap.add_argument("--tag", default=None, help="name of this run's folder under CACHE/runs (default: from the image count and judge)")
     ap.add_argument("--cli", default=None, help="the pairclean executable to run (default: the one beside this Python)")
-    ap.add_argument("--ceiling", action="store_true", help="print 100 nearest-image-caption pairs to judge by eye, then exit")
+    ap.add_argument("--ceiling", nargs="?", const="near-image", default=None, choices=["near-image", "near-text"],
+                    help="print --ceiling-count borrowed-caption pairs of this kind (default near-image) to judge by eye, then exit")
+    ap.add_argument("--ceiling-count", type=int, default=100)
     args = ap.parse_args()
     from pairclean.lite.evaldata import load_flickr8k
 
@@ -267,7 +299,7 @@ def main() -> None:
     n = 300 if args.quick else len(images)
     images, emb = images[:n], {"img": data["img"][:n], "txt": data["txt"][:n]}
     if args.ceiling:
-        print_ceiling(images, emb, 100, args.seed)
+        print_ceiling(images, emb, args.ceiling_count, args.seed, args.ceiling)
         return
     if args.cli:
         CLI.append(args.cli)
@@ -281,10 +313,14 @@ def main() -> None:
           + (f" (copied from runs/{args.rescore_from}, then {_cli()} rescore OUT)" if args.rescore_from else ""), flush=True)
     rows = []
     for kind in args.kinds:
-        for rate in args.rates:
-            captions, noisy, labels = make_pairing(kind, rate, images, emb, args.seed)
-            name = f"{kind}-{int(rate * 100)}"
-            shards = write_shards(cache / "shards" / f"n{n}" / name, images, captions, noisy, labels)
+        for rate in ([2 / 3] if kind == "retrieved" else args.rates):
+            owner = None
+            if kind == "retrieved":
+                captions, noisy, labels, owner = make_retrieved(images, emb, args.seed)
+            else:
+                captions, noisy, labels = make_pairing(kind, rate, images, emb, args.seed)
+            name = f"{kind}-{round(rate * 100)}"
+            shards = write_shards(cache / "shards" / f"n{n}" / name, images, captions, noisy, labels, owner)
             out = cache / "runs" / tag / name
             speed_file = out.parent / f"{name}.seconds"
             if args.rescore_from:
@@ -303,7 +339,7 @@ def main() -> None:
                 seconds = run_cli(shards, out, judge, args.threads)
                 speed_file.write_text(str(seconds))
             lab = json.loads((cache / "shards" / f"n{n}" / name / "labels.json").read_text())
-            row = {"kind": kind, "rate": rate, **evaluate(out, lab), "pairs_per_s": round(n / seconds, 1)}
+            row = {"kind": kind, "rate": rate, **evaluate(out, lab), "pairs_per_s": round(len(captions) / seconds, 1)}
             print(json.dumps(row), flush=True)
             rows.append(row)
     print(markdown(rows))
@@ -312,12 +348,13 @@ def main() -> None:
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The rows as the README's table."""
     head = ("| noise | rate | AUC sim. | AUC weight | AUC p_clean | noise recall | clean acc. | ECE | Brier "
-            "| p_clean clean | p_clean noisy | largest tie | pairs/s |\n|" + "---|" * 13)
+            f"| p_clean clean | p_clean noisy | noisy > {CONFIDENT} | largest tie | pairs/s |\n|" + "---|" * 14)
     lines = [head]
     for r in rows:
         lines.append(f"| {r['kind']} | {r['rate']:.0%} | {r['auc_similarity']:.3f} | {r['auc_weight']:.3f} | {r['auc_p_clean']:.3f} "
                      f"| {r['noise_recall']:.3f} | {r['clean_accuracy']:.3f} | {r['ece']:.3f} | {r['brier']:.3f} "
-                     f"| {r['p_clean_clean']:.3f} | {r['p_clean_noisy']:.3f} | {r['max_tie']:.1%} | {r['pairs_per_s']:.1f} |")
+                     f"| {r['p_clean_clean']:.3f} | {r['p_clean_noisy']:.3f} | {r.get('noisy_confident', float('nan')):.1%} "
+                     f"| {r['max_tie']:.1%} | {r['pairs_per_s']:.1f} |")
     return "\n".join(lines)
 
 

@@ -82,11 +82,17 @@ def settings_for(method: str, overrides: dict[str, Any] | None = None) -> Any:
 NOISE_PAIRS = 65_536
 
 
-def fit(method: str, img: Any, txt: Any, seed: int, overrides: dict[str, Any] | None = None) -> Heads:
+def fit(method: str, img: Any, txt: Any, seed: int, overrides: dict[str, Any] | None = None, osa: Any = None,
+        referee: Any = None) -> Heads:
     """Fit ``method`` on (N, D) embeddings (N >= 2), then its ``p_clean`` mixture (see the
-    module docstring); deterministic given ``seed``."""
-    heads: Heads = METHOD_MODULES[method].fit(img, txt, seed, settings_for(method, overrides))
-    heads.doc["p_clean"] = p_clean_curve(heads, img, txt, seed)
+    module docstring); deterministic given ``seed``. ``osa``: (N,) the job's own score of
+    each pair, the ensemble's OSA member (default: the cosine); ``referee``: (N,) the judge's
+    ratios that an ensemble's blend must agree with (see ``ensemble``). Other methods ignore both."""
+    if method == "ensemble":
+        heads: Heads = ensemble.fit(img, txt, seed, settings_for(method, overrides), osa=osa, referee=referee)
+    else:
+        heads = METHOD_MODULES[method].fit(img, txt, seed, settings_for(method, overrides))
+    heads.doc["p_clean"] = p_clean_curve(heads, img, txt, seed, scores=osa)
     return heads
 
 
@@ -94,10 +100,11 @@ def fit(method: str, img: Any, txt: Any, seed: int, overrides: dict[str, Any] | 
 MIN_SEPARATION = 1.5
 
 
-def p_clean_curve(heads: Heads, img: Any, txt: Any, seed: int) -> dict[str, Any]:
+def p_clean_curve(heads: Heads, img: Any, txt: Any, seed: int, scores: Any = None) -> dict[str, Any]:
     """How ``apply`` turns fitted ``heads``' raw scores into ``p_clean`` (module docstring),
     from their (N, D) fit sample (N >= 2). JSON: ``kind`` "mixture" or "logistic" and its
-    parameters, plus ``noise_rate``, ``separation`` and ``teacher_mean``."""
+    parameters, plus ``noise_rate``, ``separation`` and ``teacher_mean``. ``scores``: the
+    job scores an ensemble was fitted on (``fit``'s ``osa``)."""
     import numpy as np
 
     from pairclean import osa
@@ -109,7 +116,7 @@ def p_clean_curve(heads: Heads, img: Any, txt: Any, seed: int) -> dict[str, Any]
     noise_rate = osa.estimate_noise_rate(sims, seed, mismatched)
     gmm = osa.fit_gmm(sims, seed, noise_sims=mismatched)
     teacher = osa.mixture_posterior_clean(sims, gmm.means, gmm.stds, gmm.noise_rate)
-    raw = apply_raw(heads, img, txt)
+    raw = apply_raw(heads, img, txt, scores)
     mix = fit_mixture_fixed_weight(raw, noise_rate, seed=seed)
     apart = separation(mix)
     common = {"noise_rate": noise_rate, "separation": apart, "teacher_mean": float(teacher.mean()), "noise_pairs": int(mismatched.size)}
@@ -118,13 +125,14 @@ def p_clean_curve(heads: Heads, img: Any, txt: Any, seed: int) -> dict[str, Any]
     return {"kind": "logistic", **fit_platt(raw, teacher).to_json(), **common}
 
 
-def apply_raw(heads: Heads, img: Any, txt: Any) -> Any:
+def apply_raw(heads: Heads, img: Any, txt: Any, osa: Any = None) -> Any:
     """The raw score alone (see ``apply``): (N,) float32."""
-    return apply(heads, img, txt)[0]
+    return apply(heads, img, txt, osa)[0]
 
 
-def apply(heads: Heads, img: Any, txt: Any) -> Any:
+def apply(heads: Heads, img: Any, txt: Any, osa: Any = None) -> Any:
     """(raw score, p_clean) of (N, D) ok pairs under fitted ``heads``: (N,) float32 each.
+    ``osa``: (N,) the job's own score of each pair, for an ensemble fitted with one.
 
     NaN guard: a pair with a non-finite embedding gets ``p_clean`` 0 and the lowest raw
     score of the batch (it is scored on zeros so it cannot poison the others).
@@ -135,7 +143,10 @@ def apply(heads: Heads, img: Any, txt: Any) -> Any:
     bad = ~(np.isfinite(img).all(1) & np.isfinite(txt).all(1)) if len(img) else np.zeros(0, bool)
     if bad.any():
         img, txt = np.where(bad[:, None], 0.0, img).astype(np.float32), np.where(bad[:, None], 0.0, txt).astype(np.float32)
-    raw, p = METHOD_MODULES[heads.method].apply(heads, img, txt)
+    if heads.method == "ensemble":
+        raw, p = ensemble.apply(heads, img, txt, None if osa is None else np.asarray(osa, np.float32))
+    else:
+        raw, p = METHOD_MODULES[heads.method].apply(heads, img, txt)
     curve = heads.doc.get("p_clean")
     if curve is not None:
         p = Mixture1D.from_json(curve).posterior_clean(raw) if curve["kind"] == "mixture" else Platt.from_json(curve)(raw)

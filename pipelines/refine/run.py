@@ -27,8 +27,25 @@ has the refined sha256, or the file on the store has it (a crash between 4 and 5
 rerun with the same method and seed rewrites nothing and the tables stay byte-identical.
 A shard rewritten since by something else (``rescore``) is refined again.
 
-Columns of a refined table: ``weight = p_clean`` and ``noisy = p_clean <= 0.5`` for ok
-rows; rows that are not ok get ``p_clean`` 0, weight 0, noisy True and a NaN raw score.
+``p_clean`` of a refined table keeps what ``pairclean score`` calibrated (issue 21: refine
+must never be worse than the scored job): the method reorders the pairs, the job's calibration
+says how sure to be.
+
+- The ensemble's OSA member is the job's own score (``adjusted_similarity`` under the corpus
+  contrast, else ``similarity``), not the bare cosine.
+- An ensemble that chose OSA alone (``uses_only_osa``) gives exactly the scored ``p_clean``:
+  OSA's curve of the job's score, times the judge's word check where the job has one.
+- Otherwise the raw score is mapped onto OSA's ``p_clean`` by quantiles on the fit sample
+  (``p_clean_map``: the pair ranked at quantile q gets the ``p_clean`` that OSA gives its
+  pair at quantile q), so the corpus's noise share and the near-miss doubt that the
+  corpus-mixture curve holds stay as scored; then the judge's word check multiplies it, as
+  in ``score``. A method's own 2-component mixture, which ``refine`` used before, knows
+  nothing of near-misses: on a corpus of retrieved near-miss captions it put ECE at 0.64.
+
+Columns of a refined table: the scored table's (its ``adjusted_similarity`` and
+``judge_score`` kept) with ``weight = p_clean`` and ``noisy = p_clean <= 0.5`` for ok rows,
+and the method's raw score after them; rows that are not ok get ``p_clean`` 0, weight 0,
+noisy True and a NaN raw score.
 """
 
 from __future__ import annotations
@@ -49,7 +66,9 @@ from pairclean.errors import InputError
 from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.output.lock import RunLock
 from pairclean.output.tables import read_embeddings
+from pairclean.calibrate.calibration import Calibration
 from pairclean.refine import DEFAULT_METHOD, METHODS, Heads, fit, apply, heads_bytes, heads_from_bytes, score_column, settings_for
+from pairclean.refine.ensemble import uses_only_osa
 
 __all__ = ["check_finite", "MIN_FIT_PAIRS", "DEFAULT_SAMPLE_PAIRS", "RefineOptions", "RefineReport", "ShardApplied", "refine", "apply_shard", "check_job", "draw_sample", "Executor"]
 
@@ -65,6 +84,10 @@ HEADS_DIR = schema.HEADS_DIR
 FITS_DIR = f"{REFINE_DIR}/fits"
 #: The columns kept from the scored table; everything else is recomputed.
 BASE_COLUMNS = (schema.COL_KEY, schema.COL_SHARD, schema.COL_IDX, schema.COL_STATUS, schema.COL_ERROR, schema.COL_SIMILARITY)
+#: The scored table's own score columns, kept after ``p_clean`` when it has them.
+SCORED_EXTRAS = (schema.COL_ADJUSTED, schema.COL_JUDGE_SCORE)
+#: Knots of the quantile map from a method's raw score to OSA's p_clean.
+MAP_KNOTS = 257
 
 
 @dataclass(frozen=True)
@@ -153,8 +176,32 @@ def check_job(out: OutputDir) -> JobView:
     return JobView(records, ok_counts, model)
 
 
-def draw_sample(out: OutputDir, view: JobView, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """A seeded uniform sample of ``min(n, ok pairs)`` ok pairs: (m, D) float16 each.
+def job_scores(table: pa.Table) -> np.ndarray:
+    """(N,) the score the job calibrated, per row: ``adjusted_similarity`` (the corpus
+    contrast) where the table has it, else ``similarity``."""
+    name = schema.COL_ADJUSTED if schema.COL_ADJUSTED in table.column_names else schema.COL_SIMILARITY
+    return np.asarray(table.column(name).to_numpy(zero_copy_only=False), np.float32)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The fit sample: (m, D) float16 embeddings, (m,) job scores (``job_scores``) and (m,)
+    judge ratios (NaN where not judged, or the job has no judge)."""
+
+    img: np.ndarray
+    txt: np.ndarray
+    scores: np.ndarray
+    judge: np.ndarray
+
+
+def _judge_ratios(table: pa.Table) -> np.ndarray:
+    if schema.COL_JUDGE_SCORE not in table.column_names:
+        return np.full(table.num_rows, np.nan, np.float32)
+    return np.asarray(table.column(schema.COL_JUDGE_SCORE).to_numpy(zero_copy_only=False), np.float32)
+
+
+def draw_sample(out: OutputDir, view: JobView, n: int, seed: int) -> Sample:
+    """A seeded uniform sample of ``min(n, ok pairs)`` ok pairs (``Sample``).
 
     Streams the sidecars one at a time (memory: the sample plus one sidecar).
     """
@@ -162,7 +209,7 @@ def draw_sample(out: OutputDir, view: JobView, n: int, seed: int) -> tuple[np.nd
     m = min(n, total)
     chosen = np.sort(np.random.default_rng(seed).choice(total, size=m, replace=False)) if m < total else np.arange(total)
     bounds = np.cumsum([0, *view.ok_counts])
-    img_parts, txt_parts = [], []
+    img_parts, txt_parts, score_parts, judge_parts = [], [], [], []
     for i, record in enumerate(view.records):
         lo, hi = int(np.searchsorted(chosen, bounds[i])), int(np.searchsorted(chosen, bounds[i + 1]))
         if lo == hi:
@@ -175,7 +222,11 @@ def draw_sample(out: OutputDir, view: JobView, n: int, seed: int) -> tuple[np.nd
         local = chosen[lo:hi] - bounds[i]
         img_parts.append(img[local].astype(np.float16))
         txt_parts.append(txt[local].astype(np.float16))
-    return np.concatenate(img_parts), np.concatenate(txt_parts)
+        table = out.read_scores(record)
+        ok = schema.ok_mask(table)
+        score_parts.append(job_scores(table)[ok][local])
+        judge_parts.append(_judge_ratios(table)[ok][local])
+    return Sample(np.concatenate(img_parts), np.concatenate(txt_parts), np.concatenate(score_parts), np.concatenate(judge_parts))
 
 
 def check_finite(img: np.ndarray, txt: np.ndarray, where: str) -> None:
@@ -200,8 +251,23 @@ def _heads_name(method: str, sha: str) -> str:
     return f"{HEADS_DIR}/{method}-{sha[:12]}.safetensors"
 
 
-def _obtain_heads(out: OutputDir, view: JobView, opts: RefineOptions) -> tuple[Heads, bytes, bool, float]:
-    """(heads, their bytes, whether fitted now, fit seconds); saves new heads and the fit record."""
+def _referee(calibration: Calibration | None, sample: Sample) -> np.ndarray | None:
+    """The judge's ratios of the sample as the ensemble's referee, where the job's judge has
+    its word check on (the guard trusts it on this corpus); else None."""
+    # Imported here, as in the functions below: pairclean.job.work loads the estimators
+    # (torch), and the API process imports this module without ever running a model.
+    from pairclean.job.work import has_word_check
+
+    judge = None if calibration is None else calibration.extra.get("judge")
+    if judge is None or not has_word_check(judge) or judge.get("fine_prior") is None:
+        return None
+    return sample.judge
+
+
+def _obtain_heads(out: OutputDir, view: JobView, opts: RefineOptions, sample: Callable[[], Sample],
+                  calibration: Calibration | None) -> tuple[Heads, bytes, bool, float]:
+    """(heads, their bytes, whether fitted now, fit seconds); saves new heads and the fit record.
+    ``sample()``: the fit sample (``draw_sample``); ``calibration``: the job's (the referee's)."""
     if opts.heads is not None:
         try:
             heads = heads_from_bytes(opts.heads)
@@ -233,8 +299,9 @@ def _obtain_heads(out: OutputDir, view: JobView, opts: RefineOptions) -> tuple[H
         if stored is not None and hashlib.sha256(stored).hexdigest() == entry["sha256"]:
             return heads_from_bytes(stored), stored, False, 0.0
     t0 = time.perf_counter()
-    img, txt = draw_sample(out, view, opts.sample_pairs, opts.seed)
-    heads = fit(method, img, txt, opts.seed, opts.overrides)
+    drawn = sample()
+    img, txt = drawn.img, drawn.txt
+    heads = fit(method, img, txt, opts.seed, opts.overrides, osa=drawn.scores, referee=_referee(calibration, drawn))
     seconds = time.perf_counter() - t0
     data = heads_bytes(heads)
     sha = hashlib.sha256(data).hexdigest()
@@ -245,13 +312,59 @@ def _obtain_heads(out: OutputDir, view: JobView, opts: RefineOptions) -> tuple[H
     return fitted, data, True, seconds
 
 
-def refine_doc(heads: Heads, sha: str) -> dict[str, Any]:
-    """What a refined table's metadata records under ``refine``."""
+def refine_doc(heads: Heads, sha: str, p_map: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a refined table's metadata records under ``refine``; ``p_map``: the quantile map
+    of ``p_clean_map`` (None: the job has no calibration to map onto, the method's own
+    ``p_clean`` is used)."""
+    if p_map is None:
+        how = f"{heads.method} clean posterior"
+    elif p_map.get("kind") == "osa":
+        how = "the scored p_clean (the ensemble chose OSA alone)"
+    else:
+        how = "the raw score mapped onto OSA's p_clean by quantiles, times the judge's word check where the job has one"
     return {"method": heads.method, "settings": heads.doc.get("settings"), "sample_pairs": heads.doc.get("sample_pairs"),
             "seed": heads.doc.get("seed"), "heads_sha256": sha, "heads": _heads_name(heads.method, sha),
-            "score_column": score_column(heads.method), "p_clean": f"{heads.method} clean posterior",
+            "score_column": score_column(heads.method), "p_clean": how,
+            **({"p_clean_map": p_map} if p_map is not None else {}),
             **({"choice": heads.doc["choice"]} if "choice" in heads.doc else {}),
             "weight_rule": "weight = p_clean", "noisy_rule": "p_clean <= 0.5"}
+
+
+def _given_scores(heads: Heads, scores: np.ndarray) -> np.ndarray | None:
+    """The job scores for an ensemble fitted on them (None: heads fitted on the cosine)."""
+    return scores if heads.doc.get("osa_member") == "given" else None
+
+
+def p_clean_map(heads: Heads, sample: Sample, calibration: Calibration) -> dict[str, Any]:
+    """The map from ``heads``' raw score to ``p_clean`` on the job's fit ``sample``. ``{"kind": "osa"}`` for an ensemble that chose OSA alone,
+    else ``{"kind": "quantile", "raw": knots, "p": knots}``: ``MAP_KNOTS`` quantiles of the
+    sample's raw scores and of OSA's ``p_clean`` of the same sample, both non-decreasing."""
+    from pairclean.job.work import osa_p_clean
+
+    if heads.method == "ensemble" and uses_only_osa(heads):
+        return {"kind": "osa"}
+    raw = apply(heads, sample.img, sample.txt, _given_scores(heads, sample.scores))[0].astype(np.float64)
+    base = osa_p_clean(sample.scores, calibration).astype(np.float64)
+    levels = np.linspace(0.0, 1.0, MAP_KNOTS)
+    return {"kind": "quantile", "raw": [float(v) for v in np.quantile(raw, levels)],
+            "p": [float(v) for v in np.quantile(base, levels)]}
+
+
+def refined_p_clean(raw: np.ndarray, scores: np.ndarray, llr: np.ndarray | None, p_map: dict[str, Any],
+                    calibration: Calibration) -> np.ndarray:
+    """(N,) ``p_clean`` of ok pairs from the method's ``raw`` scores, the job's ``scores``,
+    the judge's ratios ``llr`` (None: no judge) and the map of ``p_clean_map``."""
+    from pairclean.job.work import judged_p_clean, osa_p_clean
+
+    if p_map["kind"] == "osa":
+        base = osa_p_clean(scores, calibration)
+    else:
+        base = np.interp(raw, np.asarray(p_map["raw"]), np.asarray(p_map["p"])).astype(np.float32)
+    judge = calibration.extra.get("judge")
+    if judge is None or llr is None:
+        return np.asarray(base, np.float32)
+    judged = judged_p_clean(np.asarray(llr, np.float32), np.asarray(base, np.float32), judge)
+    return np.where(np.isfinite(judged), judged, base).astype(np.float32)
 
 
 def apply_shard(out: OutputDir, record: ShardRecord, heads: Heads, doc: dict[str, Any]) -> ShardApplied:
@@ -267,7 +380,15 @@ def apply_shard(out: OutputDir, record: ShardRecord, heads: Heads, doc: dict[str
     if len(img) != int(ok.sum()):
         raise InputError(f"{out.store.url(record.emb_output or '')} holds {len(img)} ok rows but the score table "
                          f"{int(ok.sum())}: the folder is inconsistent", uri=out.uri)
-    raw_ok, p_ok = apply(heads, img, txt) if len(img) else (np.zeros(0, np.float32), np.zeros(0, np.float32))
+    scores = job_scores(table)[ok]
+    raw_ok, p_ok = apply(heads, img, txt, _given_scores(heads, scores)) if len(img) else (np.zeros(0, np.float32), np.zeros(0, np.float32))
+    p_map = doc.get("p_clean_map")
+    if p_map is not None and len(img):
+        calibration = out.read_calibration()
+        if calibration is None:
+            raise InputError(f"{out.uri} lost its calibration while being refined", uri=out.uri)
+        llr = _judge_ratios(table)[ok] if schema.COL_JUDGE_SCORE in table.column_names else None
+        p_ok = refined_p_clean(raw_ok, scores, llr, p_map, calibration)
     n = table.num_rows
     raw = np.full(n, np.nan, dtype=np.float32)
     p = np.zeros(n, dtype=np.float32)
@@ -288,9 +409,10 @@ def refined_table(table: pa.Table, raw: np.ndarray, p: np.ndarray, doc: dict[str
     with_uid, with_url = schema.COL_UID in cols, schema.COL_URL in cols
     with_members = cols >= set(schema.MEMBER_COLUMNS)
     score_col = doc["score_column"]
-    out_schema = schema.scores_schema(with_uid, with_url, extra_scores=(score_col,), with_members=with_members).with_metadata(
+    kept = tuple(name for name in SCORED_EXTRAS if name in cols)
+    out_schema = schema.scores_schema(with_uid, with_url, extra_scores=(*kept, score_col), with_members=with_members).with_metadata(
         {schema.META_KEY: json.dumps(meta, sort_keys=True).encode()})
-    columns: dict[str, Any] = {name: table.column(name) for name in BASE_COLUMNS}
+    columns: dict[str, Any] = {name: table.column(name) for name in (*BASE_COLUMNS, *kept)}
     columns[schema.COL_WEIGHT] = p.astype(np.float32)
     columns[schema.COL_NOISY] = ~(p > 0.5)
     columns[schema.COL_P_CLEAN] = p.astype(np.float32)
@@ -362,9 +484,18 @@ def refine(
 
 def _refine_locked(out: OutputDir, view: JobView, options: RefineOptions, executor: Callable[[], Executor] | None,
                    lock: RunLock, progress: Callable[[ShardApplied], None] | None) -> RefineReport:
-    heads, data, fitted, fit_seconds = _obtain_heads(out, view, options)
+    drawn: list[Sample] = []
+
+    def sample() -> Sample:
+        if not drawn:  # once, and only when needed
+            drawn.append(draw_sample(out, view, options.sample_pairs, options.seed))
+        return drawn[0]
+
+    calibration = out.read_calibration()
+    heads, data, fitted, fit_seconds = _obtain_heads(out, view, options, sample, calibration)
     sha = hashlib.sha256(data).hexdigest()
-    doc = refine_doc(heads, sha)
+    p_map = None if calibration is None else p_clean_map(heads, sample(), calibration)
+    doc = refine_doc(heads, sha, p_map)
     todo, done = _plan(out, view.records, doc)
     t0 = time.perf_counter()
     pairs = 0

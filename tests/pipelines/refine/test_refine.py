@@ -165,3 +165,38 @@ def test_choose_blend_uses_the_learned_members_only_where_they_separate_better()
     z = lambda a: ((a - a.mean()) / a.std()).astype(np.float32)  # noqa: E731
     assert choose_blend(z(strong), z(noise), 0)[0] == 0.0  # learned is noise: OSA alone
     assert choose_blend(z(weak), z(strong), 0)[0] >= 0.75  # learned separates far better: mostly learned
+
+
+def test_a_referee_keeps_a_blend_that_separates_better_but_disagrees_with_it_out() -> None:
+    """d' rewards a bimodal score, right or wrong: where the job's judge is the referee, a
+    blend must agree with it at least as well as OSA does (issue 21: refine never hurts)."""
+    from pairclean.refine.ensemble import choose_blend, spearman
+
+    rng = np.random.default_rng(1)
+    labels = rng.random(2000) < 0.3
+    osa = np.where(labels, -1.0, 1.0) + rng.normal(0, 1.0, 2000)  # right, d' about 2
+    wrong = np.where(rng.random(2000) < 0.3, -1.0, 1.0) + rng.normal(0, 0.3, 2000)  # bimodal, unrelated to the labels
+    referee = np.where(labels, -2.0, 2.0) + rng.normal(0, 2.0, 2000)  # the judge: noisy, but right on average
+    z = lambda a: ((a - a.mean()) / a.std()).astype(np.float32)  # noqa: E731
+    assert choose_blend(z(osa), z(wrong), 0)[0] >= 0.75  # the premise: d' alone takes the wrong score
+    blend, _, agreement = choose_blend(z(osa), z(wrong), 0, referee.astype(np.float32))
+    assert blend == 0.0 and agreement["0"] > agreement["1"]
+    # a learned score that is right and agrees with the referee is still taken
+    right = np.where(labels, -1.0, 1.0) + rng.normal(0, 0.3, 2000)
+    assert choose_blend(z(osa), z(right), 0, referee.astype(np.float32))[0] >= 0.75
+    # too few judged pairs: the referee is not consulted
+    sparse = np.full(2000, np.nan, np.float32)
+    sparse[:10] = referee[:10]
+    assert choose_blend(z(osa), z(wrong), 0, sparse)[2] == {}
+    assert spearman(np.arange(5.0), np.arange(5.0)[::-1]) == pytest.approx(-1.0) and spearman(np.ones(4), np.arange(4.0)) == 0.0
+
+
+def test_the_ensembles_osa_member_is_the_score_it_is_given() -> None:
+    """``osa``: the job's own score (the corpus contrast's adjusted similarity), used in place of the cosine."""
+    img, txt, noisy = planted(n=400, noise=0.3, seed=3)
+    given = ((img * txt).sum(1) + np.random.default_rng(0).normal(0, 0.05, len(img))).astype(np.float32)
+    heads = refine.fit("ensemble", img, txt, seed=0, overrides={name: {**FAST[name], "lr": 1.0} for name in FAST}, osa=given)
+    assert heads.doc["osa_member"] == "given" and heads.doc["choice"]["blend"] == 0.0
+    raw, _ = refine.apply(heads, img, txt, given)
+    assert abs(roc_auc_score(~noisy, raw) - roc_auc_score(~noisy, given)) < 1e-9  # ranks as the given score
+    assert refine.fit("ensemble", img, txt, seed=0, overrides=FAST).doc["osa_member"] == "cosine"
