@@ -33,7 +33,9 @@ Embeddings (for the neighbours) and shards are cached under ``--cache`` (default
 100 (``--ceiling-count``) nearest-image (nearest-text) caption pairs with the image's five
 human captions, to count by eye how many still describe their image. ``--rescore-from TAG`` reruns only ``pairclean rescore`` on the
 score folders of an earlier run, copied (no re-embedding: for a calibration change;
-pairs/s is then the earlier run's).
+pairs/s is then the earlier run's). ``--refine`` also refines a copy of each scored folder
+with ``pairclean refine`` (its default ensemble) and prints that row too (``KIND +refine``;
+pairs/s is the score's): refine must never do worse than the score it starts from.
 
     python benchmarks/hard_noise.py [--quick] [--kinds ...] [--rates 0.2 0.5] [--judge band]
 """
@@ -243,6 +245,21 @@ def run_cli(shards: list[str], out: Path, judge: str | None, threads: int) -> fl
     return time.perf_counter() - t0
 
 
+def run_refine(out: Path, threads: int) -> Path:
+    """A copy of the scored folder ``out`` refined with the CLI (``pairclean refine``, its
+    default ensemble); returns the copy (``<name>-refined`` beside ``out``)."""
+    copy = out.parent / f"{out.name}-refined"
+    for src, dst in ((out, copy), (out.parent / f"{out.name}.pairclean", out.parent / f"{copy.name}.pairclean")):
+        shutil.rmtree(dst, ignore_errors=True)
+        if src.exists():
+            shutil.copytree(src, dst)
+    cmd = [_cli(), "refine", str(copy), "--executor", "local", "--threads", str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"pairclean refine failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return copy
+
+
 def run_rescore(out: Path) -> None:
     """Recalibrate a scored folder with the CLI (``pairclean rescore``, no re-embedding)."""
     from pairclean.output.folder import OutputDir
@@ -287,6 +304,8 @@ def main() -> None:
                     help="with --rescore-from: rescore with the corpus contrast on, off, or as scored")
     ap.add_argument("--tag", default=None, help="name of this run's folder under CACHE/runs (default: from the image count and judge)")
     ap.add_argument("--cli", default=None, help="the pairclean executable to run (default: the one beside this Python)")
+    ap.add_argument("--refine", action="store_true",
+                    help="also run `pairclean refine` (default ensemble) on a copy of each scored folder and print its row")
     ap.add_argument("--ceiling", nargs="?", const="near-image", default=None, choices=["near-image", "near-text"],
                     help="print --ceiling-count borrowed-caption pairs of this kind (default near-image) to judge by eye, then exit")
     ap.add_argument("--ceiling-count", type=int, default=100)
@@ -342,6 +361,11 @@ def main() -> None:
             row = {"kind": kind, "rate": rate, **evaluate(out, lab), "pairs_per_s": round(len(captions) / seconds, 1)}
             print(json.dumps(row), flush=True)
             rows.append(row)
+            if args.refine:
+                refined = run_refine(out, args.threads)
+                row = {"kind": f"{kind} +refine", "rate": rate, **evaluate(refined, lab), "pairs_per_s": row["pairs_per_s"]}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
     print(markdown(rows))
 
 

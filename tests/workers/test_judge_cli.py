@@ -278,3 +278,8 @@ def test_refine_keeps_what_score_calibrated_the_contrast_and_the_word_check(make
     # the map keeps OSA's p_clean distribution (every ok pair is in the sample here): the same
     # share of sure and unsure pairs, only the order is the method's
     np.testing.assert_allclose(np.sort(mapped), np.sort(osa_sample), atol=0.05)
+    # a refined judged job can still be rescored (its tables keep the judge's ratios): back to the score's p_clean
+    spec = json.loads(schema.local_side_path(out, schema.JOB_FILE).read_text())["spec"]
+    assert main(["rescore", str(out), "--beta-recipe", spec["beta_recipe"], "--weighting", "p-clean"]) == 0
+    for stem, before in scored.items():
+        np.testing.assert_allclose([r["p_clean"] for r in _table(out, stem).to_pylist()], [r["p_clean"] for r in before], atol=1e-6)
