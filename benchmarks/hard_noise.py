@@ -60,7 +60,7 @@ from pairclean.calibrate.calibration import cache_dir as _default_cache
 
 KINDS = ("random", "near-image", "near-text", "edit", "mix", "retrieved")
 #: A noisy pair whose p_clean is above this is called clean with confidence (a confident wrong answer).
-CONFIDENT = 0.8
+CONFIDENT = 0.9
 PER_SHARD = 250
 
 
