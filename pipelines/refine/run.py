@@ -336,9 +336,10 @@ def _given_scores(heads: Heads, scores: np.ndarray) -> np.ndarray | None:
 
 
 def p_clean_map(heads: Heads, sample: Sample, calibration: Calibration) -> dict[str, Any]:
-    """The map from ``heads``' raw score to ``p_clean`` on the job's fit ``sample``. ``{"kind": "osa"}`` for an ensemble that chose OSA alone,
-    else ``{"kind": "quantile", "raw": knots, "p": knots}``: ``MAP_KNOTS`` quantiles of the
-    sample's raw scores and of OSA's ``p_clean`` of the same sample, both non-decreasing."""
+    """The map from ``heads``' raw score to ``p_clean`` on the job's fit ``sample``:
+    ``{"kind": "osa"}`` for an ensemble that chose OSA alone, else ``{"kind": "quantile",
+    "raw": knots, "p": knots}``, ``MAP_KNOTS`` quantiles of the sample's raw scores and of
+    OSA's ``p_clean`` of the same sample (both non-decreasing)."""
     from pairclean.job.work import osa_p_clean
 
     if heads.method == "ensemble" and uses_only_osa(heads):
