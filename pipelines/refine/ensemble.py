@@ -1,4 +1,4 @@
-"""A label-free ensemble of OSA's cosine and the learned methods (NCR, DisNCL, SDCMR).
+"""A label-free ensemble of OSA's score and the learned methods (NCR, DisNCL, SDCMR).
 
 Every member's raw score is standardised with the mean and standard deviation it has on
 the fit sample, and the ensemble score is their weighted mean. A member's weight is its
@@ -11,9 +11,10 @@ Never worse than OSA (issue 21): the learned members are fitted on a seeded
 ensemble is ``(1 - blend) * OSA + blend * learned``, where ``learned`` is the
 separation-weighted mean of the learned members and ``blend`` the value of ``BLENDS`` whose
 score separates the held-out pairs best (d' as above). Where the learned members do not
-split the held-out pairs better than the estimator's own cosine (in the estimator's
-domain, typically) the blend falls to 0 and refine is OSA; off domain, where they do, it
-rises. The choice, with every candidate's held-out separation, is in ``doc["choice"]``.
+split the held-out pairs better than OSA's score (in the estimator's domain, typically)
+the blend falls to 0 and refine is OSA; off domain, where they do, it rises. The choice,
+with every candidate's held-out separation (and the referee's agreement, below), is in
+``doc["choice"]``.
 Samples of fewer than ``MIN_HOLDOUT_SAMPLE`` pairs hold nothing out (judged in-sample). ``p_clean`` is the
 posterior of a seeded 2-component mixture fitted on the sample's ensemble scores; the
 package's ``fit`` replaces it by its ``p_clean`` curve, and each member keeps its own
@@ -30,9 +31,8 @@ on one-word edits at 20% likewise (0.585 against 0.599; 0.467 against 0.552).
 
 OSA's member is the job's own score when the caller gives it (``osa``: what ``pairclean
 score`` calibrated, the corpus contrast's adjusted similarity when the job has one), else the
-cosine. Why: with the cosine as OSA, the member lost what the contrast adds on near-misses, and
-on a corpus of retrieved near-miss captions the learned members out-separated it while
-ranking worse than the scored job (hard-noise benchmark, ``retrieved``: AUC 0.647 -> 0.605).
+cosine. Why: with the cosine as OSA, the member lost what the contrast adds on near-misses
+(hard-noise benchmark, ``retrieved``: the cosine's AUC 0.596, the adjusted similarity's 0.660).
 
 Output: raw score ``ensemble_score`` (standardised units, higher = cleaner).
 """
@@ -48,7 +48,7 @@ from pairclean.refine.common import FloatArray, Heads, Mixture1D, fit_mixture, g
 __all__ = ["MEMBERS", "fit", "apply", "uses_only_osa", "SCORE_COLUMN"]
 
 SCORE_COLUMN = "ensemble_score"
-#: The members; "osa" is the estimator's own cosine (nothing fitted).
+#: The members; "osa" is the job's own score, or the estimator's cosine (nothing fitted).
 MEMBERS = ("osa", "ncr", "disncl", "sdcmr")
 #: Share of the sample held out to judge the members (never fitted on).
 HOLDOUT = 0.3
@@ -119,7 +119,7 @@ def choose_blend(z_osa: FloatArray, z_learned: FloatArray, seed: int,
     base = seps["0"]
     best = max(candidates, key=lambda b: seps[f"{b:g}"])
     if seps[f"{best:g}"] < base * (1 + MIN_GAIN):
-        best = 0.0  # not clearly better than the estimator's own cosine: use that
+        best = 0.0  # not clearly better than OSA's own score: use that
     return float(best), seps, agreement
 
 
