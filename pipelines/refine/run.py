@@ -346,6 +346,10 @@ def p_clean_map(heads: Heads, sample: Sample, calibration: Calibration) -> dict[
         return {"kind": "osa"}
     raw = apply(heads, sample.img, sample.txt, _given_scores(heads, sample.scores))[0].astype(np.float64)
     base = osa_p_clean(sample.scores, calibration).astype(np.float64)
+    finite = np.isfinite(raw) & np.isfinite(base)
+    if not finite.any():  # the method scored no sample pair (diverged heads): OSA's p_clean stays
+        return {"kind": "osa"}
+    raw, base = raw[finite], base[finite]
     levels = np.linspace(0.0, 1.0, MAP_KNOTS)
     return {"kind": "quantile", "raw": [float(v) for v in np.quantile(raw, levels)],
             "p": [float(v) for v in np.quantile(base, levels)]}
@@ -354,13 +358,16 @@ def p_clean_map(heads: Heads, sample: Sample, calibration: Calibration) -> dict[
 def refined_p_clean(raw: np.ndarray, scores: np.ndarray, llr: np.ndarray | None, p_map: dict[str, Any],
                     calibration: Calibration) -> np.ndarray:
     """(N,) ``p_clean`` of ok pairs from the method's ``raw`` scores, the job's ``scores``,
-    the judge's ratios ``llr`` (None: no judge) and the map of ``p_clean_map``."""
+    the judge's ratios ``llr`` (None: no judge) and the map of ``p_clean_map``. A pair whose
+    raw score is not finite (the method failed on it) keeps OSA's ``p_clean``."""
     from pairclean.job.work import judged_p_clean, osa_p_clean
 
+    osa_p = osa_p_clean(np.asarray(scores, np.float32), calibration)
     if p_map["kind"] == "osa":
-        base = osa_p_clean(scores, calibration)
+        base = osa_p
     else:
-        base = np.interp(raw, np.asarray(p_map["raw"]), np.asarray(p_map["p"])).astype(np.float32)
+        mapped = np.interp(raw, np.asarray(p_map["raw"]), np.asarray(p_map["p"])).astype(np.float32)
+        base = np.where(np.isfinite(raw), mapped, osa_p).astype(np.float32)
     judge = calibration.extra.get("judge")
     if judge is None or llr is None:
         return np.asarray(base, np.float32)

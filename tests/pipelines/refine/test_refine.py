@@ -200,3 +200,24 @@ def test_the_ensembles_osa_member_is_the_score_it_is_given() -> None:
     raw, _ = refine.apply(heads, img, txt, given)
     assert abs(roc_auc_score(~noisy, raw) - roc_auc_score(~noisy, given)) < 1e-9  # ranks as the given score
     assert refine.fit("ensemble", img, txt, seed=0, overrides=FAST).doc["osa_member"] == "cosine"
+
+
+def test_refined_p_clean_maps_by_quantiles_and_keeps_osa_where_a_method_failed() -> None:
+    """``refine``'s p_clean (issue 21): the method's raw score through the quantile map, OSA's
+    p_clean where the raw score is not finite, and OSA's exactly for an ``osa`` map."""
+    from pairclean.calibrate.calibration import calibrate
+    from pairclean.job.work import osa_p_clean
+    from pairclean.refine.run import refined_p_clean
+
+    img, txt, _ = planted(n=300, noise=0.3, seed=2)
+    sims = (img * txt).sum(1).astype(np.float32)
+    cal = calibrate(beta_recipe="shuffled", k=16, seed=0, weighting="p-clean", batch_size=64, similarities=sims,
+                    image_emb=img, text_emb=txt, random_beta=lambda: 0.0)
+    raw = np.array([0.0, 1.0, 2.0, np.nan], np.float32)
+    scores = sims[:4]
+    p_map = {"kind": "quantile", "raw": [0.0, 2.0], "p": [0.2, 0.8]}
+    p = refined_p_clean(raw, scores, None, p_map, cal)
+    osa_p = osa_p_clean(scores, cal)
+    np.testing.assert_allclose(p[:3], [0.2, 0.5, 0.8], atol=1e-6)
+    assert p[3] == pytest.approx(osa_p[3]) and np.isfinite(p).all()
+    np.testing.assert_allclose(refined_p_clean(raw, scores, None, {"kind": "osa"}, cal), osa_p)
