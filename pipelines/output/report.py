@@ -40,6 +40,8 @@ class Summary:
     mixture_noise: tuple[float, float] | None = None
     #: The judge's record in the metadata (None: the job ran without the judge).
     judge: dict[str, Any] | None = None
+    #: ``pairclean refine``'s record in the metadata (None: the tables are as scored).
+    refine: dict[str, Any] | None = None
 
 
 def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> Summary:
@@ -77,6 +79,7 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
         mixture_noise=_mixture_noise(meta),
         contrast=meta.get("contrast"),
         judge=meta.get("judge"),
+        refine=meta.get("refine"),
     )
 
 
@@ -117,6 +120,15 @@ def _judge_line(judge: dict[str, Any] | None) -> str:
     return head + f"; p_clean = OSA's x its word check (corpus share with every word right: {100 * judge['fine_prior']:.1f}%)"
 
 
+def _refine_line(doc: dict[str, Any] | None) -> str:
+    """Whether ``pairclean refine`` rewrote the tables, with what, and how p_clean was made."""
+    if doc is None:
+        return "no (the tables are as scored)"
+    choice = doc.get("choice") or {}
+    used = f", members used: {choice['used']} (learned share {choice['blend']:g})" if "used" in choice else ""
+    return f"{doc.get('method')} (raw score in {doc.get('score_column')}{used}); p_clean: {doc.get('p_clean')}"
+
+
 def _row(r: dict[str, Any]) -> str:
     sim = r[schema.COL_SIMILARITY]
     sim_s = "   nan" if sim is None or np.isnan(sim) else f"{sim:+.3f}"
@@ -135,6 +147,7 @@ def format_summary(s: Summary) -> str:
         "corpus contrast: " + (f"on (bank of {s.contrast['bank_rows']} calibration pairs; weights read adjusted_similarity)"
                                if s.contrast else "off (weights read the similarity)"),
         "judge: " + _judge_line(s.judge),
+        "refined: " + _refine_line(s.refine),
         "noise-rate estimate (pairs below the median of random mismatched pairs x 2; GMM without embeddings): "
         + (f"{100 * s.noise_rate_gmm:.1f}%" if s.noise_rate_gmm is not None else "n/a (fewer than 16 pairs)"),
         "noise share by the p_clean mixture (calibration sample): "

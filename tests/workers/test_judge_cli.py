@@ -257,6 +257,10 @@ def test_refine_keeps_what_score_calibrated_the_contrast_and_the_word_check(make
             assert b["p_clean"] == pytest.approx(a["p_clean"], abs=1e-6) and b["weight"] == b["p_clean"]
             assert math.isfinite(b["ensemble_score"])
 
+    from pairclean.output.report import format_summary, summarize
+
+    assert "refined: ensemble (raw score in ensemble_score, members used: osa (learned share 0)); p_clean: the scored p_clean" \
+        in format_summary(summarize(OutputDir(str(out))))
     assert main(["refine", str(out), "--method", "ncr", *fast]) == 0
     calibration = OutputDir(str(out)).read_calibration()
     assert calibration is not None
