@@ -122,10 +122,13 @@ def _judge_line(judge: dict[str, Any] | None) -> str:
 
 def _refine_line(doc: dict[str, Any] | None) -> str:
     """Whether ``pairclean refine`` rewrote the tables, with what, and how p_clean was made."""
-    if doc is None:
+    if not isinstance(doc, dict):
         return "no (the tables are as scored)"
-    choice = doc.get("choice") or {}
-    used = f", members used: {choice['used']} (learned share {choice['blend']:g})" if "used" in choice else ""
+    raw = doc.get("choice")
+    choice: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    blend = choice.get("blend")
+    share = f"{blend:g}" if isinstance(blend, (int, float)) else "?"
+    used = f", members used: {choice['used']} (learned share {share})" if "used" in choice else ""
     return f"{doc.get('method')} (raw score in {doc.get('score_column')}{used}); p_clean: {doc.get('p_clean')}"
 
 
