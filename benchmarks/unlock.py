@@ -39,9 +39,9 @@ UNLOCKED_TEXT_LAYERS = 2
 
 
 def _auc(pos: np.ndarray, neg: np.ndarray) -> float:
-    from sklearn.metrics import roc_auc_score
+    from pairclean.lite.train import roc_auc
 
-    return float(roc_auc_score(np.r_[np.ones(len(pos)), np.zeros(len(neg))], np.r_[pos, neg]))
+    return roc_auc(np.r_[pos, neg].astype(np.float64), np.r_[np.ones(len(pos), bool), np.zeros(len(neg), bool)])
 
 
 def _mask_bias(mask: Any) -> Any:

@@ -23,7 +23,7 @@ from pairclean.calibrate.calibration import Calibration
 from pairclean.spec import JobSpec, spec_digest
 from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.job.work import has_word_check, judged_p_clean, osa_p_clean, refit_fine_prior, with_judge_record
-from pairclean.output.tables import output_metadata, read_embeddings, scores_table
+from pairclean.output.tables import float_column, output_metadata, read_embeddings, scores_table
 
 __all__ = ["rescore"]
 
@@ -149,9 +149,10 @@ def _judge_record(calibration: Calibration, frozen: dict[str, Any], tables: list
 
 
 def _judge_scores(table: pa.Table) -> np.ndarray:
-    if schema.COL_JUDGE_SCORE not in table.column_names:
+    llr = float_column(table, schema.COL_JUDGE_SCORE)
+    if llr is None:
         raise InputError(f"a table of this judged job has no {schema.COL_JUDGE_SCORE} column; score it again")
-    return np.asarray(table.column(schema.COL_JUDGE_SCORE).to_numpy(zero_copy_only=False), np.float32)
+    return llr
 
 
 def _shard_embeddings(out: OutputDir, record: ShardRecord, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:

@@ -170,6 +170,12 @@ def has_word_check(judge: dict[str, Any]) -> bool:
     return "platt_fine" in judge
 
 
+def word_check_off(judge: dict[str, Any]) -> bool:
+    """Whether a judge record with a word check had it turned off by its guard (``fine_prior``
+    None: too few pairs, or a corpus outside what the judge learned)."""
+    return has_word_check(judge) and judge.get("fine_prior") is None
+
+
 def with_judge_record(calibration: Calibration, record: Callable[[Calibration], dict[str, Any]],
                       refit: Callable[[], Calibration]) -> Calibration:
     """``calibration`` (fitted for a word check where the judge has one) with the judge's
@@ -177,7 +183,7 @@ def with_judge_record(calibration: Calibration, record: Callable[[Calibration], 
     (``fine_prior`` None), OSA's outputs stand alone, so OSA is refitted as without a judge
     (``refit()``). A fresh score and ``pairclean rescore`` both calibrate through here."""
     frozen = record(calibration)
-    if has_word_check(frozen) and frozen.get("fine_prior") is None:
+    if word_check_off(frozen):
         calibration = refit()
     return replace(calibration, extra={**calibration.extra, "judge": frozen})
 

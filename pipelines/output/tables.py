@@ -14,7 +14,7 @@ from numpy.typing import NDArray
 from pairclean import __version__, osa, schema
 from pairclean.calibrate.calibration import Calibration
 
-__all__ = ["scores_table", "embeddings_table", "read_embeddings", "output_metadata"]
+__all__ = ["scores_table", "embeddings_table", "read_embeddings", "output_metadata", "float_column"]
 
 
 def _p_clean_doc(calibration: Calibration) -> dict[str, Any]:
@@ -171,3 +171,12 @@ def read_embeddings(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
         dim = col.type.list_size
         out.append(col.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, dim))
     return out[0], out[1]
+
+
+def float_column(table: pa.Table, name: str) -> NDArray[np.float32] | None:
+    """Column ``name`` of a score table as (N,) float32 (nulls as NaN), or None when the
+    table has no such column (``judge_score`` of an unjudged job, ``adjusted_similarity``
+    of a job without the corpus contrast)."""
+    if name not in table.column_names:
+        return None
+    return np.asarray(table.column(name).to_numpy(zero_copy_only=False), np.float32)

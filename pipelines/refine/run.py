@@ -65,7 +65,7 @@ from pairclean import schema
 from pairclean.errors import InputError
 from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.output.lock import RunLock
-from pairclean.output.tables import read_embeddings
+from pairclean.output.tables import float_column, read_embeddings
 from pairclean.calibrate.calibration import Calibration
 from pairclean.refine import DEFAULT_METHOD, METHODS, Heads, fit, apply, heads_bytes, heads_from_bytes, score_column, settings_for
 from pairclean.refine.ensemble import uses_only_osa
@@ -179,8 +179,12 @@ def check_job(out: OutputDir) -> JobView:
 def job_scores(table: pa.Table) -> np.ndarray:
     """(N,) the score the job calibrated, per row: ``adjusted_similarity`` (the corpus
     contrast) where the table has it, else ``similarity``."""
-    name = schema.COL_ADJUSTED if schema.COL_ADJUSTED in table.column_names else schema.COL_SIMILARITY
-    return np.asarray(table.column(name).to_numpy(zero_copy_only=False), np.float32)
+    adjusted = float_column(table, schema.COL_ADJUSTED)
+    if adjusted is not None:
+        return adjusted
+    similarity = float_column(table, schema.COL_SIMILARITY)
+    assert similarity is not None  # every score table has it (OutputDir.read_scores checks)
+    return similarity
 
 
 @dataclass(frozen=True)
@@ -192,12 +196,6 @@ class Sample:
     txt: np.ndarray
     scores: np.ndarray
     judge: np.ndarray
-
-
-def _judge_ratios(table: pa.Table) -> np.ndarray:
-    if schema.COL_JUDGE_SCORE not in table.column_names:
-        return np.full(table.num_rows, np.nan, np.float32)
-    return np.asarray(table.column(schema.COL_JUDGE_SCORE).to_numpy(zero_copy_only=False), np.float32)
 
 
 def draw_sample(out: OutputDir, view: JobView, n: int, seed: int) -> Sample:
@@ -225,7 +223,8 @@ def draw_sample(out: OutputDir, view: JobView, n: int, seed: int) -> Sample:
         table = out.read_scores(record)
         ok = schema.ok_mask(table)
         score_parts.append(job_scores(table)[ok][local])
-        judge_parts.append(_judge_ratios(table)[ok][local])
+        llr = float_column(table, schema.COL_JUDGE_SCORE)
+        judge_parts.append(np.full(len(local), np.nan, np.float32) if llr is None else llr[ok][local])
     return Sample(np.concatenate(img_parts), np.concatenate(txt_parts), np.concatenate(score_parts), np.concatenate(judge_parts))
 
 
@@ -256,10 +255,10 @@ def _referee(calibration: Calibration | None, sample: Sample) -> np.ndarray | No
     its word check on (the guard trusts it on this corpus); else None."""
     # Imported here, as in the functions below: pairclean.job.work loads the estimators
     # (torch), and the API process imports this module without ever running a model.
-    from pairclean.job.work import has_word_check
+    from pairclean.job.work import has_word_check, word_check_off
 
     judge = None if calibration is None else calibration.extra.get("judge")
-    if judge is None or not has_word_check(judge) or judge.get("fine_prior") is None:
+    if judge is None or not has_word_check(judge) or word_check_off(judge):
         return None
     return sample.judge
 
@@ -395,8 +394,8 @@ def apply_shard(out: OutputDir, record: ShardRecord, heads: Heads, doc: dict[str
         calibration = out.read_calibration()
         if calibration is None:
             raise InputError(f"{out.uri} lost its calibration while being refined", uri=out.uri)
-        llr = _judge_ratios(table)[ok] if schema.COL_JUDGE_SCORE in table.column_names else None
-        p_ok = refined_p_clean(raw_ok, scores, llr, p_map, calibration)
+        llr = float_column(table, schema.COL_JUDGE_SCORE)
+        p_ok = refined_p_clean(raw_ok, scores, None if llr is None else llr[ok], p_map, calibration)
     n = table.num_rows
     raw = np.full(n, np.nan, dtype=np.float32)
     p = np.zeros(n, dtype=np.float32)
