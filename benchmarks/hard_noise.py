@@ -11,6 +11,10 @@ wrong caption of one kind:
 - ``edit``: a one-word edit of the own caption (object, colour/attribute, count, action,
   swapped roles; ``pairclean.judge.edits``, cycling through its kinds);
 - ``mix``: the chosen pairs split evenly over the four kinds above;
+- ``near-image-unseen``: as ``near-image``, but another of that image's captions than the
+  first, which the corpus carries with its own image: no copied caption shows these
+  near-misses to the calibration (``near-image`` always leaves such a copy where the other
+  image is clean), as where the near-miss caption's own image is not in the corpus;
 - ``retrieved``: the shape of a corpus of retrieved candidates (how human-judged sets such as
   Flickr8k's expert ratings were built): every image three times, with its own caption,
   with the nearest-image caption and with the nearest-text caption, in shuffled order, so
@@ -58,7 +62,7 @@ from _embed_dev import embed_dev
 
 from pairclean.calibrate.calibration import cache_dir as _default_cache
 
-KINDS = ("random", "near-image", "near-text", "edit", "mix", "retrieved")
+KINDS = ("random", "near-image", "near-text", "edit", "mix", "retrieved", "near-image-unseen")
 #: A noisy pair whose p_clean is above this is called clean with confidence (a confident wrong answer).
 CONFIDENT = 0.9
 PER_SHARD = 250
@@ -129,6 +133,10 @@ def make_pairing(kind: str, rate: float, images: list[Any], emb: dict[str, np.nd
         elif k == "near-image":
             for i in idx:
                 out[i] = images[near_img[i]].captions[0]
+                labels[i] = k
+        elif k == "near-image-unseen":
+            for i in idx:  # a caption of the most alike image that the corpus does not carry: no copy to see
+                out[i] = images[near_img[i]].captions[1 + (i % (len(images[near_img[i]].captions) - 1))]
                 labels[i] = k
         elif k == "near-text":
             for i in idx:
@@ -233,11 +241,13 @@ def evaluate(out: Path, labels: dict[str, Any]) -> dict[str, Any]:
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
 
 
-def run_cli(shards: list[str], out: Path, judge: str | None, threads: int) -> float:
+def run_cli(shards: list[str], out: Path, judge: str | None, threads: int, checkpoint: str | None = None) -> float:
     """Score ``shards`` into ``out`` with the real CLI; returns wall seconds."""
     cmd = [_cli(), "score", *shards, "--out", str(out), "--executor", "local", "--overwrite", "--no-progress", "--threads", str(threads)]
     if judge:
         cmd += ["--judge", judge]
+    if checkpoint:
+        cmd += ["--judge-checkpoint", checkpoint]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -295,6 +305,8 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     ap.add_argument("--rates", nargs="+", type=float, default=[0.2, 0.5])
     ap.add_argument("--judge", default=None, help="pass --judge MODE to pairclean score (when it has that option)")
+    ap.add_argument("--judge-checkpoint", default=None, metavar="PATH",
+                    help="pass --judge-checkpoint PATH to pairclean score (a judge other than the shipped one)")
     ap.add_argument("--cache", default=str(_default_cache() / "hard_noise"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
@@ -329,6 +341,7 @@ def main() -> None:
         judge = None
     tag = args.tag or (f"n{n}" + (f"-judge-{judge}" if judge else "") + (f"-rescored-{args.rescore_from}-{args.rescore_contrast}" if args.rescore_from else ""))
     print(f"# {_cli()} score SHARDS --out OUT --executor local --threads {args.threads}" + (f" --judge {judge}" if judge else "")
+          + (f" --judge-checkpoint {args.judge_checkpoint}" if args.judge_checkpoint else "")
           + (f" (copied from runs/{args.rescore_from}, then {_cli()} rescore OUT)" if args.rescore_from else ""), flush=True)
     rows = []
     for kind in args.kinds:
@@ -355,7 +368,7 @@ def main() -> None:
                 old = source.parent / f"{name}.seconds"
                 seconds = float(old.read_text()) if old.exists() else float("nan")
             else:
-                seconds = run_cli(shards, out, judge, args.threads)
+                seconds = run_cli(shards, out, judge, args.threads, args.judge_checkpoint)
                 speed_file.write_text(str(seconds))
             lab = json.loads((cache / "shards" / f"n{n}" / name / "labels.json").read_text())
             row = {"kind": kind, "rate": rate, **evaluate(out, lab), "pairs_per_s": round(len(captions) / seconds, 1)}

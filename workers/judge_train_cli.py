@@ -41,6 +41,8 @@ def add_judge_train_parser(sub: Any) -> None:
     p.add_argument("--report", default=None, help="write the dev figures as JSON here")
     p.add_argument("--features-cache", default=None, help="folder for cached regions and tokens (default: the pairclean cache/judge)")
     p.add_argument("--train-captions", type=int, default=5, help="captions per train photo (1-5), each with one edit")
+    p.add_argument("--train-edits", type=int, default=1,
+                   help="one-word edits per train caption, each of another kind (1-5); one is drawn per caption and epoch")
     p.add_argument("--pair-weight", type=float, default=base.pair_weight, help="weight of the edit ranking loss (0: BCE only)")
     p.add_argument("--epochs", type=int, default=base.epochs)
     p.add_argument("--width", type=int, default=base.width)
@@ -68,17 +70,20 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
 
     if not 1 <= args.train_captions <= 5:
         raise InputError(f"--train-captions must be 1-5, got {args.train_captions}")
+    if not 1 <= args.train_edits <= 5:
+        raise InputError(f"--train-edits must be 1-5, got {args.train_edits}")
     if not 1 <= args.members <= 8:
         raise InputError(f"--members must be 1-8, got {args.members}")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     root = Path(args.data) if args.data else find_flickr8k(os.getcwd())
     if root is None or not (root / "captions.jsonl").exists():
         raise InputError("Flickr8k not found: pass --data /path/to/flickr8k or set PAIRCLEAN_FLICKR8K")
-    cache = Path(args.features_cache) if args.features_cache else cache_dir() / "judge" / f"lite0-c{args.train_captions}"
+    cache = Path(args.features_cache) if args.features_cache else cache_dir() / "judge" / (
+        f"lite0-c{args.train_captions}" + (f"-e{args.train_edits}" if args.train_edits > 1 else ""))
     print(f"extracting (or loading cached) regions and tokens into {cache} ...", flush=True)
     # PyTorch fp32 towers: the judge reads what `pairclean score` computes for pairclean-lite.
     estimator = load_estimator(EstimatorSpec(model="pairclean-lite", precision="fp32", engine="torch"))
-    build_cache(root, cache, estimator, seed=args.seed, train_captions=args.train_captions)
+    build_cache(root, cache, estimator, seed=args.seed, train_captions=args.train_captions, train_edits=args.train_edits)
     recipe = JudgeRecipe(epochs=args.epochs, width=args.width, layers=args.layers, seed=args.seed, lr=args.lr, batch=args.batch,
                          pair_weight=args.pair_weight, colours=args.colours == "on")
     train, dev = load_split(cache, "train", recipe.colours), load_split(cache, "dev", recipe.colours)
@@ -89,7 +94,8 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     for name, row in figures.items():
         print(f"{name:<22} judge AUC {row['judge_auc']:.3f} (cosine {row['cosine_auc']:.3f})  ECE {row['ece']:.3f}  "
               f"Brier {row['brier']:.3f}  p_clean clean {row['p_clean_clean']:.2f} noisy {row['p_clean_noisy']:.2f}", flush=True)
-    extra = {"recipe": asdict(recipe) | {"train_captions": args.train_captions, "members": args.members},
+    extra = {"recipe": asdict(recipe) | {"train_captions": args.train_captions, "train_edits": args.train_edits,
+                                             "members": args.members},
              "history": report["history"], "platt_fine": list(platt_fine), "fine_rates": list(rates),
              "dev": figures, "data": "Flickr8k train (training), dev (selection, Platt map, figures)"}
     sha = save_judge(args.out, model, platt, "pairclean-lite", extra)

@@ -13,7 +13,7 @@ stores per split (float16 where large, under ``cache``, never in the repository)
   or whose caption an edit came from), ``kind`` (T,) str ("" for a real caption, else the
   edit kind), ``source`` (T,) int64 (the row of the edited caption; -1 for real ones).
 
-Edits: train, one per caption, of a kind drawn among those that apply; dev, every kind that
+Edits: train, ``train_edits`` per caption (1 by default), of kinds drawn among those that apply; dev, every kind that
 applies to each photo's first caption (the benchmark's "one-word edit" noise).
 """
 
@@ -56,7 +56,8 @@ class SplitFeatures:
     colours: NDArray[np.float16] | None = None
 
 
-def _texts_of(images: list[Any], split: str, seed: int, train_captions: int) -> tuple[list[str], list[int], list[str], list[int]]:
+def _texts_of(images: list[Any], split: str, seed: int, train_captions: int,
+              train_edits: int = 1) -> tuple[list[str], list[int], list[str], list[int]]:
     texts, owner, kinds, source = [], [], [], []
     for i, im in enumerate(images):
         # train: ``train_captions`` per photo, rotating which (every annotator's style is seen)
@@ -73,6 +74,7 @@ def _texts_of(images: list[Any], split: str, seed: int, train_captions: int) -> 
         if split == "dev" and row % 5 != 0:
             continue
         kinds_here = EDIT_KINDS if split == "dev" else tuple(rng.permutation(EDIT_KINDS))
+        made = 0
         for kind in kinds_here:
             edited = edit_caption(caption, kind, rng)
             if edited is None:
@@ -81,13 +83,19 @@ def _texts_of(images: list[Any], split: str, seed: int, train_captions: int) -> 
             owner.append(owner[row])
             kinds.append(kind)
             source.append(row)
-            if split != "dev":
-                break  # train: one edit per caption
+            made += 1
+            if split != "dev" and made == train_edits:
+                break  # train: ``train_edits`` edits per caption, each of another kind
     return texts, owner, kinds, source
 
 
-def build_cache(root: Path, cache: Path, estimator: Any, batch: int = 64, seed: int = 0, train_captions: int = 1) -> None:
+def build_cache(root: Path, cache: Path, estimator: Any, batch: int = 64, seed: int = 0, train_captions: int = 1,
+                train_edits: int = 1) -> None:
     """Compute and store the features of the train and dev splits (skips files present).
+
+    ``train_edits``: one-word edits per train caption, each of a different kind (in a random
+    order of the kinds, as many as apply up to this number); the trainer draws one of them
+    per caption and epoch. With 1 the texts are those of earlier caches, edit for edit.
 
     ``train_captions``: captions per train photo (1-5). One by default: on the shared
     2-core machine the text tower ran at about 16 captions/s, so all five captions and their
@@ -119,7 +127,7 @@ def build_cache(root: Path, cache: Path, estimator: Any, batch: int = 64, seed: 
         tpath = cache / f"texts-{split}.npz"
         if not tpath.exists():
             t0 = time.perf_counter()
-            texts, owner, kinds, source = _texts_of(images, split, seed, train_captions)
+            texts, owner, kinds, source = _texts_of(images, split, seed, train_captions, train_edits)
             tok_parts, masks, embs = [], [], []
             for start in range(0, len(texts), 256):
                 ids = estimator.tokenizer(texts[start : start + 256])[:, :MAX_TOKENS]

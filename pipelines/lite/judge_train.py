@@ -8,7 +8,8 @@ its caption) and BLIP-style hard negatives, drawn afresh each epoch:
 - image -> caption: a caption of another photo, drawn the same way among the ``top_k``
   captions most alike the photo (never a caption of the same photo: the cosines of a
   photo's own captions are masked out before the top-k);
-- the caption's one-word edit (``edits.py``), when one applies;
+- one of the caption's one-word edits (``edits.py``), when one applies (drawn afresh each
+  epoch where the cache holds several: ``judge_data.build_cache(train_edits=...)``);
 - with probability ``random_rate``, a caption of a random other photo (keeps random swaps
   easy).
 
@@ -98,7 +99,24 @@ def _softmax_pick(rng: np.random.Generator, idx: NDArray[np.int64], val: NDArray
     return np.asarray(idx[np.arange(len(idx)), choice], dtype=np.int64)
 
 
-def _epoch_pairs(train: SplitFeatures, real: NDArray[np.int64], edit_of: dict[int, int],
+def _one_edit(rows: list[int] | None, rng: np.random.Generator) -> int:
+    """One of a caption's edit rows (-1: none); draws from ``rng`` only where there is a choice,
+    so a cache with one edit per caption trains exactly as before multi-edit caches."""
+    if not rows:
+        return -1
+    return rows[0] if len(rows) == 1 else rows[int(rng.integers(len(rows)))]
+
+
+def _edits_by_source(source: NDArray[np.int64]) -> dict[int, list[int]]:
+    """Edit rows of each edited caption row (``SplitFeatures.source``)."""
+    out: dict[int, list[int]] = {}
+    for row, src in enumerate(source):
+        if src >= 0:
+            out.setdefault(int(src), []).append(row)
+    return out
+
+
+def _epoch_pairs(train: SplitFeatures, real: NDArray[np.int64], edit_of: dict[int, list[int]],
                  t2i: tuple[NDArray[np.int64], NDArray[np.float32]], i2t: tuple[NDArray[np.int64], NDArray[np.float32]],
                  recipe: JudgeRecipe, rng: np.random.Generator) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.float32]]:
     """(image rows, text rows, labels) of one epoch, shuffled."""
@@ -109,7 +127,7 @@ def _epoch_pairs(train: SplitFeatures, real: NDArray[np.int64], edit_of: dict[in
     i2t_pick = _softmax_pick(rng, i2t[0][owner], i2t[1][owner], recipe.tau)
     images.append(owner)
     texts.append(real[i2t_pick])
-    edits = np.array([edit_of.get(int(t), -1) for t in real])
+    edits = np.array([_one_edit(edit_of.get(int(t)), rng) for t in real])
     has = edits >= 0
     images.append(owner[has])
     texts.append(edits[has])
@@ -210,7 +228,7 @@ def train_judge(train: SplitFeatures, dev: SplitFeatures, recipe: JudgeRecipe) -
     real = np.nonzero(train.kind == "")[0]
     if recipe.max_images is not None:
         real = real[train.image[real] < recipe.max_images]
-    edit_of = {int(s): int(r) for r, s in enumerate(train.source) if s >= 0}
+    edit_of = _edits_by_source(train.source)
     n_img = len(train.image_emb) if recipe.max_images is None else min(recipe.max_images, len(train.image_emb))
     img_emb = train.image_emb[:n_img]
     # caption -> photo candidates (other photos only), photo -> caption candidates (other photos' captions)

@@ -81,8 +81,17 @@ def test_pseudo_pair_writes_scored_pairs_beside_an_unchanged_dataset(job, capsys
     sims = np.array([float(emb[r["image_key"]][0] @ emb[r["caption_key"]][1]) for r in rows], dtype=np.float32)
     assert np.allclose(sims, [r["similarity"] for r in rows], atol=1e-4)
     cal = folder.read_calibration()
-    assert np.allclose(weigh(sims, cal), [r["weight"] for r in rows], atol=1e-4)
+    # Weighted on the scale the calibration was fitted on: the job's corpus contrast is on
+    # (the default), so the cosine is adjusted by it first, as a scored pair's is.
+    contrast = folder.read_contrast(cal)
+    assert contrast is not None
+    pair_img = np.stack([emb[r["image_key"]][0] for r in rows])
+    pair_txt = np.stack([emb[r["caption_key"]][1] for r in rows])
+    adjusted = contrast.adjust(sims, pair_img, pair_txt)
+    assert not np.allclose(adjusted, sims, atol=1e-3)
+    assert np.allclose(weigh(adjusted, cal), [r["weight"] for r in rows], atol=1e-4)
     meta = json.loads(next(iter(tables.values())).schema.metadata[schema.META_KEY])
+    assert meta["weighted_on"].startswith("adjusted_similarity")
     assert meta["pool"] == "all" and meta["index"]["i2t"]["kind"] == "flat" and meta["calibration"]["beta"] == cal.beta
     assert meta["seed"] == 0 and meta["job"] == folder.read_job_doc()["spec_sha256"]
 

@@ -112,3 +112,26 @@ def test_members_train_from_successive_seeds_and_average(cached: Path, tmp_path:
     with pytest.raises(ValueError, match="share one config"):
         JudgeEnsemble.of([single, Judge(single.config.__class__(width=32, heads=2))])
     assert isinstance(train_members(train, dev, recipe, 1)[0], Judge)
+
+
+def test_train_edits_give_a_caption_edits_of_distinct_kinds_and_keep_one_edit_caches_as_they_were() -> None:
+    from types import SimpleNamespace
+
+    from pairclean.lite.judge_data import _texts_of
+    from pairclean.lite.judge_train import _edits_by_source, _one_edit
+
+    images = [SimpleNamespace(captions=list(CAPTIONS)) for _ in range(4)]
+    one, three = _texts_of(images, "train", 0, 5, 1), _texts_of(images, "train", 0, 5, 3)
+    real = [t for t, k in zip(one[0], one[2]) if k == ""]
+    assert real == [t for t, k in zip(three[0], three[2]) if k == ""] and len(real) == 20
+    by_one, by_three = _edits_by_source(np.array(one[3])), _edits_by_source(np.array(three[3]))
+    assert max(len(v) for v in by_one.values()) == 1
+    assert max(len(v) for v in by_three.values()) == 3 and len(by_three) == len(by_one)
+    for rows in by_three.values():  # each edit of a caption is of another kind
+        assert len({three[2][r] for r in rows}) == len(rows)
+    # one edit per caption: no draw from the trainer's generator, so older caches train as before
+    rng = np.random.default_rng(0)
+    state = rng.bit_generator.state
+    assert _one_edit([7], rng) == 7 and _one_edit(None, rng) == -1 and rng.bit_generator.state == state
+    picks = {_one_edit([1, 2, 3], rng) for _ in range(50)}
+    assert picks == {1, 2, 3} and rng.bit_generator.state != state
