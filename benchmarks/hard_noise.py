@@ -40,6 +40,9 @@ score folders of an earlier run, copied (no re-embedding: for a calibration chan
 pairs/s is then the earlier run's). ``--refine`` also refines a copy of each scored folder
 with ``pairclean refine`` (its default ensemble) and prints that row too (``KIND +refine``;
 pairs/s is the score's): refine must never do worse than the score it starts from.
+``--audit N`` audits a copy of each scored folder with ``pairclean audit`` (N pairs drawn by
+its design, labelled from the truth: a perfect labeller) and prints that row too (``KIND
++audit``): what a few hundred human labels do where the corpus cannot show its noise.
 
     python benchmarks/hard_noise.py [--quick] [--kinds ...] [--rates 0.2 0.5] [--judge band]
 """
@@ -255,14 +258,41 @@ def run_cli(shards: list[str], out: Path, judge: str | None, threads: int, check
     return time.perf_counter() - t0
 
 
-def run_refine(out: Path, threads: int) -> Path:
-    """A copy of the scored folder ``out`` refined with the CLI (``pairclean refine``, its
-    default ensemble); returns the copy (``<name>-refined`` beside ``out``)."""
-    copy = out.parent / f"{out.name}-refined"
+def _copy_run(out: Path, suffix: str) -> Path:
+    """A copy of the scored folder ``out`` and its state folder, ``<name>-<suffix>`` beside it."""
+    copy = out.parent / f"{out.name}-{suffix}"
     for src, dst in ((out, copy), (out.parent / f"{out.name}.pairclean", out.parent / f"{copy.name}.pairclean")):
         shutil.rmtree(dst, ignore_errors=True)
         if src.exists():
             shutil.copytree(src, dst)
+    return copy
+
+
+def run_audit(out: Path, labels: dict[str, Any], count: int, seed: int) -> Path:
+    """A copy of the scored folder ``out`` audited with ``pairclean audit``: ``count`` pairs
+    drawn by its design, labelled from the benchmark's truth (a perfect labeller), the
+    recalibrated ``p_clean`` written into the copy's tables; returns the copy."""
+    import pandas as pd
+
+    copy = _copy_run(out, "audited")
+    queue = copy.parent / f"{copy.name}-queue.csv"
+    for cmd in ([_cli(), "audit", str(copy), "--sample", str(count), "--seed", str(seed), "--out", str(queue)], None):
+        if cmd is None:  # the labeller: the truth of each queued pair
+            truth = dict(zip(labels["keys"], labels["noisy"]))
+            q = pd.read_csv(queue, dtype={"key": str})
+            q["label"] = ["noisy" if truth[k] else "clean" for k in q["key"]]
+            q.to_csv(queue, index=False)
+            cmd = [_cli(), "audit", str(copy), "--labels", str(queue)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"pairclean audit failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return copy
+
+
+def run_refine(out: Path, threads: int) -> Path:
+    """A copy of the scored folder ``out`` refined with the CLI (``pairclean refine``, its
+    default ensemble); returns the copy (``<name>-refined`` beside ``out``)."""
+    copy = _copy_run(out, "refined")
     cmd = [_cli(), "refine", str(copy), "--executor", "local", "--threads", str(threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -318,6 +348,9 @@ def main() -> None:
     ap.add_argument("--cli", default=None, help="the pairclean executable to run (default: the one beside this Python)")
     ap.add_argument("--refine", action="store_true",
                     help="also run `pairclean refine` (default ensemble) on a copy of each scored folder and print its row")
+    ap.add_argument("--audit", type=int, default=None, metavar="N",
+                    help="also audit a copy of each scored folder with pairclean audit: N pairs of its design "
+                         "labelled from the truth (a perfect labeller), and print that row (KIND +audit)")
     ap.add_argument("--ceiling", nargs="?", const="near-image", default=None, choices=["near-image", "near-text"],
                     help="print --ceiling-count borrowed-caption pairs of this kind (default near-image) to judge by eye, then exit")
     ap.add_argument("--ceiling-count", type=int, default=100)
@@ -377,6 +410,11 @@ def main() -> None:
             if args.refine:
                 refined = run_refine(out, args.threads)
                 row = {"kind": f"{kind} +refine", "rate": rate, **evaluate(refined, lab), "pairs_per_s": row["pairs_per_s"]}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+            if args.audit:
+                audited = run_audit(out, lab, args.audit, args.seed)
+                row = {"kind": f"{kind} +audit", "rate": rate, **evaluate(audited, lab), "pairs_per_s": rows[-1]["pairs_per_s"]}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     print(markdown(rows))
