@@ -42,7 +42,8 @@ with ``pairclean refine`` (its default ensemble) and prints that row too (``KIND
 pairs/s is the score's): refine must never do worse than the score it starts from.
 ``--audit N`` audits a copy of each scored folder with ``pairclean audit`` (N pairs drawn by
 its design, labelled from the truth: a perfect labeller) and prints that row too (``KIND
-+audit``): what a few hundred human labels do where the corpus cannot show its noise.
++audit``, on the pairs not labelled): what a few hundred human labels do where the corpus
+cannot show its noise.
 
     python benchmarks/hard_noise.py [--quick] [--kinds ...] [--rates 0.2 0.5] [--judge band]
 """
@@ -204,13 +205,13 @@ def ece(p: np.ndarray, y: np.ndarray, bins: int = 15) -> float:
     return float(sum((idx == b).mean() * abs(p[idx == b].mean() - y[idx == b].mean()) for b in range(bins) if (idx == b).any()))
 
 
-def evaluate(out: Path, labels: dict[str, Any]) -> dict[str, Any]:
-    """The metrics of one scored folder against its labels (ok rows only)."""
+def evaluate(out: Path, labels: dict[str, Any], skip: set[str] | None = None) -> dict[str, Any]:
+    """The metrics of one scored folder against its labels (ok rows only, less the keys in ``skip``)."""
     import pandas as pd
     from sklearn.metrics import roc_auc_score
 
     df = pd.read_parquet(out)
-    df = df[df["status"] == "ok"].set_index("key")
+    df = df[(df["status"] == "ok") & ~df["key"].isin(skip or set())].set_index("key")
     truth = pd.Series(labels["noisy"], index=labels["keys"]).reindex(df.index).to_numpy(bool)
     clean = ~truth
     p = df["p_clean"].to_numpy(np.float64)
@@ -268,25 +269,28 @@ def _copy_run(out: Path, suffix: str) -> Path:
     return copy
 
 
-def run_audit(out: Path, labels: dict[str, Any], count: int, seed: int) -> Path:
+def run_audit(out: Path, labels: dict[str, Any], count: int, seed: int) -> tuple[Path, set[str]]:
     """A copy of the scored folder ``out`` audited with ``pairclean audit``: ``count`` pairs
     drawn by its design, labelled from the benchmark's truth (a perfect labeller), the
-    recalibrated ``p_clean`` written into the copy's tables; returns the copy."""
+    recalibrated ``p_clean`` written into the copy's tables; returns the copy and the
+    labelled keys (left out of its row: the map was fitted on them)."""
     import pandas as pd
 
     copy = _copy_run(out, "audited")
     queue = copy.parent / f"{copy.name}-queue.csv"
-    for cmd in ([_cli(), "audit", str(copy), "--sample", str(count), "--seed", str(seed), "--out", str(queue)], None):
-        if cmd is None:  # the labeller: the truth of each queued pair
-            truth = dict(zip(labels["keys"], labels["noisy"]))
-            q = pd.read_csv(queue, dtype={"key": str})
-            q["label"] = ["noisy" if truth[k] else "clean" for k in q["key"]]
-            q.to_csv(queue, index=False)
-            cmd = [_cli(), "audit", str(copy), "--labels", str(queue)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"pairclean audit failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-    return copy
+    _run([_cli(), "audit", str(copy), "--sample", str(count), "--seed", str(seed), "--out", str(queue)], "audit")
+    truth = dict(zip(labels["keys"], labels["noisy"]))
+    q = pd.read_csv(queue, dtype={"key": str})
+    q["label"] = ["noisy" if truth[k] else "clean" for k in q["key"]]
+    q.to_csv(queue, index=False)
+    _run([_cli(), "audit", str(copy), "--labels", str(queue)], "audit")
+    return copy, set(q["key"])
+
+
+def _run(cmd: list[str], what: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"pairclean {what} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
 
 
 def run_refine(out: Path, threads: int) -> Path:
@@ -413,8 +417,8 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             if args.audit:
-                audited = run_audit(out, lab, args.audit, args.seed)
-                row = {"kind": f"{kind} +audit", "rate": rate, **evaluate(audited, lab), "pairs_per_s": rows[-1]["pairs_per_s"]}
+                audited, labelled = run_audit(out, lab, args.audit, args.seed)
+                row = {"kind": f"{kind} +audit", "rate": rate, **evaluate(audited, lab, labelled), "pairs_per_s": rows[-1]["pairs_per_s"]}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     print(markdown(rows))
