@@ -28,6 +28,16 @@ def _p_clean_doc(calibration: Calibration) -> dict[str, Any]:
     return {"recipe": "hard", "version": 0, "rule": "similarity > beta"}
 
 
+def _noisy_rule(calibration: Calibration, judge: dict[str, Any] | None) -> str:
+    """The rule behind the ``noisy`` column (``scores_table``), as the metadata states it: a
+    judge whose p_clean is in force (every judge but one whose word check its guard turned
+    off, ``fine_prior`` None) flags ``p_clean <= 0.5`` on the pairs it judged."""
+    osa_rule = "adjusted_similarity <= beta" if "contrast" in calibration.extra else "similarity <= beta"
+    if judge is None or ("fine_prior" in judge and judge["fine_prior"] is None):
+        return osa_rule
+    return f"p_clean <= 0.5 where judged (judge_score not NaN), else {osa_rule}"
+
+
 def output_metadata(model_info: dict[str, Any], calibration: Calibration, extra: dict[str, Any]) -> dict[bytes, bytes]:
     """The Parquet key-value metadata: one JSON document under ``schema.META_KEY``.
 
@@ -52,7 +62,7 @@ def output_metadata(model_info: dict[str, Any], calibration: Calibration, extra:
             "batch_size": calibration.weighting_batch_size,
         },
         "seed": calibration.seed,
-        "noisy_rule": "adjusted_similarity <= beta" if "contrast" in calibration.extra else "similarity <= beta",
+        "noisy_rule": _noisy_rule(calibration, extra.get("judge")),
         "p_clean": _p_clean_doc(calibration),
         # what adjusted_similarity is (pairclean.calibrate.contrast); absent: weights read the similarity
         **({"contrast": calibration.extra["contrast"]} if "contrast" in calibration.extra else {}),

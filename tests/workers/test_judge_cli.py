@@ -43,6 +43,8 @@ def test_judge_all_scores_every_pair_and_records_itself(make_shards, tmp_path: P
     for stem in ("part-00000", "part-00001"):
         rows = _table(out, stem).to_pylist()
         meta = _meta(out, stem)["judge"]
+        # the metadata states the rule the noisy column follows
+        assert _meta(out, stem)["noisy_rule"].startswith("p_clean <= 0.5 where judged")
         assert meta["mode"] == "all" and meta["band"] == ["-inf", "inf"] and meta["id"] == judge_file.name
         assert len(meta["sha256"]) == 64 and 0.02 <= meta["prior_clean"] <= 0.98 and meta["pairs"] == 12
         logit_prior = math.log(meta["prior_clean"] / (1 - meta["prior_clean"]))
@@ -89,7 +91,11 @@ def test_a_near_miss_judge_is_combined_with_osa_and_rescored_alike(make_shards, 
     from pairclean.output.folder import OutputDir
     from pairclean.output.report import format_summary, summarize
 
-    assert "p_clean = OSA's x its word check (corpus share with every word right: " in format_summary(summarize(OutputDir(str(judged))))
+    text = format_summary(summarize(OutputDir(str(judged))))
+    assert "p_clean = OSA's x its word check (corpus share with every word right: " in text
+    osa_rule = _meta(off, "part-00000")["noisy_rule"]  # the job without the judge: OSA's rule
+    assert osa_rule.endswith("similarity <= beta") and f"flagged noisy ({osa_rule})" in format_summary(summarize(OutputDir(str(off))))
+    assert f"flagged noisy (p_clean <= 0.5 where judged (judge_score not NaN), else {osa_rule})" in text
     # rescoring to other options gives what a fresh judged score with those options writes
     fresh = tmp_path / "fresh"
     assert _score(shards, fresh, "--judge", "all", "--judge-checkpoint", str(judge), "--beta-recipe", "shuffled") == 0
@@ -116,6 +122,7 @@ def test_a_near_miss_judge_stays_off_where_its_prior_cannot_be_trusted(make_shar
         assert _score(shards, out, "--judge", "all", "--judge-checkpoint", str(judge)) == 0
         meta = _meta(out, "part-00000")["judge"]
         assert meta["fine_prior"] is None and reason in meta["fine_off"]
+        assert _meta(out, "part-00000")["noisy_rule"] == _meta(off, "part-00000")["noisy_rule"]  # OSA's rule stays
         from pairclean.output.folder import OutputDir
         from pairclean.output.report import format_summary, summarize
 
