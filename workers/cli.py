@@ -303,6 +303,18 @@ def _make_source(args: argparse.Namespace, est_spec: Any, spec: Any, out: Any, o
     return RaySource(est_spec, spec, out, options, ray_opts)
 
 
+def _p_clean_note(cal: Any, out: str) -> str | None:
+    """What the corpus-mixture ``p_clean`` counted as noise, and what it cannot see (None
+    without that curve): near-misses that no copied caption shows are not counted (README
+    "Hard noise", ``near-image-unseen``), which a few hundred labels measure."""
+    fit = ((cal.extra.get("p_clean") or {}).get("fit") or {}) if cal is not None else {}
+    if "pi_random" not in fit or "pi_near" not in fit:
+        return None
+    return (f"p_clean: the calibration sample shows {100 * fit['pi_random']:.1f}% random and {100 * fit['pi_near']:.1f}% "
+            f"near-miss pairs (near-miss share: {fit.get('near_share_source', 'fitted')}); near-misses that no copied "
+            f"caption shows are not counted: measure them with `pairclean audit {out} --sample 200`")
+
+
 def _print_report(report: Any, out: str) -> int:
     rate = report.pairs / report.seconds if report.seconds else 0.0
     cal = report.calibration
@@ -315,6 +327,9 @@ def _print_report(report: Any, out: str) -> int:
     )
     if report.statuses:
         print("status: " + ", ".join(f"{k}={v}" for k, v in sorted(report.statuses.items())))
+    note = _p_clean_note(cal, out) if report.state == SUCCEEDED else None
+    if note:
+        print(note)
     for uri, error in report.failed:
         print(f"FAILED {uri}: {error}", file=sys.stderr)
     return EXIT_CODES.get(report.state, EXIT_FAILED)

@@ -117,7 +117,13 @@ def test_rescore_agrees_with_a_fresh_score(make_shards, tmp_path: Path) -> None:
 def test_inspect_prints_counts_noise_rate_and_histogram(make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     shards = [str(s) for s in make_shards(n_shards=1, per_shard=20)]
     _score(shards, tmp_path / "o")
-    capsys.readouterr()
+    # score's last line: what the corpus-mixture p_clean counted, from its fit, and how to
+    # measure what it cannot see
+    fit = OutputDir(str(tmp_path / "o")).read_calibration().extra["p_clean"]["fit"]
+    note = capsys.readouterr().out.splitlines()[-1]
+    assert note.startswith(f"p_clean: the calibration sample shows {100 * fit['pi_random']:.1f}% random and "
+                           f"{100 * fit['pi_near']:.1f}% near-miss pairs (near-miss share: {fit['near_share_source']})")
+    assert note.endswith(f"measure them with `pairclean audit {tmp_path / 'o'} --sample 200`")
     assert main(["inspect", str(tmp_path / "o")]) == 0
     text = capsys.readouterr().out
     assert "status: ok=20" in text and "noise-rate estimate" in text and "weight histogram" in text
