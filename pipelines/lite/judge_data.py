@@ -13,8 +13,9 @@ stores per split (float16 where large, under ``cache``, never in the repository)
   or whose caption an edit came from), ``kind`` (T,) str ("" for a real caption, else the
   edit kind), ``source`` (T,) int64 (the row of the edited caption; -1 for real ones).
 
-Edits: train, ``train_edits`` per caption (1 by default), of kinds drawn among those that apply; dev, every kind that
-applies to each photo's first caption (the benchmark's "one-word edit" noise).
+Edits: train, ``train_edits`` per caption (1 by default), of kinds drawn among those that
+apply; dev, every kind that applies to each photo's first caption (the benchmark's
+"one-word edit" noise).
 """
 
 from __future__ import annotations
