@@ -294,3 +294,13 @@ def test_refine_keeps_what_score_calibrated_the_contrast_and_the_word_check(make
     assert main(["rescore", str(out), "--beta-recipe", spec["beta_recipe"], "--weighting", "p-clean"]) == 0
     for stem, before in scored.items():
         np.testing.assert_allclose([r["p_clean"] for r in _table(out, stem).to_pylist()], [r["p_clean"] for r in before], atol=1e-6)
+
+
+@pytest.mark.parametrize("option, value, message", [("--train-edits", "9", "--train-edits must be 1-5, got 9"),
+                                                     ("--train-captions", "0", "--train-captions must be 1-5, got 0"),
+                                                     ("--members", "0", "--members must be 1-8, got 0")])
+def test_train_judge_refuses_out_of_range_options_in_one_line_before_any_work(tmp_path: Path, option: str, value: str, message: str,
+                                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train-judge", "--out", str(tmp_path / "j.safetensors"), option, value]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {message}" and not (tmp_path / "j.safetensors").exists()
