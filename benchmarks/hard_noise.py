@@ -253,9 +253,7 @@ def run_cli(shards: list[str], out: Path, judge: str | None, threads: int, check
     if checkpoint:
         cmd += ["--judge-checkpoint", checkpoint]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"pairclean score failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    _run(cmd, "score")
     return time.perf_counter() - t0
 
 
@@ -288,6 +286,7 @@ def run_audit(out: Path, labels: dict[str, Any], count: int, seed: int) -> tuple
 
 
 def _run(cmd: list[str], what: str) -> None:
+    """Run a pairclean command; its failure ends the benchmark with the command's last words."""
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"pairclean {what} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -298,9 +297,7 @@ def run_refine(out: Path, threads: int) -> Path:
     default ensemble); returns the copy (``<name>-refined`` beside ``out``)."""
     copy = _copy_run(out, "refined")
     cmd = [_cli(), "refine", str(copy), "--executor", "local", "--threads", str(threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"pairclean refine failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    _run(cmd, "refine")
     return copy
 
 
@@ -311,9 +308,7 @@ def run_rescore(out: Path) -> None:
     cal = OutputDir(str(out)).read_calibration()
     assert cal is not None, f"{out} has no calibration"
     cmd = [_cli(), "rescore", str(out), "--beta-recipe", cal.recipe, "--weighting", cal.weighting, "--contrast", RESCORE_CONTRAST[0]]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"pairclean rescore failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    _run(cmd, "rescore")
 
 
 def judge_supported() -> bool:

@@ -307,11 +307,14 @@ def _p_clean_note(cal: Any, out: str) -> str | None:
     """What the corpus-mixture ``p_clean`` counted as noise, and what it cannot see (None
     without that curve): near-misses that no copied caption shows are not counted (README
     "Hard noise", ``near-image-unseen``), which a few hundred labels measure."""
-    fit = ((cal.extra.get("p_clean") or {}).get("fit") or {}) if cal is not None else {}
-    if "pi_random" not in fit or "pi_near" not in fit:
+    from pairclean.output.report import mixture_noise
+
+    shares = mixture_noise(cal.extra) if cal is not None else None
+    if shares is None:
         return None
-    return (f"p_clean: the calibration sample shows {100 * fit['pi_random']:.1f}% random and {100 * fit['pi_near']:.1f}% "
-            f"near-miss pairs (near-miss share: {fit.get('near_share_source', 'fitted')}); near-misses that no copied "
+    source = cal.extra["p_clean"]["fit"].get("near_share_source", "fitted")
+    return (f"p_clean: the calibration sample shows {100 * shares[0]:.1f}% random and {100 * shares[1]:.1f}% "
+            f"near-miss pairs (near-miss share: {source}); near-misses that no copied "
             f"caption shows are not counted: measure them with `pairclean audit {out} --sample 200`")
 
 

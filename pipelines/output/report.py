@@ -12,7 +12,7 @@ from pairclean import osa, schema
 from pairclean.output.folder import OutputDir
 from pairclean.output.tables import read_embeddings
 
-__all__ = ["Summary", "summarize", "format_summary"]
+__all__ = ["Summary", "summarize", "format_summary", "mixture_noise"]
 
 
 @dataclass(frozen=True)
@@ -76,14 +76,16 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
         lowest=ok_view.take(order).to_pylist(),
         first=view.slice(0, rows).to_pylist(),
         noisy_rule=str(meta.get("noisy_rule", "similarity <= beta")),
-        mixture_noise=_mixture_noise(meta),
+        mixture_noise=mixture_noise(meta),
         contrast=meta.get("contrast"),
         judge=meta.get("judge"),
         refine=meta.get("refine"),
     )
 
 
-def _mixture_noise(meta: dict[str, Any]) -> tuple[float, float] | None:
+def mixture_noise(meta: dict[str, Any]) -> tuple[float, float] | None:
+    """(random, near-miss) noise shares of the corpus-mixture ``p_clean`` recorded under
+    ``meta["p_clean"]["fit"]`` (a table's metadata or a calibration's ``extra``); None without one."""
     fit = (meta.get("p_clean") or {}).get("fit") or {}
     if "pi_random" not in fit or "pi_near" not in fit:
         return None

@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pairclean import schema
 from pairclean.job.lifecycle import TERMINAL, State
+from pairclean.output.report import mixture_noise
 
 from ..browse import GALLERY_MAX, PAGE_SIZE, Browser, JobOverview, RowFilter
 from ..charts import Series, histogram_svg, reliability_svg
@@ -405,17 +406,9 @@ def _why(view: JobOverview) -> dict[str, Any]:
         "noisy_rule": meta.get("noisy_rule", "similarity <= beta"),
         "refine": refine.get("method") if isinstance(refine, dict) else None,
         "contrast_rows": (cal.extra.get("contrast") or {}).get("bank_rows") if cal else None,
-        "mixture_noise": _mixture_noise(cal.extra if cal else {}),
+        "mixture_noise": mixture_noise(cal.extra if cal else {}),
         "judge": cal.extra.get("judge") if cal else None,
     }
-
-
-def _mixture_noise(extra: dict[str, Any]) -> tuple[float, float] | None:
-    """(random, near-miss) noise shares of the calibration's p_clean mixture, if it has one."""
-    fit = (extra.get("p_clean") or {}).get("fit") or {}
-    if "pi_random" not in fit or "pi_near" not in fit:
-        return None
-    return float(fit["pi_random"]), float(fit["pi_near"])
 
 
 @router.get("/ui/jobs/{job_id}/gallery", response_class=HTMLResponse)
