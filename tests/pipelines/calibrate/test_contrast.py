@@ -91,6 +91,29 @@ def test_the_recorded_contrast_round_trips_and_a_changed_bank_is_refused() -> No
         cm.from_json({**doc, "version": 99}, c.bank)
 
 
+def test_a_version_1_contrast_keeps_its_one_weight_and_its_arithmetic() -> None:
+    """A job calibrated under version 1 (one gamma for both rivals) resumes with exactly
+    the adjusted similarities it was scored with; version 2 weighs the rivals apart."""
+    img, txt, _ = _corpus()
+    c = cm.fit_contrast(img, txt)
+    assert c is not None
+    doc = c.to_json()
+    assert doc["version"] == 2 and (doc["caption_gamma"], doc["image_gamma"]) == (cm.CAPTION_GAMMA, cm.IMAGE_GAMMA)
+    assert cm.CAPTION_GAMMA != cm.IMAGE_GAMMA
+    v1 = {k: v for k, v in doc.items() if k not in ("caption_gamma", "image_gamma")} | {"version": 1, "gamma": 0.5}
+    old = cm.from_json(v1, c.bank)
+    assert (old.caption_gamma, old.image_gamma) == (0.5, 0.5)
+    sims = (img * txt).sum(1)
+    cap, im = c.rivals(img, txt)
+    d = (cap - np.float32(c.mean_caption_rival)) + (im - np.float32(c.mean_image_rival))
+    np.testing.assert_array_equal(old.adjust(sims, img, txt), sims - np.float32(0.5) * d)
+    expected = sims - (np.float32(cm.CAPTION_GAMMA) * (cap - np.float32(c.mean_caption_rival))
+                       + np.float32(cm.IMAGE_GAMMA) * (im - np.float32(c.mean_image_rival)))
+    np.testing.assert_allclose(c.adjust(sims, img, txt), expected, atol=1e-6)
+    with pytest.raises(ValueError, match="unknown contrast recipe"):
+        cm.from_json({**doc, "version": "2"}, c.bank)
+
+
 def test_calibrate_fits_the_p_clean_curve_on_adjusted_similarities() -> None:
     img, txt, clean = _corpus(n=400, near=0.3)
     sims = (img * txt).sum(1)
