@@ -276,6 +276,7 @@ def run_audit(out: Path, labels: dict[str, Any], count: int, seed: int) -> tuple
 
     copy = _copy_run(out, "audited")
     queue = copy.parent / f"{copy.name}-queue.csv"
+    queue.unlink(missing_ok=True)  # this benchmark's own labelled queue of an earlier run: audit keeps labels it finds
     _run([_cli(), "audit", str(copy), "--sample", str(count), "--seed", str(seed), "--out", str(queue)], "audit")
     truth = dict(zip(labels["keys"], labels["noisy"]))
     q = pd.read_csv(queue, dtype={"key": str})
