@@ -95,7 +95,8 @@ def cmd_refine(args: argparse.Namespace) -> int:
         weights = ", ".join(f"{k} {v:.2f}" for k, v in c["member_weights"].items())
         referee = c.get("referee_agreement") or {}
         chosen = format(c["blend"], "g")
-        judged = (f"; agreement with the judge {referee['0']:.2f} for OSA alone, {referee[chosen]:.2f} for this"
+        cosine = f", {referee['cosine']:.2f} for the plain cosine" if "cosine" in referee else ""
+        judged = (f"; agreement with the judge {referee['0']:.2f} for OSA alone{cosine}, {referee[chosen]:.2f} for this"
                   if referee else "")
         print(f"members used on this corpus: {c['used']} (learned share {c['blend']:g}, chosen on {c['held_out_pairs']} held-out "
               f"pairs; weights {weights}{judged})", file=sys.stdout)

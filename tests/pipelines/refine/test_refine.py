@@ -191,6 +191,26 @@ def test_a_referee_keeps_a_blend_that_separates_better_but_disagrees_with_it_out
     assert spearman(np.arange(5.0), np.arange(5.0)[::-1]) == pytest.approx(-1.0) and spearman(np.ones(4), np.arange(4.0)) == 0.0
 
 
+def test_a_learned_blend_must_agree_with_the_judge_better_than_the_cosine_it_reorders() -> None:
+    """The judge reads the plain cosine, so a cosine-like score agrees with it for that reason
+    alone: a learned blend that beats the job's score on agreement but not the cosine is kept
+    out (contrast version 2 let such blends in on near-miss corpora)."""
+    from pairclean.refine.ensemble import choose_blend
+
+    rng = np.random.default_rng(2)
+    n = 2000
+    labels = rng.random(n) < 0.3
+    cosine = np.where(labels, -1.0, 1.0) * 0.5 + rng.normal(0, 1.0, n)  # the truth and much else
+    referee = (cosine + rng.normal(0, 1.0, n)).astype(np.float32)  # the judge reads the cosine
+    osa = np.where(labels, -1.0, 1.0) + rng.normal(0, 1.2, n)  # right, less cosine-like
+    learned = np.where(rng.random(n) < 0.3, -1.0, 1.0) + 0.3 * cosine + rng.normal(0, 0.2, n)  # bimodal, cosine-like
+    z = lambda a: ((a - a.mean()) / a.std()).astype(np.float32)  # noqa: E731
+    blend, _, agreement = choose_blend(z(osa), z(learned), 0, referee)
+    assert blend == 1.0 and agreement["1"] > agreement["0"]  # the premise: beating OSA's agreement let it in
+    blend, _, agreement = choose_blend(z(osa), z(learned), 0, referee, cosine.astype(np.float32))
+    assert blend == 0.0 and agreement["1"] < agreement["cosine"]
+
+
 def test_the_ensembles_osa_member_is_the_score_it_is_given() -> None:
     """``osa``: the job's own score (the corpus contrast's adjusted similarity), used in place of the cosine."""
     img, txt, noisy = planted(n=400, noise=0.3, seed=3)
