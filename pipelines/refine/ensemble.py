@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from pairclean.osa import cosine_rows
 from pairclean.refine.common import FloatArray, Heads, Mixture1D, fit_mixture, guard_finite
 
 __all__ = ["MEMBERS", "fit", "apply", "uses_only_osa", "SCORE_COLUMN"]
@@ -171,8 +172,6 @@ def fit(img: FloatArray, txt: FloatArray, seed: int, settings: dict[str, Any] | 
     total = sum(members[m]["held_out_separation"] for m in learned) or 1.0
     z_learned = sum((members[m]["held_out_separation"] / total) * held[m] for m in learned)
     held_referee = None if referee is None else np.asarray(referee, np.float32)[hold_idx]
-    from pairclean.osa import cosine_rows
-
     blend, seps, agreement = choose_blend(held["osa"], np.asarray(z_learned, np.float32), seed, held_referee,
                                           cosine_rows(img_h, txt_h))
     members["osa"]["weight"] = 1.0 - blend
