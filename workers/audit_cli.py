@@ -90,7 +90,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         return 1
     rec = report.get("recalibration", {})
     if "applied" in rec:
-        print(f"recalibrated p_clean ({rec['labels']} labels, isotonic) written into the score tables: "
+        print(f"recalibrated p_clean ({rec['labels']} labels, isotonic and Platt) written into the score tables: "
               f"{rec['applied']['rewritten']} rewritten, {rec['applied']['skipped']} already done; the model's value is kept as p_clean_model")
     print(f"report: {out.store.url(run.REPORT_FILE)}", file=sys.stderr)
     return 0

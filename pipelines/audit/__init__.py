@@ -2,7 +2,7 @@
 
 - ``design``: which pairs to label (stratified by score, known inclusion probabilities);
 - ``stats``: what the labels say (noise rate, precision / recall / F1 with intervals,
-  thresholds, reliability, isotonic recalibration, self-agreement): pure functions;
+  thresholds, reliability, recalibration (isotonic and Platt), self-agreement): pure functions;
 - ``run``: the same on a job's output folder (queue, labels file, report, writing the
   recalibrated ``p_clean`` into the score tables).
 """

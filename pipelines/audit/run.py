@@ -378,7 +378,7 @@ def audit_report(design_doc: dict[str, Any], labels: list[Label], threshold: flo
         knots = None
     if knots is not None:
         p_new = stats.apply_recalibration(knots, p_model)
-        report["recalibration"] = {**knots, "labels": len(p_model), "method": "isotonic regression, design-weighted",
+        report["recalibration"] = {**knots, "labels": len(p_model), "method": "mean of centred isotonic regression and Platt scaling on logit(p_clean), design-weighted",
                                    "sha256": hashlib.sha256(json.dumps(knots, sort_keys=True).encode()).hexdigest()}
         report["reliability_recalibrated"] = stats.reliability(p_new, clean, weight)
         # in-sample: an optimistic figure (the benchmark measures it on all pairs)
@@ -467,7 +467,7 @@ def apply_recalibration(out: OutputDir, knots: dict[str, list[float]], labels: i
     """Rewrite every committed score table with the recalibrated ``p_clean`` (resumable:
     shards already rewritten with this map are skipped). Returns rewritten / skipped counts."""
     sha = hashlib.sha256(json.dumps(knots, sort_keys=True).encode()).hexdigest()
-    doc = {"map_sha256": sha, "labels": labels, "method": "isotonic regression of the model's p_clean on human labels, design-weighted",
+    doc = {"map_sha256": sha, "labels": labels, "method": "mean of centred isotonic regression and Platt scaling of the model's p_clean on human labels, design-weighted",
            "knots": knots, "model_column": COL_P_CLEAN_MODEL}
     out.check_owned()
     lock = RunLock(out.store, ttl_s=lock_ttl_s)

@@ -261,28 +261,79 @@ def ece(p_clean: np.ndarray, clean: np.ndarray, weight: np.ndarray | None = None
     return float(err)
 
 
-def fit_recalibration(p_clean: np.ndarray, clean: np.ndarray, weight: np.ndarray) -> dict[str, list[float]]:
-    """A monotone (non-decreasing) map of ``p_clean`` fitted on labels by design-weighted
-    isotonic regression (scikit-learn's ``IsotonicRegression``, the pool-adjacent-violators
-    algorithm), *centred* (Oron & Flournoy 2017): each pooled block becomes one knot at its
-    weighted mean ``p_clean``, and the map interpolates linearly between knots. The plain
-    step function ties every pair of a block; the centred one keeps the model's order
-    between blocks and measured a lower ECE on every noise kind of ``benchmarks/audit_bench.py``.
-    Returned as knots ``{"x": [...], "y": [...]}``, applied by ``apply_recalibration``
-    (numpy only; the knots fit in a JSON document)."""
+#: Knots of the recalibration map outside the isotonic ones: evenly spaced in logit(p_clean).
+_GRID_LOGITS = np.linspace(-14.0, 14.0, 57)
+#: The Platt part's pull towards the identity map (a = 1, b = 0), per unit of weighted log loss:
+#: labels that a threshold separates perfectly would otherwise send its slope to infinity.
+_PLATT_PULL = 1e-3
+
+
+def _centred_isotonic(p: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Knots (x, y) of design-weighted isotonic regression (scikit-learn's
+    ``IsotonicRegression``, pool-adjacent-violators), *centred* (Oron & Flournoy 2017): each
+    pooled block is one knot at its weighted mean ``p``, linear in between. ``p`` sorted."""
     from sklearn.isotonic import IsotonicRegression
 
+    fitted = IsotonicRegression(y_min=0.0, y_max=1.0, increasing=True, out_of_bounds="clip").fit(p, y, sample_weight=w).predict(p)
+    starts = np.r_[0, np.flatnonzero(np.diff(fitted) != 0) + 1]
+    ends = np.r_[starts[1:], len(p)]
+    xs = np.array([(w[s:e] * p[s:e]).sum() / w[s:e].sum() for s, e in zip(starts, ends)])
+    return xs, fitted[starts]
+
+
+def _logit(p: np.ndarray) -> np.ndarray:
+    q = np.clip(p, 1e-7, 1 - 1e-7)
+    out: np.ndarray = np.log(q) - np.log1p(-q)
+    return out
+
+
+def _platt(p: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
+    """(a >= 0, b) of ``sigmoid(a * logit(p) + b)`` by design-weighted log loss, pulled
+    towards the identity by ``_PLATT_PULL`` (scipy's L-BFGS-B)."""
+    from scipy.optimize import minimize
+
+    z, wn = _logit(p), w / w.sum()
+
+    def loss(t: np.ndarray) -> tuple[float, np.ndarray]:
+        u = t[0] * z + t[1]
+        q = 1.0 / (1.0 + np.exp(-u))
+        value = float(np.sum(wn * (np.logaddexp(0.0, u) - y * u))) + _PLATT_PULL * float((t[0] - 1) ** 2 + t[1] ** 2)
+        g = wn * (q - y)
+        grad = np.array([np.sum(g * z) + 2 * _PLATT_PULL * (t[0] - 1), np.sum(g) + 2 * _PLATT_PULL * t[1]])
+        return value, grad
+
+    t = minimize(loss, np.array([1.0, 0.0]), jac=True, method="L-BFGS-B", bounds=[(0.0, None), (None, None)]).x
+    return float(t[0]), float(t[1])
+
+
+def fit_recalibration(p_clean: np.ndarray, clean: np.ndarray, weight: np.ndarray) -> dict[str, list[float]]:
+    """A monotone (non-decreasing) map of ``p_clean`` fitted on labels: the mean of two
+    design-weighted maps, centred isotonic regression (``_centred_isotonic``: any monotone
+    shape, but with a few hundred labels each block's rate rests on a few labels) and Platt
+    scaling on ``logit(p_clean)`` (``_platt``: two parameters, so it varies little, but it
+    corrects only a tilt and a shift). Why the mean, measured on the hard-noise benchmark
+    (Flickr8k dev, ``pairclean audit``'s design, 200 labels from the truth, audit seeds 0-4,
+    ECE on the pairs not labelled, mean over seven sets): isotonic alone 0.054, Platt alone
+    0.046, their mean 0.045, with the lowest or nearly lowest figure on six of the seven sets;
+    where the model was already calibrated (one-word edits at 20%, model 0.028) isotonic
+    alone made it worse (0.053), the mean less so (0.043). ``benchmarks/audit_bench.py``
+    measures it over 100 seeds.
+
+    Returned as knots ``{"x": [...], "y": [...]}`` (the isotonic knots and a grid even in
+    logit(p), the map evaluated there), applied by ``apply_recalibration`` (numpy only; the
+    knots fit in a JSON document)."""
     p = np.asarray(p_clean, dtype=np.float64)
     if len(p) == 0:
         raise ValueError("no labels to fit on")
     y, w = np.asarray(clean, dtype=np.float64), np.asarray(weight, dtype=np.float64)
     order = np.argsort(p, kind="stable")
     p, y, w = p[order], y[order], w[order]
-    fitted = IsotonicRegression(y_min=0.0, y_max=1.0, increasing=True, out_of_bounds="clip").fit(p, y, sample_weight=w).predict(p)
-    starts = np.r_[0, np.flatnonzero(np.diff(fitted) != 0) + 1]
-    ends = np.r_[starts[1:], len(p)]
-    xs = [float((w[s:e] * p[s:e]).sum() / w[s:e].sum()) for s, e in zip(starts, ends)]
-    return {"x": xs, "y": [float(fitted[s]) for s in starts]}
+    iso_x, iso_y = _centred_isotonic(p, y, w)
+    a, b = _platt(p, y, w)
+    xs = np.unique(np.r_[iso_x, 1.0 / (1.0 + np.exp(-_GRID_LOGITS))])
+    iso = np.interp(xs, iso_x, iso_y) if len(iso_x) > 1 else np.full(len(xs), iso_y[0])
+    ys = 0.5 * (iso + 1.0 / (1.0 + np.exp(-(a * _logit(xs) + b))))
+    return {"x": [float(v) for v in xs], "y": [float(v) for v in np.clip(ys, 0.0, 1.0)]}
 
 
 def apply_recalibration(knots: dict[str, list[float]], p_clean: np.ndarray) -> np.ndarray:

@@ -74,8 +74,8 @@ def test_sample_label_estimate_and_recalibrate(job: Path, tmp_path: Path, capsys
     meta = json.loads(table.schema.metadata[b"pairclean"])
     assert meta["audit"]["labels"] == 10 and meta["audit"]["map_sha256"] == report["recalibration"]["sha256"]
     by_key = {r["key"]: r for r in table.to_pylist()}
-    for key, row in by_key.items():  # the map is fitted on these very labels: noisy -> 0, clean -> 1
-        assert row["p_clean"] == (0.0 if key in swapped else 1.0)
+    for key, row in by_key.items():  # the map is fitted on these very labels: noisy -> about 0, clean -> about 1
+        assert row["p_clean"] == pytest.approx(0.0 if key in swapped else 1.0, abs=0.01)
     # the job's completion records follow the rewritten table: inspect and the pages read it
     digest = hashlib.sha256((job / "demo-000000.parquet").read_bytes()).hexdigest()
     assert main(["inspect", str(job), "--json"]) == 0

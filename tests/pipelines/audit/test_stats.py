@@ -102,18 +102,42 @@ def test_threshold_for_a_precision_target() -> None:
     assert stats.threshold_for(np.array([10]), np.zeros(8, np.int64), np.zeros(8), p, "precision", 0.5) is None
 
 
-def test_isotonic_recalibration_pools_adjacent_violators() -> None:
-    knots = stats.fit_recalibration(np.array([0.1, 0.2, 0.3, 0.4]), np.array([0, 1, 0, 1.0]), np.ones(4))
+def test_the_isotonic_part_pools_adjacent_violators_centred() -> None:
+    x, y = stats._centred_isotonic(np.array([0.1, 0.2, 0.3, 0.4]), np.array([0, 1, 0, 1.0]), np.ones(4))
     # PAVA pools (0.2, 0.3) to 0.5; centred, that block is one knot at 0.25, interpolated between
-    assert knots["x"] == pytest.approx([0.1, 0.25, 0.4]) and knots["y"] == pytest.approx([0, 0.5, 1])
-    mapped = stats.apply_recalibration(knots, np.array([0.1, 0.2, 0.3, 0.4, 0.0, 1.0]))
-    assert mapped.tolist() == pytest.approx([0, 1 / 3, 2 / 3, 1, 0, 1])
+    assert x.tolist() == pytest.approx([0.1, 0.25, 0.4]) and y.tolist() == pytest.approx([0, 0.5, 1])
     # design weights: a heavier unit pulls its pool
-    knots = stats.fit_recalibration(np.array([0.2, 0.3]), np.array([1, 0.0]), np.array([3.0, 1.0]))
-    assert stats.apply_recalibration(knots, np.array([0.25])).tolist() == pytest.approx([0.75])
-    p = np.random.default_rng(0).random(500)
-    out = stats.apply_recalibration(stats.fit_recalibration(p, (p > 0.5).astype(float), np.ones(500)), np.sort(p))
-    assert np.all(np.diff(out) >= 0)
+    x, y = stats._centred_isotonic(np.array([0.2, 0.3]), np.array([1, 0.0]), np.array([3.0, 1.0]))
+    assert x.tolist() == pytest.approx([0.225]) and y.tolist() == pytest.approx([0.75])
+
+
+def test_recalibration_is_the_mean_of_the_isotonic_and_the_platt_map() -> None:
+    rng = np.random.default_rng(0)
+    p = rng.random(400)
+    y = (rng.random(400) < p ** 2).astype(float)  # the model is over-confident about clean pairs
+    w = np.ones(400)
+    knots = stats.fit_recalibration(p, y, w)
+    q = np.sort(rng.random(200))
+    out = stats.apply_recalibration(knots, q)
+    assert np.all(np.diff(out) >= 0) and np.all((out >= 0) & (out <= 1))
+    order = np.argsort(p)
+    ix, iy = stats._centred_isotonic(p[order], y[order], w)
+    a, b = stats._platt(p[order], y[order], w)
+    platt = 1 / (1 + np.exp(-(a * stats._logit(q) + b)))
+    iso = np.interp(q, ix, iy)
+    assert out == pytest.approx(0.5 * (iso + platt), abs=0.01)  # the knots' grid interpolates the sigmoid
+    assert float(np.mean(np.abs(out - q ** 2))) < 0.06  # it finds the truth, p squared
+    # labels that agree with a calibrated model leave it nearly as it was
+    y_cal = (rng.random(400) < p).astype(float)
+    near = stats.apply_recalibration(stats.fit_recalibration(p, y_cal, w), q)
+    assert float(np.mean(np.abs(near - q))) < 0.06
+    # perfectly separated labels keep a finite, monotone map
+    sep = stats.apply_recalibration(stats.fit_recalibration(p, (p > 0.5).astype(float), w), q)
+    assert np.all(np.diff(sep) >= 0) and sep[0] < 0.1 and sep[-1] > 0.9
+    # a design weight counts: a heavier unit pulls the map its way
+    light = stats.fit_recalibration(np.array([0.2, 0.3]), np.array([1, 0.0]), np.array([1.0, 1.0]))
+    heavy = stats.fit_recalibration(np.array([0.2, 0.3]), np.array([1, 0.0]), np.array([3.0, 1.0]))
+    assert stats.apply_recalibration(heavy, np.array([0.25]))[0] > stats.apply_recalibration(light, np.array([0.25]))[0]
 
 
 def test_ece_closed_form() -> None:
