@@ -289,14 +289,19 @@ def _logit(p: np.ndarray) -> np.ndarray:
 
 def _platt(p: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
     """(a >= 0, b) of ``sigmoid(a * logit(p) + b)`` by design-weighted log loss, pulled
-    towards the identity by ``_PLATT_PULL`` (scipy's L-BFGS-B)."""
+    towards the identity by ``_PLATT_PULL`` (scipy's L-BFGS-B).
+
+    Not scikit-learn's ``LogisticRegression``: its penalty pulls the slope towards 0, a
+    constant map that forgets the model's order, where this one pulls towards the model's own
+    ``p_clean``; and the slope must stay >= 0 so that the map stays monotone."""
     from scipy.optimize import minimize
+    from scipy.special import expit
 
     z, wn = _logit(p), w / w.sum()
 
     def loss(t: np.ndarray) -> tuple[float, np.ndarray]:
         u = t[0] * z + t[1]
-        q = 1.0 / (1.0 + np.exp(-u))
+        q = expit(u)
         value = float(np.sum(wn * (np.logaddexp(0.0, u) - y * u))) + _PLATT_PULL * float((t[0] - 1) ** 2 + t[1] ** 2)
         g = wn * (q - y)
         grad = np.array([np.sum(g * z) + 2 * _PLATT_PULL * (t[0] - 1), np.sum(g) + 2 * _PLATT_PULL * t[1]])
@@ -330,9 +335,11 @@ def fit_recalibration(p_clean: np.ndarray, clean: np.ndarray, weight: np.ndarray
     p, y, w = p[order], y[order], w[order]
     iso_x, iso_y = _centred_isotonic(p, y, w)
     a, b = _platt(p, y, w)
-    xs = np.unique(np.r_[iso_x, 1.0 / (1.0 + np.exp(-_GRID_LOGITS))])
+    from scipy.special import expit
+
+    xs = np.unique(np.r_[iso_x, expit(_GRID_LOGITS)])
     iso = np.interp(xs, iso_x, iso_y) if len(iso_x) > 1 else np.full(len(xs), iso_y[0])
-    ys = 0.5 * (iso + 1.0 / (1.0 + np.exp(-(a * _logit(xs) + b))))
+    ys = 0.5 * (iso + expit(a * _logit(xs) + b))
     return {"x": [float(v) for v in xs], "y": [float(v) for v in np.clip(ys, 0.0, 1.0)]}
 
 
