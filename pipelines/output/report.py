@@ -141,6 +141,16 @@ def _row(r: dict[str, Any]) -> str:
     return f"  {r[schema.COL_KEY]:<32} {r[schema.COL_STATUS]:<13} sim {sim_s}  weight {r[schema.COL_WEIGHT]:.3f}  {flag}"
 
 
+def _contrast_line(doc: dict[str, Any]) -> str:
+    """The contrast's recipe, its weights (version 1: one ``gamma`` for both rivals) and bank."""
+    if "caption_gamma" in doc:
+        weights = f"caption rival x{doc['caption_gamma']:g}, image rival x{doc['image_gamma']:g}"
+    else:
+        weights = f"both rivals x{doc.get('gamma', float('nan')):g}"
+    return (f"on ({doc.get('recipe')} v{doc.get('version')}: {weights}; bank of {doc['bank_rows']} calibration pairs; "
+            "weights read adjusted_similarity)")
+
+
 def format_summary(s: Summary) -> str:
     """Human-readable text of a summary."""
     lines = [
@@ -149,8 +159,7 @@ def format_summary(s: Summary) -> str:
         f"beta: {s.beta:+.4f} ({s.beta_recipe}), weighting: {s.weighting}",
         "status: " + ", ".join(f"{k}={v}" for k, v in s.statuses.items()),
         f"flagged noisy ({s.noisy_rule}): {100 * s.flagged_noisy:.1f}% of ok pairs",
-        "corpus contrast: " + (f"on (bank of {s.contrast['bank_rows']} calibration pairs; weights read adjusted_similarity)"
-                               if s.contrast else "off (weights read the similarity)"),
+        "corpus contrast: " + (_contrast_line(s.contrast) if s.contrast else "off (weights read the similarity)"),
         "judge: " + _judge_line(s.judge),
         "refined: " + _refine_line(s.refine),
         "noise-rate estimate (pairs below the median of random mismatched pairs x 2; GMM without embeddings): "

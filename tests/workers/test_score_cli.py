@@ -204,7 +204,7 @@ def test_the_corpus_contrast_is_on_by_default_recorded_and_rescored_alike(make_s
     from pairclean.output.report import format_summary, summarize
 
     text = format_summary(summarize(folder))
-    assert "corpus contrast: on (bank of 24" in text and "flagged noisy (adjusted_similarity <= beta)" in text
+    assert "corpus contrast: on (bank-contrast v2: caption rival x1, image rival x0.75; bank of 24" in text and "flagged noisy (adjusted_similarity <= beta)" in text
     assert "noise share by the p_clean mixture (calibration sample): " in text and "near-miss" in text
     # rerunning resumes (auto keeps the folder's setting); --contrast off is another job
     assert _score(shards, fresh) == 0
