@@ -282,8 +282,10 @@ def _centred_isotonic(p: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.n
 
 
 def _logit(p: np.ndarray) -> np.ndarray:
-    q = np.clip(p, 1e-7, 1 - 1e-7)
-    out: np.ndarray = np.log(q) - np.log1p(-q)
+    """scipy's logit of ``p`` clipped away from 0 and 1 (a label-free model value of exactly 0 or 1 stays finite)."""
+    from scipy.special import logit
+
+    out: np.ndarray = logit(np.clip(p, 1e-7, 1 - 1e-7))
     return out
 
 

@@ -60,7 +60,7 @@ from numpy.typing import NDArray
 from pairclean.calibrate.p_clean import DUPLICATE_COSINE
 
 __all__ = ["RECIPE", "VERSION", "K", "CAPTION_GAMMA", "IMAGE_GAMMA", "BANK_SIZE", "SAME_IMAGE_COSINE", "MIN_BANK", "Contrast", "fit_contrast",
-           "copied_caption_share", "bank_sha256", "from_json"]
+           "copied_caption_share", "bank_sha256", "from_json", "rival_weights"]
 
 RECIPE: Final = "bank-contrast"
 VERSION: Final = 2
@@ -204,8 +204,9 @@ def fit_contrast(image_emb: NDArray[Any], text_emb: NDArray[Any]) -> Contrast | 
                     mean_image_rival=float(np.nanmean(im.astype(np.float64))))
 
 
-def _weights(doc: dict[str, Any]) -> tuple[float, float]:
-    """(caption, image) weights of a recorded contrast: version 1 took one ``gamma`` off both."""
+def rival_weights(doc: dict[str, Any]) -> tuple[float, float]:
+    """(caption, image) weights of a recorded contrast (``to_json``): version 1 took one
+    ``gamma`` off both."""
     if int(doc["version"]) == 1:
         return float(doc["gamma"]), float(doc["gamma"])
     return float(doc["caption_gamma"]), float(doc["image_gamma"])
@@ -222,7 +223,7 @@ def from_json(doc: dict[str, Any], bank: NDArray[Any]) -> Contrast:
         raise ValueError("the contrast bank's checksum does not match the calibration")
     if arr.ndim != 3 or arr.shape[0] != 2:
         raise ValueError(f"the contrast bank has shape {arr.shape}, not (2, rows, dim)")
-    caption_gamma, image_gamma = _weights(doc)
+    caption_gamma, image_gamma = rival_weights(doc)
     return Contrast(bank=arr, mean_caption_rival=float(doc["mean_caption_rival"]),
                     mean_image_rival=float(doc["mean_image_rival"]), k=int(doc["k"]),
                     caption_gamma=caption_gamma, image_gamma=image_gamma)

@@ -142,13 +142,12 @@ def _row(r: dict[str, Any]) -> str:
 
 
 def _contrast_line(doc: dict[str, Any]) -> str:
-    """The contrast's recipe, its weights (version 1: one ``gamma`` for both rivals) and bank."""
-    if "caption_gamma" in doc:
-        weights = f"caption rival x{doc['caption_gamma']:g}, image rival x{doc['image_gamma']:g}"
-    else:
-        weights = f"both rivals x{doc.get('gamma', float('nan')):g}"
-    return (f"on ({doc.get('recipe')} v{doc.get('version')}: {weights}; bank of {doc['bank_rows']} calibration pairs; "
-            "weights read adjusted_similarity)")
+    """The contrast's recipe, its rival weights and its bank."""
+    from pairclean.calibrate.contrast import rival_weights
+
+    caption, image = rival_weights(doc)
+    return (f"on ({doc.get('recipe')} v{doc.get('version')}: caption rival x{caption:g}, image rival x{image:g}; "
+            f"bank of {doc['bank_rows']} calibration pairs; weights read adjusted_similarity)")
 
 
 def format_summary(s: Summary) -> str:
