@@ -29,7 +29,8 @@ prints one row per (kind, rate): ROC-AUC of ``similarity``, ``weight`` and ``p_c
 (clean = positive); noise recall and clean accuracy of the ``noisy`` flag; ECE (15 bins)
 and Brier score of ``p_clean``; mean ``p_clean`` of clean and of noisy pairs; the share of
 noisy pairs that ``p_clean`` calls clean with confidence (above ``CONFIDENT``); the largest
-share of pairs tied on one ``p_clean`` value; the job's noise-rate estimate; pairs/s of
+share of pairs tied on one ``p_clean`` value; the job's noise-rate estimate (1 - mean ``p_clean``)
+and the calibration's random-mismatch share; pairs/s of
 the whole command (start-up and model load included).
 
 Embeddings (for the neighbours) and shards are cached under ``--cache`` (default
@@ -234,7 +235,10 @@ def evaluate(out: Path, labels: dict[str, Any], skip: set[str] | None = None) ->
         "p_clean_noisy": float(p[truth].mean()),
         "noisy_confident": float((p[truth] > CONFIDENT).mean()),
         "max_tie": float(counts.max() / len(p)),
-        "noise_rate_est": cal.get("noise_rate"),
+        # the job's noise-rate estimate as `pairclean inspect` and REST jobs report it, and the
+        # random-mismatch share it replaced there (a lower bound: near-misses score above it)
+        "noise_rate_est": float(1 - p.mean()),
+        "random_mismatch_share": cal.get("noise_rate"),
         "true_noise_rate": float(truth.mean()),
     }
     if "judge_score" in df.columns:

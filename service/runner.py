@@ -20,14 +20,21 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pairclean.output.folder import OutputDir
+import numpy as np
+import pyarrow as pa
+
+from pairclean import schema
+from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.job.lifecycle import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, state_for_exit
 
 from .metrics import Metrics
 from .settings import ServiceSettings
 from .store import JobRow, JobStore, now_iso
+
+if TYPE_CHECKING:
+    from pairclean.calibrate.calibration import Calibration
 
 __all__ = ["JobRunner", "score_command"]
 
@@ -60,6 +67,10 @@ class _Running:
     seen_stems: set[str]
     seen_failed: set[str] = field(default_factory=set)
     out: OutputDir | None = None  # kept between looks: completion records already read are cached
+    #: Sum of ``p_clean`` and count of the ok pairs of the shards seen so far: the job's
+    #: noise-rate estimate is 1 - their mean (``pairclean.output.report.expected_noise``).
+    p_clean_sum: float = 0.0
+    p_clean_pairs: int = 0
 
 
 class JobRunner:
@@ -184,13 +195,48 @@ class JobRunner:
         for stem, entry in committed.items():
             if stem not in run.seen_stems:
                 run.seen_stems.add(stem)
-                self.metrics.shard_committed(entry.to_json(), lambda cols, e=entry: out.read_scores(e, cols))
+                table = _read_values(out, entry)
+                self.metrics.shard_committed(entry.to_json(), lambda cols, e=entry: table.select(cols) if table is not None
+                                             else out.read_scores(e, cols))
+                _add_p_clean(run, table)
         calibration = out.read_calibration()
         self.store.update(
             run.job_id, shards_done=len(committed), shards_failed=len(failed),
             pairs=sum(e.rows for e in committed.values()),
-            noise_rate=calibration.noise_rate if calibration else None,
+            noise_rate=_noise_rate(run, calibration),
         )
+
+
+#: The score columns one look reads of each newly committed shard (metrics and the noise rate).
+_VALUE_COLUMNS = [schema.COL_STATUS, schema.COL_SIMILARITY, schema.COL_WEIGHT, schema.COL_P_CLEAN]
+
+
+def _read_values(out: OutputDir, entry: ShardRecord) -> pa.Table | None:
+    """The shard's status, similarity, weight and p_clean columns; None where they cannot be
+    read (the metrics then read their own columns; progress must never fail on one table)."""
+    try:
+        return out.read_scores(entry, _VALUE_COLUMNS)
+    except Exception:  # noqa: BLE001 - a table the look cannot read leaves the estimate as it was
+        return None
+
+
+def _add_p_clean(run: _Running, table: pa.Table | None) -> None:
+    """Add a shard's ok pairs' ``p_clean`` (finite values) to the job's running sums."""
+    if table is None:
+        return
+    p = table.column(schema.COL_P_CLEAN).to_numpy(zero_copy_only=False).astype(np.float64)[schema.ok_mask(table)]
+    p = p[np.isfinite(p)]
+    run.p_clean_sum += float(p.sum())
+    run.p_clean_pairs += int(p.size)
+
+
+def _noise_rate(run: _Running, calibration: Calibration | None) -> float | None:
+    """The job's noise-rate estimate: 1 - mean ``p_clean`` over the committed shards' ok pairs
+    (the wrong captions ``p_clean`` expects, near-misses included); before any is committed,
+    the calibration's random-mismatch share (a lower bound)."""
+    if run.p_clean_pairs:
+        return 1.0 - run.p_clean_sum / run.p_clean_pairs
+    return calibration.noise_rate if calibration else None
 
 
 def _tail(path: Path, limit: int = 2000) -> str:

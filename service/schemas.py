@@ -78,7 +78,11 @@ class JobPublic(BaseModel):
     state: State
     request: StoredRequest
     progress: Progress
-    noise_rate_estimate: float | None
+    #: 1 - mean p_clean over the ok pairs of the shards committed so far (the wrong captions
+    #: p_clean expects, near-misses included); before the first commit, the calibration's
+    #: random-mismatch share (a lower bound). None before calibration.
+    noise_rate_estimate: float | None = Field(description="1 - mean p_clean over the committed shards' ok pairs "
+                                              "(before the first commit: the calibration's random-mismatch share)")
     output: str
     error: str | None
     created_at: str

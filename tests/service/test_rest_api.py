@@ -38,6 +38,12 @@ def test_job_lifecycle_progress_shards_metrics_and_idempotency(server, make_shar
     assert again == job_id
     done = client.wait(job_id, timeout=300, poll=0.2)
     assert done["state"] == "SUCCEEDED" and done["progress"]["shards_done"] == 3 and done["progress"]["pairs"] == 18
+    # the noise-rate estimate is what p_clean expects over every committed pair (1 - its mean)
+    import pyarrow.dataset as ds
+
+    table = ds.dataset(str(tmp_path / "out")).to_table(columns=["status", "p_clean"]).to_pandas()
+    expected = 1 - table[table.status == "ok"].p_clean.astype(float).mean()
+    assert done["noise_rate_estimate"] == pytest.approx(expected, abs=1e-6)
     page = httpx.get(f"{server.url}/v1/jobs/{job_id}/shards", params={"state": "committed"}, headers={"Authorization": f"Bearer {server.key}"}).json()
     assert page["total"] == 3 and all(s["rows"] == 6 for s in page["items"])
     listing = client.list(limit=10)

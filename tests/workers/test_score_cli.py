@@ -126,9 +126,15 @@ def test_inspect_prints_counts_noise_rate_and_histogram(make_shards, tmp_path: P
     assert note.endswith(f"measure them with `pairclean audit {tmp_path / 'o'} --sample 200`")
     assert main(["inspect", str(tmp_path / "o")]) == 0
     text = capsys.readouterr().out
-    assert "status: ok=20" in text and "noise-rate estimate" in text and "weight histogram" in text
+    assert "status: ok=20" in text and "weight histogram" in text
+    # the noise-rate estimate is the wrong captions p_clean expects; the random-mismatch share
+    # (a lower bound) is its own line
+    p_clean = pq.read_table(tmp_path / "o").column("p_clean").to_numpy()
+    assert f"noise-rate estimate (1 - mean p_clean over ok pairs: the wrong captions p_clean expects): {100 * (1 - p_clean.mean()):.1f}%" in text
+    assert "random-mismatch share (pairs below the median of random mismatched pairs x 2" in text
     assert main(["inspect", str(tmp_path / "o"), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["pairs"] == 20
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["pairs"] == 20 and doc["expected_noise"] == pytest.approx(1 - p_clean.astype(float).mean())
 
 
 def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
