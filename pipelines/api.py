@@ -199,6 +199,7 @@ def score_pairs(
     from pairclean.spec import JobSpec
     from pairclean.embed.shard import ScoreOptions
     from pairclean.output.tables import scores_table
+    from pairclean.calibrate.contrast import table_columns
     from pairclean.read.shards import PairSample
     from pairclean.job.work import calibrate_on, random_beta_fn
 
@@ -227,9 +228,9 @@ def score_pairs(
                 "folder or a saved calibration), or allow_small_calibration=True"
             )
         calibration = calibrate_on([result], spec, random_beta_fn(est, beta_k, seed), int(est.info.embed_dim))
-    adjusted = contrast.adjust(result.similarity, result.image_emb, result.text_emb) if contrast is not None else None
+    adjusted, owner = table_columns(contrast, result.similarity, result.image_emb, result.text_emb)
     table = scores_table("in-memory", result.keys, result.idx, result.status, result.error, result.similarity, calibration, {},
-                         adjusted=adjusted)
+                         adjusted=adjusted, owner_margin=owner)
     return PairScores(
         similarity=result.similarity, weight=table.column(schema.COL_WEIGHT).to_numpy(),
         noisy=table.column(schema.COL_NOISY).to_numpy(zero_copy_only=False),

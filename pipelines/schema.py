@@ -39,6 +39,7 @@ __all__ = [
     "COL_P_CLEAN",
     "COL_JUDGE_SCORE",
     "COL_ADJUSTED",
+    "COL_OWNER_MARGIN",
     "COL_UID",
     "COL_URL",
     "COL_IMAGE_OFFSET",
@@ -123,6 +124,10 @@ COL_JUDGE_SCORE: Final = "judge_score"
 #: (``pairclean.calibrate.contrast``): what weight, noisy and p_clean are computed from
 #: when the job's calibration has a contrast; NaN for rows that are not ok.
 COL_ADJUSTED: Final = "adjusted_similarity"
+#: How much better another bank image whose caption says the same fits this caption than
+#: the pair's own image (``Contrast.owner_margin``, contrast version 3); NaN where no such
+#: image is in the bank. Positive: the caption has a better owner, and ``p_clean`` was lowered.
+COL_OWNER_MARGIN: Final = "owner_margin"
 COL_UID: Final = "uid"
 COL_URL: Final = "url"
 #: Where the pair's members lie in its (uncompressed) tar: the byte offset of the member's

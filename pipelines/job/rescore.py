@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from pairclean import osa, schema
 from pairclean.calibrate.calibration import calibrate, needs_corpus
-from pairclean.calibrate.contrast import fit_contrast
+from pairclean.calibrate.contrast import fit_contrast, table_columns
 from pairclean.errors import InputError
 from pairclean.calibrate.calibration import Calibration
 from pairclean.spec import JobSpec, spec_digest
@@ -110,8 +110,8 @@ def rescore(
     # one shard's sidecar in memory at a time for the adjusted similarities
     records = [
         _rewrite(out, record, table, calibration, digest,
-                 None if fitted is None else fitted.adjust(
-                     table.column(schema.COL_SIMILARITY).to_numpy(), *_shard_embeddings(out, record, table)))
+                 (None, None) if fitted is None else table_columns(
+                     fitted, table.column(schema.COL_SIMILARITY).to_numpy(), *_shard_embeddings(out, record, table)))
         for record, table in tables
     ]
     out.replace_records(records)
@@ -182,7 +182,10 @@ def _no_model() -> float:
 
 
 def _rewrite(out: OutputDir, record: ShardRecord, table: pa.Table, calibration: Calibration, digest: str,
-             adjusted: np.ndarray | None = None) -> ShardRecord:
+             contrast_columns: tuple[np.ndarray | None, np.ndarray | None]) -> ShardRecord:
+    """Rewrite one table under ``calibration``; ``contrast_columns``: ``contrast.table_columns``
+    of its pairs (both None without a contrast)."""
+    adjusted, owner = contrast_columns
     old_meta = json.loads(table.schema.metadata[schema.META_KEY])
     extra = {k: old_meta[k] for k in ("shard", "recipe") if k in old_meta} | {"job": digest}
     if "judge" in calibration.extra:
@@ -201,7 +204,7 @@ def _rewrite(out: OutputDir, record: ShardRecord, table: pa.Table, calibration: 
         uid=table.column(schema.COL_UID).to_pylist() if schema.COL_UID in cols else None,
         url=table.column(schema.COL_URL).to_pylist() if schema.COL_URL in cols else None,
         members={c: table.column(c).to_pylist() for c in schema.MEMBER_COLUMNS} if cols >= set(schema.MEMBER_COLUMNS) else None,
-        adjusted=adjusted,
+        adjusted=adjusted, owner_margin=owner,
         **_judge_columns(table, calibration, adjusted),
     )
     info = out.write_table(record.output, new)

@@ -30,7 +30,7 @@ from numpy.typing import NDArray
 
 from pairclean import __version__, schema
 from pairclean.calibrate.calibration import calibrate, cached_random_beta, needs_corpus
-from pairclean.calibrate.contrast import Contrast, fit_contrast
+from pairclean.calibrate.contrast import Contrast, fit_contrast, table_columns
 from pairclean.errors import InputError
 from pairclean.embed.estimators import Estimator
 from pairclean.calibrate.calibration import Calibration
@@ -324,7 +324,7 @@ class ShardWork:
         stem = shard_stem(result.uri)
         extra_meta: dict[str, Any] = {"shard": result.uri, "recipe": _recipe(self.spec), "job": self.digest}
         second_stage = extra_scores = None
-        adjusted = self._adjusted(result, calibration)
+        adjusted, owner = table_columns(self.contrast_of(calibration), result.similarity, result.image_emb, result.text_emb)
         if result.judge_llr is not None and "judge" in calibration.extra:
             second_stage, extra_scores = self._judged(result, calibration, adjusted)
             extra_meta["judge"] = calibration.extra["judge"]
@@ -336,7 +336,7 @@ class ShardWork:
             # One schema per job (issue 23); folders of the older layout keep their rule so a
             # redone shard rewrites the same bytes.
             uid_url=not self.out.legacy,
-            adjusted=adjusted,
+            adjusted=adjusted, owner_margin=owner,
         )
         emb_name = emb_bytes = None
         if self.spec.embeddings:
@@ -367,11 +367,6 @@ class ShardWork:
             assert loaded is not None
             self._contrast = (doc["bank_sha256"], loaded)
         return self._contrast[1]
-
-    def _adjusted(self, result: ShardResult, calibration: Calibration) -> NDArray[np.float32] | None:
-        """(N,) the shard's adjusted similarities (None without a contrast)."""
-        contrast = self.contrast_of(calibration)
-        return None if contrast is None else contrast.adjust(result.similarity, result.image_emb, result.text_emb)
 
     @staticmethod
     def _judged(result: ShardResult, calibration: Calibration, adjusted: NDArray[np.float32] | None) -> tuple[Any, dict[str, Any]]:

@@ -13,6 +13,7 @@ import pyarrow as pa
 from numpy.typing import NDArray
 from pairclean import __version__, osa, schema
 from pairclean.calibrate.calibration import Calibration
+from pairclean.calibrate.contrast import owner_p_clean
 
 __all__ = ["scores_table", "embeddings_table", "read_embeddings", "output_metadata", "float_column"]
 
@@ -31,11 +32,13 @@ def _p_clean_doc(calibration: Calibration) -> dict[str, Any]:
 def _noisy_rule(calibration: Calibration, judge: dict[str, Any] | None) -> str:
     """The rule behind the ``noisy`` column (``scores_table``), as the metadata states it: a
     judge whose p_clean is in force (every judge but one whose word check its guard turned
-    off, ``fine_prior`` None) flags ``p_clean <= 0.5`` on the pairs it judged."""
+    off, ``fine_prior`` None) flags ``p_clean <= 0.5`` on the pairs it judged; a version-3
+    contrast also flags it on pairs whose caption has a better owner."""
     osa_rule = "adjusted_similarity <= beta" if "contrast" in calibration.extra else "similarity <= beta"
+    owner = ", or p_clean <= 0.5 where owner_margin > 0" if (calibration.extra.get("contrast") or {}).get("owner_odds") is not None else ""
     if judge is None or ("fine_prior" in judge and judge["fine_prior"] is None):
-        return osa_rule
-    return f"p_clean <= 0.5 where judged (judge_score not NaN), else {osa_rule}"
+        return osa_rule + owner
+    return f"p_clean <= 0.5 where judged (judge_score not NaN), else {osa_rule}{owner}"
 
 
 def output_metadata(model_info: dict[str, Any], calibration: Calibration, extra: dict[str, Any]) -> dict[bytes, bytes]:
@@ -87,6 +90,7 @@ def scores_table(
     extra_scores: Mapping[str, NDArray[np.float32]] | None = None,
     uid_url: bool = False,
     adjusted: NDArray[np.float32] | None = None,
+    owner_margin: NDArray[np.float32] | None = None,
 ) -> pa.Table:
     """The scores Parquet table: weights and flags from similarities and the calibration.
 
@@ -102,6 +106,10 @@ def scores_table(
     ``adjusted``: (N,) the corpus-contrast adjusted similarities (a calibration with a
     contrast): weight, noisy and p_clean are computed from them, and they are written as
     the ``adjusted_similarity`` column right after ``p_clean``.
+    ``owner_margin``: (N,) ``Contrast.owner_margin`` (a version-3 contrast): written after
+    ``adjusted_similarity``; where it is positive, ``p_clean`` (the judge's included) keeps
+    ``owner_odds`` of its odds (``contrast.owner_p_clean``), ``noisy`` also holds where that
+    ``p_clean`` is at most 0.5, and under the ``p-clean`` weighting ``weight = p_clean``.
 
     Rows that are not ``ok`` get weight 0, ``p_clean`` 0 and ``noisy = True`` (a trainer
     must not use them as clean pairs). ``p_clean`` is the calibration's ``p_clean`` curve
@@ -127,6 +135,12 @@ def scores_table(
         noisy = np.where(judged, p_clean <= 0.5, noisy)
         if calibration.weighting == "p-clean":
             weight[judged] = p_clean[judged]
+    if owner_margin is not None:
+        owned = ok & (np.nan_to_num(np.asarray(owner_margin, np.float32), nan=-1.0) > 0)
+        p_clean[owned] = owner_p_clean(p_clean[owned], owner_margin[owned], calibration.extra["contrast"].get("owner_odds"))
+        noisy = np.where(owned, noisy | (p_clean <= 0.5), noisy)
+        if calibration.weighting == "p-clean":
+            weight[owned] = p_clean[owned]
     columns: dict[str, Any] = {
         schema.COL_KEY: keys,
         schema.COL_SHARD: [shard] * len(keys),
@@ -139,6 +153,8 @@ def scores_table(
         schema.COL_P_CLEAN: p_clean,
     }
     extra = {schema.COL_ADJUSTED: scored} if adjusted is not None else {}
+    if owner_margin is not None:
+        extra[schema.COL_OWNER_MARGIN] = np.where(ok, np.asarray(owner_margin, np.float32), np.nan)
     extra.update(extra_scores or {})
     columns.update((name, np.asarray(values, np.float32)) for name, values in extra.items())
     if uid_url:

@@ -67,6 +67,7 @@ from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.output.lock import RunLock
 from pairclean.output.tables import float_column, read_embeddings
 from pairclean.calibrate.calibration import Calibration
+from pairclean.calibrate.contrast import owner_p_clean
 from pairclean.refine import DEFAULT_METHOD, METHODS, Heads, fit, apply, heads_bytes, heads_from_bytes, score_column, settings_for
 from pairclean.refine.ensemble import uses_only_osa
 
@@ -85,7 +86,7 @@ FITS_DIR = f"{REFINE_DIR}/fits"
 #: The columns kept from the scored table; everything else is recomputed.
 BASE_COLUMNS = (schema.COL_KEY, schema.COL_SHARD, schema.COL_IDX, schema.COL_STATUS, schema.COL_ERROR, schema.COL_SIMILARITY)
 #: The scored table's own score columns, kept after ``p_clean`` when it has them.
-SCORED_EXTRAS = (schema.COL_ADJUSTED, schema.COL_JUDGE_SCORE)
+SCORED_EXTRAS = (schema.COL_ADJUSTED, schema.COL_OWNER_MARGIN, schema.COL_JUDGE_SCORE)
 #: Knots of the quantile map from a method's raw score to OSA's p_clean.
 MAP_KNOTS = 257
 
@@ -396,6 +397,9 @@ def apply_shard(out: OutputDir, record: ShardRecord, heads: Heads, doc: dict[str
             raise InputError(f"{out.uri} lost its calibration while being refined", uri=out.uri)
         llr = float_column(table, schema.COL_JUDGE_SCORE)
         p_ok = refined_p_clean(raw_ok, scores, None if llr is None else llr[ok], p_map, calibration)
+        margin = float_column(table, schema.COL_OWNER_MARGIN)
+        if margin is not None:  # a version-3 contrast's owners lower p_clean as in the scored table
+            p_ok = owner_p_clean(p_ok, margin[ok], calibration.extra["contrast"].get("owner_odds"))
     n = table.num_rows
     raw = np.full(n, np.nan, dtype=np.float32)
     p = np.zeros(n, dtype=np.float32)

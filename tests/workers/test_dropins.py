@@ -17,7 +17,7 @@ from pairclean.output.folder import OutputDir
 from pairclean_workers.cli import main
 
 TINY = ["--model", "pairclean-tiny-test", "--no-progress", "--batch-size", "4", "--executor", "local"]
-COLUMNS = ["key", "shard", "idx", "status", "error", "similarity", "weight", "noisy", "p_clean", "adjusted_similarity", "uid", "url",
+COLUMNS = ["key", "shard", "idx", "status", "error", "similarity", "weight", "noisy", "p_clean", "adjusted_similarity", "owner_margin", "uid", "url",
            "image_offset", "image_size", "caption_offset", "caption_size"]
 ROWS = 30  # 0 + 10 json-only + 10 + 10
 

@@ -239,6 +239,7 @@ def test_refine_keeps_what_score_calibrated_the_contrast_and_the_word_check(make
     keeps its ``adjusted_similarity`` and ``judge_score``; an ensemble that chose OSA gives the
     scored ``p_clean`` exactly; another method's raw score is mapped onto OSA's ``p_clean`` by
     quantiles and multiplied by the judge's word check, as ``score`` does."""
+    from pairclean.calibrate.contrast import owner_p_clean
     from pairclean.job.work import judged_p_clean, osa_p_clean
     from pairclean.judge import posterior
     from pairclean.output.folder import OutputDir
@@ -282,6 +283,9 @@ def test_refine_keeps_what_score_calibrated_the_contrast_and_the_word_check(make
         base = np.interp(raw, knots_raw, knots_p).astype(np.float32)
         llr = np.array([r[schema.COL_JUDGE_SCORE] for r in rows], np.float32)
         expected = judged_p_clean(llr, base, calibration.extra["judge"])
+        # the contrast's owners (version 3) lower p_clean after the judge, as in the scored table
+        margin = np.array([r[schema.COL_OWNER_MARGIN] for r in rows], np.float32)
+        expected = owner_p_clean(expected, margin, calibration.extra["contrast"]["owner_odds"])
         np.testing.assert_allclose([r["p_clean"] for r in rows], expected, atol=1e-6)
         assert [r[schema.COL_ADJUSTED] for r in rows] == [r[schema.COL_ADJUSTED] for r in before]
         mapped += list(base)

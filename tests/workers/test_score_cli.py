@@ -210,7 +210,9 @@ def test_the_corpus_contrast_is_on_by_default_recorded_and_rescored_alike(make_s
     from pairclean.output.report import format_summary, summarize
 
     text = format_summary(summarize(folder))
-    assert "corpus contrast: on (bank-contrast v2: caption rival x1, image rival x0.75; bank of 24" in text and "flagged noisy (adjusted_similarity <= beta)" in text
+    assert ("corpus contrast: on (bank-contrast v3: caption rival x1, image rival x0.75; a caption with a better owner "
+            "(a bank caption at cosine >= 0.85 on an image that fits it better; owner_margin > 0) keeps x0.1 of its odds; bank of 24") in text
+    assert "flagged noisy (adjusted_similarity <= beta, or p_clean <= 0.5 where owner_margin > 0)" in text
     assert "noise share by the p_clean mixture (calibration sample): " in text and "near-miss" in text
     # rerunning resumes (auto keeps the folder's setting); --contrast off is another job
     assert _score(shards, fresh) == 0
@@ -224,9 +226,49 @@ def test_the_corpus_contrast_is_on_by_default_recorded_and_rescored_alike(make_s
                  "--device", "cpu"]) == 0
     for stem in ("part-00000", "part-00001"):
         a, b = _rows(fresh, stem), _rows(plain, stem)
-        for col in (schema.COL_ADJUSTED, "weight", "p_clean"):
+        for col in (schema.COL_ADJUSTED, schema.COL_OWNER_MARGIN, "weight", "p_clean"):
             np.testing.assert_allclose([r[col] for r in a], [r[col] for r in b], atol=1e-6)
         assert [r["noisy"] for r in a] == [r["noisy"] for r in b]
+
+
+def _caption(shard: Path, index: int) -> str:
+    """The ``txt`` member of the shard's ``index``-th sample."""
+    import tarfile
+
+    with tarfile.open(shard) as tar:
+        texts = [m for m in tar.getmembers() if m.name.endswith(".txt")]
+        data = tar.extractfile(texts[index])
+        assert data is not None
+        return data.read().decode()
+
+
+def test_a_caption_copied_onto_another_photo_has_a_better_owner(make_shards, tmp_path: Path) -> None:
+    """Contrast version 3: pair 5 carries pair 3's caption word for word. Whichever of the two
+    photos fits it worse has an owner (``owner_margin`` > 0, at least the other's fit less its
+    own) and keeps ``owner_odds`` of its odds; every row's p_clean is OSA's under that rule."""
+    from pairclean.calibrate.contrast import owner_p_clean
+    from pairclean.job.work import osa_p_clean
+
+    source = make_shards(n_shards=1, per_shard=20, noise=0.0, folder=tmp_path / "a")[0]
+    shards = make_shards(n_shards=1, per_shard=20, noise=0.0, folder=tmp_path / "b", extra={5: {"txt": _caption(source, 3)}})
+    out = tmp_path / "out"
+    assert _score([str(s) for s in shards], out) == 0
+    cal = OutputDir(str(out)).read_calibration()
+    assert cal is not None and cal.extra["contrast"]["version"] == 3
+    meta = json.loads(pq.read_schema(out / "part-00000.parquet").metadata[schema.META_KEY])
+    assert meta["noisy_rule"] == "adjusted_similarity <= beta, or p_clean <= 0.5 where owner_margin > 0"
+    rows = _rows(out, "part-00000")
+    sims = np.array([r["similarity"] for r in rows])
+    margin = np.array([r[schema.COL_OWNER_MARGIN] for r in rows], np.float32)
+    worse, better = (3, 5) if sims[3] < sims[5] else (5, 3)
+    assert margin[worse] > 0 and margin[worse] >= sims[better] - sims[worse] - 2e-3
+    adjusted = np.array([r[schema.COL_ADJUSTED] for r in rows], np.float32)
+    osa_p = osa_p_clean(adjusted, cal)
+    expected = owner_p_clean(osa_p, margin, cal.extra["contrast"]["owner_odds"])
+    np.testing.assert_allclose([r["p_clean"] for r in rows], expected, atol=1e-6)
+    assert expected[worse] < osa_p[worse]
+    owned = np.nan_to_num(margin, nan=-1.0) > 0
+    assert [r["noisy"] for r in rows] == list((adjusted <= cal.beta) | (owned & (expected <= 0.5)))
 
 
 def test_a_contrast_job_without_sidecars_cannot_be_rescored_with_it(make_shards, tmp_path: Path,

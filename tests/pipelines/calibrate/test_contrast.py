@@ -98,9 +98,9 @@ def test_a_version_1_contrast_keeps_its_one_weight_and_its_arithmetic() -> None:
     c = cm.fit_contrast(img, txt)
     assert c is not None
     doc = c.to_json()
-    assert doc["version"] == 2 and (doc["caption_gamma"], doc["image_gamma"]) == (cm.CAPTION_GAMMA, cm.IMAGE_GAMMA)
+    assert doc["version"] == 3 and (doc["caption_gamma"], doc["image_gamma"]) == (cm.CAPTION_GAMMA, cm.IMAGE_GAMMA)
     assert cm.CAPTION_GAMMA != cm.IMAGE_GAMMA
-    v1 = {k: v for k, v in doc.items() if k not in ("caption_gamma", "image_gamma")} | {"version": 1, "gamma": 0.5}
+    v1 = {k: v for k, v in doc.items() if k not in ("caption_gamma", "image_gamma", "owner_cosine", "owner_odds")} | {"version": 1, "gamma": 0.5}
     old = cm.from_json(v1, c.bank)
     assert (old.caption_gamma, old.image_gamma) == (0.5, 0.5)
     sims = (img * txt).sum(1)
@@ -112,6 +112,48 @@ def test_a_version_1_contrast_keeps_its_one_weight_and_its_arithmetic() -> None:
     np.testing.assert_allclose(c.adjust(sims, img, txt), expected, atol=1e-6)
     with pytest.raises(ValueError, match="unknown contrast recipe"):
         cm.from_json({**doc, "version": "2"}, c.bank)
+
+
+def test_a_caption_with_a_better_owner_loses_its_odds_and_nothing_else_moves() -> None:
+    """Version 3: a near-miss whose caption a look-alike of the bank carries (here word for
+    word) has an owner that fits it better; the pair's odds of being clean are multiplied by
+    ``OWNER_ODDS``, and no pair's p_clean rises."""
+    img, txt, clean = _corpus(n=400, near=0.3)
+    sims = (img * txt).sum(1)
+    c = cm.fit_contrast(img, txt)
+    assert c is not None and c.owner_cosine == cm.OWNER_COSINE and c.owner_odds == cm.OWNER_ODDS
+    margin = c.owner_margin(sims, img, txt)
+    owned = np.nan_to_num(margin, nan=-1.0) > 0
+    twin = np.arange(len(sims)) ^ 1
+    # a near-miss whose look-alike is clean carries that look-alike's caption: its owner
+    copied = ~clean & clean[twin]
+    assert owned[copied].mean() > 0.8 and owned[clean].mean() < 0.2
+    # the margin is the owner's fit less the pair's own (the owner's image with this caption)
+    i = int(np.nonzero(copied & owned)[0][0])
+    assert margin[i] == pytest.approx(float(cm._f16(img[twin[i]]) @ cm._f16(txt[i])) - float(sims[i]), abs=2e-3)
+    p = np.clip(0.5 + (sims - sims.mean()) / (4 * sims.std()), 0.01, 0.99)
+    lowered = cm.owner_p_clean(p, margin, c.owner_odds)
+    assert np.all(lowered <= p.astype(np.float32)) and np.array_equal(lowered[~owned], p[~owned].astype(np.float32))
+    np.testing.assert_allclose(lowered[owned], (p * 0.1 / (1 - p + p * 0.1))[owned], rtol=1e-5)
+    assert roc_auc(lowered, clean) > roc_auc(p, clean) + 0.05
+    # NaN similarities (pairs that are not ok) have no owner
+    assert np.isnan(c.owner_margin(np.full(3, np.nan, np.float32), img[:3], txt[:3])).all()
+
+
+def test_a_version_2_contrast_has_no_owner_and_reads_back_unchanged() -> None:
+    """Jobs calibrated under version 2 resume with their p_clean untouched by owners."""
+    img, txt, _ = _corpus()
+    c = cm.fit_contrast(img, txt)
+    assert c is not None
+    v2 = {k: v for k, v in c.to_json().items() if k not in ("owner_cosine", "owner_odds")} | {"version": 2}
+    old = cm.from_json(v2, c.bank)
+    assert old.owner_cosine is None and old.owner_odds is None and old.to_json() == v2
+    sims = (img * txt).sum(1)
+    assert np.isnan(old.owner_margin(sims, img, txt)).all()
+    adjusted, owner = cm.table_columns(old, sims, img, txt)
+    assert owner is None and adjusted is not None and np.array_equal(adjusted, c.adjust(sims, img, txt))
+    p = np.linspace(0.01, 0.99, len(sims))
+    assert np.array_equal(cm.owner_p_clean(p, np.ones(len(sims)), None), p.astype(np.float32))
 
 
 def test_calibrate_fits_the_p_clean_curve_on_adjusted_similarities() -> None:
