@@ -228,7 +228,7 @@ def score_pairs(
                 "folder or a saved calibration), or allow_small_calibration=True"
             )
         calibration = calibrate_on([result], spec, random_beta_fn(est, beta_k, seed), int(est.info.embed_dim))
-    adjusted, owner = table_columns(contrast, result.similarity, result.image_emb, result.text_emb)
+    adjusted, owner = table_columns(contrast, result.similarity, result.image_emb, result.text_emb, result.ok_mask)
     table = scores_table("in-memory", result.keys, result.idx, result.status, result.error, result.similarity, calibration, {},
                          adjusted=adjusted, owner_margin=owner)
     return PairScores(

@@ -58,9 +58,9 @@ the corpus: 0.02 of clean pairs, 0.14-0.68 of near-misses by kind, so about 0.1)
 without one keep their ``p_clean`` (never more confident). The margin (how much better the
 owner's image fits, NaN where there is no owner) is written as ``owner_margin``. Measured
 end to end (``benchmarks/hard_noise.py``, AUC of ``p_clean`` at 20% / 50%, version 2 -> 3):
-README "Hard noise". Owners are searched in the bank only (the first ``BANK_SIZE``
-calibration pairs), so in a corpus much larger than the bank most near-misses' source
-images are not there and the factor seldom applies: it never makes ``p_clean`` more
+README "Hard noise". Owners are searched in the bank (the first ``BANK_SIZE`` calibration
+pairs) and in the pair's own shard, so in a corpus much larger than both most near-misses'
+source images are in neither and the factor seldom applies; it never makes ``p_clean`` more
 confident, so where it does not apply the pair is scored as under version 2.
 """
 
@@ -188,24 +188,27 @@ class Contrast:
                 out[ok] = s[ok] - (np.float32(self.caption_gamma) * d_cap + np.float32(self.image_gamma) * d_img).astype(np.float32)
         return out
 
-    def owner_margin(self, similarity: NDArray[Any], image_emb: NDArray[Any], text_emb: NDArray[Any]) -> FloatArray:
+    def owner_margin(self, similarity: NDArray[Any], image_emb: NDArray[Any], text_emb: NDArray[Any],
+                     ok: NDArray[np.bool_] | None = None) -> FloatArray:
         """(N,) how much better the caption's best *owner* fits it than the pair's own image:
-        the largest ``cos(caption, bank image j) - similarity`` over bank rows j of another
-        image (cosine below ``SAME_IMAGE_COSINE``) whose caption says the same (caption cosine
-        >= ``owner_cosine``). NaN where there is no such row, where the similarity is NaN, and
-        for a version 1-2 contrast. Positive: the caption has a better owner."""
+        the largest ``cos(caption, owner image) - similarity`` over owners, the pairs of
+        another image (image cosine below ``SAME_IMAGE_COSINE``) whose caption says the same
+        (caption cosine >= ``owner_cosine``), searched among the bank's rows and among the N
+        given pairs themselves (a shard's, so corpora larger than the bank still find the
+        owners their shards hold). NaN where there is no owner, where the similarity is NaN,
+        and for a version 1-2 contrast. Positive: the caption has a better owner. ``ok`` (N,):
+        the pairs searched and searched for (default: finite similarities); a table passes
+        its ``ok`` statuses, which its sidecar has embeddings of, so a rescore finds what the
+        score found."""
         s = np.asarray(similarity, dtype=np.float32)
-        out = np.full(s.shape, np.nan, dtype=np.float32)
         if self.owner_cosine is None:
-            return out
+            return np.full(s.shape, np.nan, dtype=np.float32)
         img, txt = _f16(image_emb), _f16(text_emb)
-        bank_img, bank_txt = self.bank[0], self.bank[1]
-        for start in range(0, len(s), _BLOCK):
-            rows = slice(start, start + _BLOCK)
-            owner = ((txt[rows] @ bank_txt.T) >= self.owner_cosine) & ((img[rows] @ bank_img.T) < SAME_IMAGE_COSINE)
-            fit = np.where(owner, txt[rows] @ bank_img.T, -np.inf).max(1) if owner.shape[1] else np.full(owner.shape[0], -np.inf)
-            out[rows] = np.where(np.isfinite(fit), fit - s[rows], np.nan)
-        return np.where(np.isfinite(s), out, np.nan).astype(np.float32)
+        ok = np.isfinite(s) & (True if ok is None else np.asarray(ok, dtype=bool))
+        fit = np.maximum(_best_owner_fit(img, txt, self.bank[0], self.bank[1], self.owner_cosine),
+                         _best_owner_fit(img, txt, img[ok], txt[ok], self.owner_cosine))
+        out: FloatArray = np.where(ok & np.isfinite(fit), fit - s, np.nan).astype(np.float32)
+        return out
 
     def to_json(self) -> dict[str, Any]:
         """The parameters and the bank's checksum (the bank itself is a file of its own)."""
@@ -216,15 +219,32 @@ class Contrast:
                 "bank_rows": int(self.bank.shape[1]), "bank_sha256": bank_sha256(self.bank), **owner}
 
 
+def _best_owner_fit(img: FloatArray, txt: FloatArray, ref_img: FloatArray, ref_txt: FloatArray, cosine: float) -> FloatArray:
+    """(N,) for each pair (rows of ``img``, ``txt``) the largest cosine of its caption with a
+    reference image whose caption says the same (cosine >= ``cosine``) and that is not its
+    own image (image cosine below ``SAME_IMAGE_COSINE``); -inf where there is none."""
+    best = np.full(len(txt), -np.inf, dtype=np.float32)
+    if not len(ref_txt):
+        return best
+    # rows at a time so that the three (rows x references) products stay near 48 MiB
+    block = max(16, min(_BLOCK, (1 << 22) // len(ref_txt)))
+    for start in range(0, len(txt), block):
+        rows = slice(start, start + block)
+        owner = ((txt[rows] @ ref_txt.T) >= cosine) & ((img[rows] @ ref_img.T) < SAME_IMAGE_COSINE)
+        if owner.any():
+            best[rows] = np.where(owner, txt[rows] @ ref_img.T, -np.inf).max(1)
+    return best
+
+
 def table_columns(contrast: Contrast | None, similarity: NDArray[Any], image_emb: NDArray[Any],
-                  text_emb: NDArray[Any]) -> tuple[FloatArray | None, FloatArray | None]:
-    """``scores_table``'s contrast arguments ``(adjusted, owner_margin)`` for (N,)
-    similarities and their (N, D) embeddings: each (N,), the margin only under a version-3
-    contrast; both None without a contrast."""
+                  text_emb: NDArray[Any], ok: NDArray[np.bool_]) -> tuple[FloatArray | None, FloatArray | None]:
+    """``scores_table``'s contrast arguments ``(adjusted, owner_margin)`` for a table's (N,)
+    similarities, (N, D) embeddings and (N,) ``ok`` statuses: each (N,), the margin only
+    under a version-3 contrast; both None without a contrast."""
     if contrast is None:
         return None, None
     adjusted = contrast.adjust(similarity, image_emb, text_emb)
-    owner = contrast.owner_margin(similarity, image_emb, text_emb) if contrast.owner_cosine is not None else None
+    owner = contrast.owner_margin(similarity, image_emb, text_emb, ok) if contrast.owner_cosine is not None else None
     return adjusted, owner
 
 

@@ -111,7 +111,8 @@ def rescore(
     records = [
         _rewrite(out, record, table, calibration, digest,
                  (None, None) if fitted is None else table_columns(
-                     fitted, table.column(schema.COL_SIMILARITY).to_numpy(), *_shard_embeddings(out, record, table)))
+                     fitted, table.column(schema.COL_SIMILARITY).to_numpy(), *_shard_embeddings(out, record, table),
+                     schema.ok_mask(table)))
         for record, table in tables
     ]
     out.replace_records(records)

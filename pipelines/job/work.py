@@ -324,7 +324,8 @@ class ShardWork:
         stem = shard_stem(result.uri)
         extra_meta: dict[str, Any] = {"shard": result.uri, "recipe": _recipe(self.spec), "job": self.digest}
         second_stage = extra_scores = None
-        adjusted, owner = table_columns(self.contrast_of(calibration), result.similarity, result.image_emb, result.text_emb)
+        adjusted, owner = table_columns(self.contrast_of(calibration), result.similarity, result.image_emb, result.text_emb,
+                                        result.ok_mask)
         if result.judge_llr is not None and "judge" in calibration.extra:
             second_stage, extra_scores = self._judged(result, calibration, adjusted)
             extra_meta["judge"] = calibration.extra["judge"]

@@ -140,6 +140,27 @@ def test_a_caption_with_a_better_owner_loses_its_odds_and_nothing_else_moves() -
     assert np.isnan(c.owner_margin(np.full(3, np.nan, np.float32), img[:3], txt[:3])).all()
 
 
+def test_owners_are_searched_in_the_shard_as_well_as_in_the_bank() -> None:
+    """A near-miss whose source pair is not in the bank (a corpus larger than the bank) still
+    finds it when the two share a shard, and a pair that is not ok is no one's owner."""
+    img, txt, clean = _corpus(n=400, near=0.3)
+    sims = (img * txt).sum(1)
+    bank_rows = np.arange(200, 400)  # the bank holds none of the first 200 pairs
+    c = cm.fit_contrast(img[bank_rows], txt[bank_rows])
+    assert c is not None
+    twin = np.arange(400) ^ 1
+    shard = np.arange(200)
+    copied = (~clean & clean[twin])[shard]
+    in_shard = c.owner_margin(sims[shard], img[shard], txt[shard])
+    assert (np.nan_to_num(in_shard, nan=-1) > 0)[copied].mean() > 0.8
+    alone = np.concatenate([[c.owner_margin(sims[[i]], img[[i]], txt[[i]])[0]] for i in shard])
+    assert (np.nan_to_num(alone, nan=-1) > 0)[copied].mean() < 0.2  # neither bank nor a one-pair shard holds the source
+    ok = np.ones(200, bool)
+    ok[twin[shard][copied]] = False  # the sources fail (decode errors): no owners then
+    masked = c.owner_margin(sims[shard], img[shard], txt[shard], ok)
+    assert (np.nan_to_num(masked, nan=-1) > 0)[copied].mean() < 0.2
+
+
 def test_a_version_2_contrast_has_no_owner_and_reads_back_unchanged() -> None:
     """Jobs calibrated under version 2 resume with their p_clean untouched by owners."""
     img, txt, _ = _corpus()
@@ -150,7 +171,7 @@ def test_a_version_2_contrast_has_no_owner_and_reads_back_unchanged() -> None:
     assert old.owner_cosine is None and old.owner_odds is None and old.to_json() == v2
     sims = (img * txt).sum(1)
     assert np.isnan(old.owner_margin(sims, img, txt)).all()
-    adjusted, owner = cm.table_columns(old, sims, img, txt)
+    adjusted, owner = cm.table_columns(old, sims, img, txt, np.ones(len(sims), bool))
     assert owner is None and adjusted is not None and np.array_equal(adjusted, c.adjust(sims, img, txt))
     p = np.linspace(0.01, 0.99, len(sims))
     assert np.array_equal(cm.owner_p_clean(p, np.ones(len(sims)), None), p.astype(np.float32))
