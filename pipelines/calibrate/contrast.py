@@ -61,7 +61,9 @@ end to end (``benchmarks/hard_noise.py``, AUC of ``p_clean`` at 20% / 50%, versi
 README "Hard noise". Owners are searched in the bank (the first ``BANK_SIZE`` calibration
 pairs) and in the pair's own shard, so in a corpus much larger than both most near-misses'
 source images are in neither and the factor seldom applies; it never makes ``p_clean`` more
-confident, so where it does not apply the pair is scored as under version 2.
+confident, so where it does not apply the pair is scored as under version 2. The 0.85 was
+measured in pairclean-lite's caption space; other estimators count copies only
+(``owner_cosine_for``).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ from pairclean.calibrate.p_clean import DUPLICATE_COSINE
 
 __all__ = ["RECIPE", "VERSION", "K", "CAPTION_GAMMA", "IMAGE_GAMMA", "BANK_SIZE", "SAME_IMAGE_COSINE", "MIN_BANK", "Contrast", "fit_contrast",
            "copied_caption_share", "bank_sha256", "from_json", "rival_weights", "OWNER_COSINE", "OWNER_ODDS", "owner_p_clean",
-           "table_columns"]
+           "table_columns", "owner_cosine_for", "OWNER_MODEL"]
 
 RECIPE: Final = "bank-contrast"
 VERSION: Final = 3
@@ -103,6 +105,8 @@ MIN_BANK: Final = 16
 OWNER_COSINE: Final = 0.85
 #: Odds of being clean kept by a pair whose caption has a better owner (version 3).
 OWNER_ODDS: Final = 0.1
+#: The estimator whose caption space ``OWNER_COSINE`` was measured in (with its shipped heads).
+OWNER_MODEL: Final = "pairclean-lite"
 
 FloatArray = NDArray[np.float32]
 #: Rows of pairs scored at a time (memory: 4 x BLOCK x BANK_SIZE float32 = 64 MiB).
@@ -222,17 +226,21 @@ class Contrast:
 def _best_owner_fit(img: FloatArray, txt: FloatArray, ref_img: FloatArray, ref_txt: FloatArray, cosine: float) -> FloatArray:
     """(N,) for each pair (rows of ``img``, ``txt``) the largest cosine of its caption with a
     reference image whose caption says the same (cosine >= ``cosine``) and that is not its
-    own image (image cosine below ``SAME_IMAGE_COSINE``); -inf where there is none."""
+    own image (image cosine below ``SAME_IMAGE_COSINE``); -inf where there is none.
+
+    One caption product per block; the image products only for the few caption matches
+    (about 1 in 10,000 reference rows for pairclean-lite at 0.85), so a 10,000-pair shard
+    costs about one 10,000 x 10,000 x D product."""
     best = np.full(len(txt), -np.inf, dtype=np.float32)
     if not len(ref_txt):
         return best
-    # rows at a time so that the three (rows x references) products stay near 48 MiB
-    block = max(16, min(_BLOCK, (1 << 22) // len(ref_txt)))
+    block = max(16, min(_BLOCK, (1 << 22) // len(ref_txt)))  # a (rows x references) product near 16 MiB
     for start in range(0, len(txt), block):
-        rows = slice(start, start + block)
-        owner = ((txt[rows] @ ref_txt.T) >= cosine) & ((img[rows] @ ref_img.T) < SAME_IMAGE_COSINE)
-        if owner.any():
-            best[rows] = np.where(owner, txt[rows] @ ref_img.T, -np.inf).max(1)
+        r, c = np.nonzero((txt[start : start + block] @ ref_txt.T) >= cosine)
+        r = r + start
+        other = np.einsum("nd,nd->n", img[r], ref_img[c]) < SAME_IMAGE_COSINE
+        r, c = r[other], c[other]
+        np.maximum.at(best, r, np.einsum("nd,nd->n", txt[r], ref_img[c]).astype(np.float32))
     return best
 
 
@@ -282,9 +290,20 @@ def copied_caption_share(similarity: NDArray[Any], image_emb: NDArray[Any], text
     return float(beaten[np.isfinite(s)].mean()) if np.isfinite(s).any() else 0.0
 
 
-def fit_contrast(image_emb: NDArray[Any], text_emb: NDArray[Any]) -> Contrast | None:
-    """The contrast of a calibration sample ((N, D) ok-pair embeddings in shard order);
-    None when it holds fewer than ``MIN_BANK`` pairs."""
+def owner_cosine_for(model_id: str, checkpoint: str | None) -> float:
+    """The caption cosine at which two captions say the same, for an estimator:
+    ``OWNER_COSINE`` in the caption space it was measured in (pairclean-lite with its shipped
+    heads), else ``SAME_IMAGE_COSINE`` (copies only). Why: what a cosine means depends on
+    the text tower (CLIP-style towers put unrelated captions at 0.6-0.9 of each other, where
+    pairclean-lite's are near 0 and 0.85 is their top 0.01%), and a word-for-word copy is
+    a copy in any space."""
+    return OWNER_COSINE if model_id == OWNER_MODEL and checkpoint is None else SAME_IMAGE_COSINE
+
+
+def fit_contrast(image_emb: NDArray[Any], text_emb: NDArray[Any], owner_cosine: float = OWNER_COSINE) -> Contrast | None:
+    """The contrast of a calibration sample ((N, D) ok-pair embeddings in shard order) whose
+    owners say the same at ``owner_cosine`` (``owner_cosine_for``); None when it holds fewer
+    than ``MIN_BANK`` pairs."""
     if len(image_emb) < MIN_BANK:
         return None
     bank = np.stack([_f16(image_emb[:BANK_SIZE]), _f16(text_emb[:BANK_SIZE])])
@@ -292,7 +311,7 @@ def fit_contrast(image_emb: NDArray[Any], text_emb: NDArray[Any]) -> Contrast | 
     if not (np.isfinite(cap).any() and np.isfinite(im).any()):
         return None
     return Contrast(bank=bank, mean_caption_rival=float(np.nanmean(cap.astype(np.float64))),
-                    mean_image_rival=float(np.nanmean(im.astype(np.float64))))
+                    mean_image_rival=float(np.nanmean(im.astype(np.float64))), owner_cosine=owner_cosine)
 
 
 def rival_weights(doc: dict[str, Any]) -> tuple[float, float]:

@@ -161,6 +161,17 @@ def test_owners_are_searched_in_the_shard_as_well_as_in_the_bank() -> None:
     assert (np.nan_to_num(masked, nan=-1) > 0)[copied].mean() < 0.2
 
 
+def test_owners_say_the_same_at_0_85_only_in_the_caption_space_it_was_measured_in() -> None:
+    """pairclean-lite (shipped heads): paraphrases at 0.85; any other tower or heads: copies only."""
+    assert cm.owner_cosine_for("pairclean-lite", None) == cm.OWNER_COSINE == 0.85
+    assert cm.owner_cosine_for("pairclean-lite", "/my/heads.safetensors") == cm.SAME_IMAGE_COSINE
+    assert cm.owner_cosine_for("ViT-B-32", None) == cm.SAME_IMAGE_COSINE
+    img, txt, _ = _corpus()
+    c = cm.fit_contrast(img, txt, owner_cosine=cm.SAME_IMAGE_COSINE)
+    assert c is not None and c.to_json()["owner_cosine"] == cm.SAME_IMAGE_COSINE
+    assert cm.from_json(c.to_json(), c.bank).owner_cosine == cm.SAME_IMAGE_COSINE
+
+
 def test_a_version_2_contrast_has_no_owner_and_reads_back_unchanged() -> None:
     """Jobs calibrated under version 2 resume with their p_clean untouched by owners."""
     img, txt, _ = _corpus()
