@@ -79,7 +79,7 @@ from pairclean.calibrate.p_clean import DUPLICATE_COSINE
 
 __all__ = ["RECIPE", "VERSION", "K", "CAPTION_GAMMA", "IMAGE_GAMMA", "BANK_SIZE", "SAME_IMAGE_COSINE", "MIN_BANK", "Contrast", "fit_contrast",
            "copied_caption_share", "bank_sha256", "from_json", "rival_weights", "OWNER_COSINE", "OWNER_ODDS", "owner_p_clean",
-           "table_columns", "owner_cosine_for", "OWNER_MODEL"]
+           "table_columns", "owner_cosine_for", "OWNER_MODEL", "OWNER_SHARD_ROWS"]
 
 RECIPE: Final = "bank-contrast"
 VERSION: Final = 3
@@ -107,6 +107,10 @@ OWNER_COSINE: Final = 0.85
 OWNER_ODDS: Final = 0.1
 #: The estimator whose caption space ``OWNER_COSINE`` was measured in (with its shipped heads).
 OWNER_MODEL: Final = "pairclean-lite"
+#: A shard's first this many ok pairs are searched for owners (besides the bank), so a pair
+#: costs at most this many caption products however large its shard (WebDataset shards
+#: usually hold up to 10,000 pairs).
+OWNER_SHARD_ROWS: Final = 16384
 
 FloatArray = NDArray[np.float32]
 #: Rows of pairs scored at a time (memory: 4 x BLOCK x BANK_SIZE float32 = 64 MiB).
@@ -197,9 +201,9 @@ class Contrast:
         """(N,) how much better the caption's best *owner* fits it than the pair's own image:
         the largest ``cos(caption, owner image) - similarity`` over owners, the pairs of
         another image (image cosine below ``SAME_IMAGE_COSINE``) whose caption says the same
-        (caption cosine >= ``owner_cosine``), searched among the bank's rows and among the N
-        given pairs themselves (a shard's, so corpora larger than the bank still find the
-        owners their shards hold). NaN where there is no owner, where the similarity is NaN,
+        (caption cosine >= ``owner_cosine``), searched among the bank's rows and among the
+        first ``OWNER_SHARD_ROWS`` of the N given pairs themselves (a shard's, so corpora
+        larger than the bank still find the owners their shards hold). NaN where there is no owner, where the similarity is NaN,
         and for a version 1-2 contrast. Positive: the caption has a better owner. ``ok`` (N,):
         the pairs searched and searched for (default: finite similarities); a table passes
         its ``ok`` statuses, which its sidecar has embeddings of, so a rescore finds what the
@@ -209,8 +213,9 @@ class Contrast:
             return np.full(s.shape, np.nan, dtype=np.float32)
         img, txt = _f16(image_emb), _f16(text_emb)
         ok = np.isfinite(s) & (True if ok is None else np.asarray(ok, dtype=bool))
+        shard = np.nonzero(ok)[0][:OWNER_SHARD_ROWS]
         fit = np.maximum(_best_owner_fit(img, txt, self.bank[0], self.bank[1], self.owner_cosine),
-                         _best_owner_fit(img, txt, img[ok], txt[ok], self.owner_cosine))
+                         _best_owner_fit(img, txt, img[shard], txt[shard], self.owner_cosine))
         out: FloatArray = np.where(ok & np.isfinite(fit), fit - s, np.nan).astype(np.float32)
         return out
 

@@ -161,6 +161,22 @@ def test_owners_are_searched_in_the_shard_as_well_as_in_the_bank() -> None:
     assert (np.nan_to_num(masked, nan=-1) > 0)[copied].mean() < 0.2
 
 
+def test_a_huge_shard_searches_only_its_first_rows_for_owners(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The work a shard causes stays linear: only its first OWNER_SHARD_ROWS pairs are owners."""
+    img, txt, clean = _corpus(n=400, near=0.3)
+    sims = (img * txt).sum(1)
+    c = cm.fit_contrast(img[200:], txt[200:])
+    assert c is not None
+    monkeypatch.setattr(cm, "OWNER_SHARD_ROWS", 100)
+    twin = np.arange(400) ^ 1
+    margin = c.owner_margin(sims[:200], img[:200], txt[:200])
+    copied = (~clean & clean[twin])[:200]
+    owned = np.nan_to_num(margin, nan=-1) > 0
+    # near-misses whose source is among the first 100 rows find it; the others do not
+    first = twin[:200] < 100
+    assert owned[copied & first].mean() > 0.8 and owned[copied & ~first].mean() < 0.2
+
+
 def test_owners_say_the_same_at_0_85_only_in_the_caption_space_it_was_measured_in() -> None:
     """pairclean-lite (shipped heads): paraphrases at 0.85; any other tower or heads: copies only."""
     assert cm.owner_cosine_for("pairclean-lite", None) == cm.OWNER_COSINE == 0.85
