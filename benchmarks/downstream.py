@@ -169,11 +169,12 @@ def _edit_noise(feats, rate: float, seed: int, captions: list[str]):
 
 
 def _job_p_clean(estimator_state, recipe, feats, contrast: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(p_clean, noisy) as ``pairclean score`` writes them today: the corpus-mixture curve,
-    with the corpus contrast (``--contrast on``, the default) or on the plain similarity."""
+    """(p_clean, noisy) as ``pairclean score`` writes them today (no judge): the corpus-mixture
+    curve, with the corpus contrast (``--contrast on``, the default; its owners searched as if
+    the pairs were one shard) or on the plain similarity."""
     from pairclean import osa
     from pairclean.calibrate.calibration import calibrate
-    from pairclean.calibrate.contrast import fit_contrast
+    from pairclean.calibrate.contrast import fit_contrast, owner_p_clean, table_columns
     from pairclean.lite.train import _project
 
     zi, zt = _project(estimator_state, recipe, feats)
@@ -184,8 +185,13 @@ def _job_p_clean(estimator_state, recipe, feats, contrast: bool) -> tuple[np.nda
     con = fit_contrast(img[:n], txt[:n]) if contrast else None
     cal = calibrate(beta_recipe="gmm", k=256, seed=0, weighting="p-clean", batch_size=64, similarities=sims[:n],
                     image_emb=img[:n], text_emb=txt[:n], random_beta=lambda: float("nan"), contrast=con)
-    scored = con.adjust(sims, img, txt) if con is not None else sims
-    return osa.apply_weighting(scored, cal.beta, cal.p_clean_params()), osa.noisy_flags(scored, cal.beta)
+    adjusted, owner = table_columns(con, sims, img, txt, np.ones(len(sims), bool))
+    scored = sims if adjusted is None else adjusted
+    p, noisy = osa.apply_weighting(scored, cal.beta, cal.p_clean_params()), osa.noisy_flags(scored, cal.beta)
+    if owner is None or con is None:
+        return p, noisy
+    p = owner_p_clean(p, owner, con.owner_odds)
+    return p, noisy | ((np.nan_to_num(owner, nan=-1.0) > 0) & (p <= 0.5))
 
 
 def _hard_rows(kind: str, rate: float, half_b, captions_b: list[str], estimator, recipe, dev, seeds: list[int], seed: int) -> None:

@@ -167,8 +167,9 @@ def _contrast_line(doc: dict[str, Any]) -> str:
     from pairclean.calibrate.contrast import rival_weights
 
     caption, image = rival_weights(doc)
-    owner = (f"; a caption with a better owner (a bank caption at cosine >= {doc['owner_cosine']:g} on an image that fits it "
-             f"better; owner_margin > 0) keeps x{doc['owner_odds']:g} of its odds" if "owner_odds" in doc else "")
+    owner = (f"; a caption with a better owner (another image, in the bank or the pair's shard, whose caption is at cosine "
+             f">= {doc['owner_cosine']:g} and which fits it better; owner_margin > 0) keeps x{doc['owner_odds']:g} of its odds"
+             if "owner_odds" in doc else "")
     return (f"on ({doc.get('recipe')} v{doc.get('version')}: caption rival x{caption:g}, image rival x{image:g}{owner}; "
             f"bank of {doc['bank_rows']} calibration pairs; weights read adjusted_similarity)")
 

@@ -211,7 +211,8 @@ def test_the_corpus_contrast_is_on_by_default_recorded_and_rescored_alike(make_s
 
     text = format_summary(summarize(folder))
     assert ("corpus contrast: on (bank-contrast v3: caption rival x1, image rival x0.75; a caption with a better owner "
-            "(a bank caption at cosine >= 0.85 on an image that fits it better; owner_margin > 0) keeps x0.1 of its odds; bank of 24") in text
+            "(another image, in the bank or the pair's shard, whose caption is at cosine >= 0.98 and which fits it better; "
+            "owner_margin > 0) keeps x0.1 of its odds; bank of 24") in text
     assert "flagged noisy (adjusted_similarity <= beta, or p_clean <= 0.5 where owner_margin > 0)" in text
     assert "noise share by the p_clean mixture (calibration sample): " in text and "near-miss" in text
     # rerunning resumes (auto keeps the folder's setting); --contrast off is another job
