@@ -305,7 +305,7 @@ def _make_source(args: argparse.Namespace, est_spec: Any, spec: Any, out: Any, o
 
 def _p_clean_note(cal: Any, out: str) -> str | None:
     """What the corpus-mixture ``p_clean`` counted as noise, and what it cannot see (None
-    without that curve): near-misses that no copied caption shows are not counted (README
+    without that curve): near-misses whose caption has no better owner are not counted (README
     "Hard noise", ``near-image-unseen``), which a few hundred labels measure."""
     from pairclean.output.report import mixture_noise
 
@@ -314,8 +314,8 @@ def _p_clean_note(cal: Any, out: str) -> str | None:
         return None
     source = cal.extra["p_clean"]["fit"].get("near_share_source", "fitted")
     return (f"p_clean: the calibration sample shows {100 * shares[0]:.1f}% random and {100 * shares[1]:.1f}% "
-            f"near-miss pairs (near-miss share: {source}); near-misses that no copied "
-            f"caption shows are not counted: measure them with `pairclean audit {out} --sample 200`")
+            f"near-miss pairs (near-miss share: {source}); near-misses whose caption has no better owner "
+            f"in the bank or the shard are not counted: measure them with `pairclean audit {out} --sample 200`")
 
 
 def _print_report(report: Any, out: str) -> int:
