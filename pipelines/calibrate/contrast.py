@@ -47,11 +47,12 @@ added +0.01 on near-misses but cost random swaps up to 0.010 AUC; image 0.5 or 1
 ``K`` 1 or 4 moved nothing by more than 0.01. Jobs calibrated under version 1 keep its
 weights (``from_json``).
 
-Version 3 adds *the caption's owner* (``owner_margin``, ``owner_p_clean``): a bank pair of
-another image whose caption says the same thing (caption cosine >= ``OWNER_COSINE``) and
-whose image fits this pair's caption better than this pair's own image does. A near-miss
-is a caption written for a similar image; where that image is in the bank with the caption
-or a paraphrase of it, the caption has a better owner. Such a pair's odds of being clean
+Version 3 adds *the caption's owner* (``owner_margin``, ``owner_p_clean``): a pair of
+another image, in the bank or in the pair's own shard, whose caption says the same thing
+(caption cosine >= ``OWNER_COSINE``) and whose image fits this pair's caption better than
+this pair's own image does. A near-miss is a caption written for a similar image; where
+that image is in the bank or the shard with the caption or a paraphrase of it, the caption
+has a better owner. Such a pair's odds of being clean
 are multiplied by ``OWNER_ODDS``, the ratio of how often a clean pair shows an owner to how
 often a near-miss does (Flickr8k dev with pairclean-lite, one pair per photo, the bank =
 the corpus: 0.02 of clean pairs, 0.14-0.68 of near-misses by kind, so about 0.1); pairs
@@ -59,8 +60,8 @@ without one keep their ``p_clean`` (never more confident). The margin (how much 
 owner's image fits, NaN where there is no owner) is written as ``owner_margin``. Measured
 end to end (``benchmarks/hard_noise.py``, AUC of ``p_clean`` at 20% / 50%, version 2 -> 3):
 README "Hard noise". Owners are searched in the bank (the first ``BANK_SIZE`` calibration
-pairs) and in the pair's own shard, so in a corpus much larger than both most near-misses'
-source images are in neither and the factor seldom applies; it never makes ``p_clean`` more
+pairs) and in the pair's own shard (its first ``OWNER_SHARD_ROWS`` ok pairs), so in a
+corpus much larger than both most near-misses' source images are in neither and the factor seldom applies; it never makes ``p_clean`` more
 confident, so where it does not apply the pair is scored as under version 2. The 0.85 was
 measured in pairclean-lite's caption space; other estimators count copies only
 (``owner_cosine_for``).
@@ -98,7 +99,8 @@ BANK_SIZE: Final = 4096
 SAME_IMAGE_COSINE: Final = DUPLICATE_COSINE
 #: Fewer bank images than this and no contrast is applied (a tiny job).
 MIN_BANK: Final = 16
-#: A bank caption at least this alike a pair's caption says the same thing (version 3).
+#: A caption (of the bank or the shard) at least this alike a pair's caption says the same
+#: thing (version 3; pairclean-lite's caption space, ``owner_cosine_for``).
 #: Measured on Flickr8k dev (hard-noise corpora, version 2 -> 3 offline): 0.8 caught more
 #: paraphrased near-misses (+0.01-0.02 AUC) but cost one-word edits 0.012 and random swaps
 #: 0.003 more than 0.85; 0.75 cost edits 0.03.
@@ -203,8 +205,9 @@ class Contrast:
         another image (image cosine below ``SAME_IMAGE_COSINE``) whose caption says the same
         (caption cosine >= ``owner_cosine``), searched among the bank's rows and among the
         first ``OWNER_SHARD_ROWS`` of the N given pairs themselves (a shard's, so corpora
-        larger than the bank still find the owners their shards hold). NaN where there is no owner, where the similarity is NaN,
-        and for a version 1-2 contrast. Positive: the caption has a better owner. ``ok`` (N,):
+        larger than the bank still find the owners their shards hold). NaN where there is
+        no owner, where the similarity is NaN, and for a version 1-2 contrast. Positive: the
+        caption has a better owner. ``ok`` (N,):
         the pairs searched and searched for (default: finite similarities); a table passes
         its ``ok`` statuses, which its sidecar has embeddings of, so a rescore finds what the
         score found."""
