@@ -81,7 +81,7 @@ def test_a_near_miss_judge_is_combined_with_osa_and_rescored_alike(make_shards, 
     assert _score(shards, judged, "--judge", "all", "--judge-checkpoint", str(judge)) == 0
     for stem in ("part-00000", "part-00001"):
         meta = _meta(judged, stem)["judge"]
-        assert meta["platt_fine"] == [2.0, 0.5] and meta["fine_rates"] == [0.9, 0.2] and 0.02 <= meta["fine_prior"] <= 0.98
+        assert meta["platt_fine"] == [2.0, 0.5] and meta["fine_rates"] == [0.9, 0.2] and 0.02 <= meta["fine_prior"] <= 0.995
         for a, b in zip(_table(off, stem).to_pylist(), _table(judged, stem).to_pylist()):
             # clean = OSA's p_clean (the same one pass, the same calibration) times the judge's
             # posterior that no word is wrong

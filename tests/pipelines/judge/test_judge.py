@@ -114,6 +114,12 @@ def test_the_adjusted_count_sizes_a_corpus_where_em_trusts_a_misshapen_map() -> 
     assert adjusted_count(misshapen, (0.6, 0.5)) is None  # rates too close to divide by
     prior, why = fine_prior_or_reason(np.r_[misshapen][:500], np.ones(500), rates)
     assert why is None and prior == pytest.approx(adjusted_count(misshapen[:500], rates))
+    # a corpus without wrong words counts at about 1: bounded at FINE_PRIOR_MAX (0.995), not EM's 0.98
+    from pairclean.judge.posterior import FINE_PRIOR_MAX
+
+    all_clean = 0.5 * rng.normal(1, 1, 5000)
+    assert FINE_PRIOR_MAX == 0.995 and adjusted_count(all_clean, rates) == FINE_PRIOR_MAX
+    assert estimate_prior(all_clean) <= 0.98
 
 
 def test_fine_llr_remaps_the_same_raw_logit() -> None:
