@@ -46,6 +46,9 @@ class Summary:
     refine: dict[str, Any] | None = None
     #: 1 - mean ``p_clean`` over the ok pairs (``expected_noise``); None without ok pairs.
     expected_noise: float | None = None
+    #: Share of ok pairs whose caption has a better owner (``owner_margin > 0``, contrast
+    #: version 3); None for tables without the column.
+    owned: float | None = None
 
 
 def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> Summary:
@@ -87,7 +90,16 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
         refine=meta.get("refine"),
         expected_noise=expected_noise(status, table.column(schema.COL_P_CLEAN).to_numpy())
         if schema.COL_P_CLEAN in table.column_names else None,
+        owned=_owned_share(table, ok),
     )
+
+
+def _owned_share(table: Any, ok: np.ndarray) -> float | None:
+    """Share of the ok rows whose ``owner_margin`` is positive (None without the column or ok rows)."""
+    if schema.COL_OWNER_MARGIN not in table.column_names or not ok.any():
+        return None
+    margin = table.column(schema.COL_OWNER_MARGIN).to_numpy(zero_copy_only=False).astype(np.float64)[ok]
+    return float((np.nan_to_num(margin, nan=-1.0) > 0).mean())
 
 
 def expected_noise(status: Any, p_clean: Any) -> float | None:
@@ -182,7 +194,8 @@ def format_summary(s: Summary) -> str:
         f"beta: {s.beta:+.4f} ({s.beta_recipe}), weighting: {s.weighting}",
         "status: " + ", ".join(f"{k}={v}" for k, v in s.statuses.items()),
         f"flagged noisy ({s.noisy_rule}): {100 * s.flagged_noisy:.1f}% of ok pairs",
-        "corpus contrast: " + (_contrast_line(s.contrast) if s.contrast else "off (weights read the similarity)"),
+        "corpus contrast: " + (_contrast_line(s.contrast) if s.contrast else "off (weights read the similarity)")
+        + (f"; {100 * s.owned:.1f}% of ok pairs have a better owner" if s.owned is not None else ""),
         "judge: " + _judge_line(s.judge),
         "refined: " + _refine_line(s.refine),
         "noise-rate estimate (1 - mean p_clean over ok pairs: the wrong captions p_clean expects): "

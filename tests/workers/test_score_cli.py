@@ -270,6 +270,12 @@ def test_a_caption_copied_onto_another_photo_has_a_better_owner(make_shards, tmp
     assert expected[worse] < osa_p[worse]
     owned = np.nan_to_num(margin, nan=-1.0) > 0
     assert [r["noisy"] for r in rows] == list((adjusted <= cal.beta) | (owned & (expected <= 0.5)))
+    # inspect says how many pairs have one
+    from pairclean.output.report import format_summary, summarize
+
+    summary = summarize(OutputDir(str(out)))
+    assert summary.owned == pytest.approx(owned.mean()) and summary.owned > 0
+    assert f"; {100 * owned.mean():.1f}% of ok pairs have a better owner" in format_summary(summary)
 
 
 def test_a_contrast_job_without_sidecars_cannot_be_rescored_with_it(make_shards, tmp_path: Path,
