@@ -80,7 +80,7 @@ from pairclean.calibrate.p_clean import DUPLICATE_COSINE
 
 __all__ = ["RECIPE", "VERSION", "K", "CAPTION_GAMMA", "IMAGE_GAMMA", "BANK_SIZE", "SAME_IMAGE_COSINE", "MIN_BANK", "Contrast", "fit_contrast",
            "copied_caption_share", "bank_sha256", "from_json", "rival_weights", "OWNER_COSINE", "OWNER_ODDS", "owner_p_clean",
-           "table_columns", "owner_cosine_for", "OWNER_MODEL", "OWNER_SHARD_ROWS"]
+           "table_columns", "owner_cosine_for", "OWNER_MODEL", "OWNER_SHARD_ROWS", "has_owner"]
 
 RECIPE: Final = "bank-contrast"
 VERSION: Final = 3
@@ -264,6 +264,12 @@ def table_columns(contrast: Contrast | None, similarity: NDArray[Any], image_emb
     return adjusted, owner
 
 
+def has_owner(margin: NDArray[Any]) -> NDArray[np.bool_]:
+    """(N,) which pairs' captions have a better owner: ``owner_margin`` (N,) above 0 (NaN: none)."""
+    out: NDArray[np.bool_] = np.nan_to_num(np.asarray(margin, dtype=np.float64), nan=-1.0) > 0
+    return out
+
+
 def owner_p_clean(p_clean: NDArray[Any], margin: NDArray[Any], odds: float | None) -> NDArray[np.float32]:
     """(N,) ``p_clean`` with the odds of each pair whose caption has a better owner (``margin``
     > 0, ``Contrast.owner_margin``) multiplied by ``odds``; other pairs (and ``odds`` None: a
@@ -271,7 +277,7 @@ def owner_p_clean(p_clean: NDArray[Any], margin: NDArray[Any], odds: float | Non
     p = np.asarray(p_clean, dtype=np.float64)
     if odds is None:
         return p.astype(np.float32)
-    owned = np.nan_to_num(np.asarray(margin, dtype=np.float64), nan=-1.0) > 0
+    owned = has_owner(margin)
     lowered = p * odds / np.maximum(1.0 - p + p * odds, 1e-12)
     return np.where(owned, lowered, p).astype(np.float32)
 

@@ -98,8 +98,9 @@ def _owned_share(table: Any, ok: np.ndarray) -> float | None:
     """Share of the ok rows whose ``owner_margin`` is positive (None without the column or ok rows)."""
     if schema.COL_OWNER_MARGIN not in table.column_names or not ok.any():
         return None
-    margin = table.column(schema.COL_OWNER_MARGIN).to_numpy(zero_copy_only=False).astype(np.float64)[ok]
-    return float((np.nan_to_num(margin, nan=-1.0) > 0).mean())
+    from pairclean.calibrate.contrast import has_owner
+
+    return float(has_owner(table.column(schema.COL_OWNER_MARGIN).to_numpy(zero_copy_only=False)[ok]).mean())
 
 
 def expected_noise(status: Any, p_clean: Any) -> float | None:

@@ -13,7 +13,7 @@ import pyarrow as pa
 from numpy.typing import NDArray
 from pairclean import __version__, osa, schema
 from pairclean.calibrate.calibration import Calibration
-from pairclean.calibrate.contrast import owner_p_clean
+from pairclean.calibrate.contrast import has_owner, owner_p_clean
 
 __all__ = ["scores_table", "embeddings_table", "read_embeddings", "output_metadata", "float_column"]
 
@@ -136,7 +136,7 @@ def scores_table(
         if calibration.weighting == "p-clean":
             weight[judged] = p_clean[judged]
     if owner_margin is not None:
-        owned = ok & (np.nan_to_num(np.asarray(owner_margin, np.float32), nan=-1.0) > 0)
+        owned = ok & has_owner(owner_margin)
         p_clean[owned] = owner_p_clean(p_clean[owned], owner_margin[owned], calibration.extra["contrast"].get("owner_odds"))
         noisy = np.where(owned, noisy | (p_clean <= 0.5), noisy)
         if calibration.weighting == "p-clean":
