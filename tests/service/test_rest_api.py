@@ -44,6 +44,11 @@ def test_job_lifecycle_progress_shards_metrics_and_idempotency(server, make_shar
     table = ds.dataset(str(tmp_path / "out")).to_table(columns=["status", "p_clean"]).to_pandas()
     expected = 1 - table[table.status == "ok"].p_clean.astype(float).mean()
     assert done["noise_rate_estimate"] == pytest.approx(expected, abs=1e-6)
+    # the job page says why a pair with a better owner was lowered (18 pairs: the contrast is on)
+    pages = httpx.Client(base_url=server.url)
+    assert pages.post("/ui/login", data={"api_key": server.key}).status_code == 303
+    html = " ".join(pages.get(f"/ui/jobs/{job_id}").text.split())
+    assert 'data-why="contrast"' in html and "has a better <i>owner</i>" in html and "keeps 0.1 of its odds of being clean" in html
     page = httpx.get(f"{server.url}/v1/jobs/{job_id}/shards", params={"state": "committed"}, headers={"Authorization": f"Bearer {server.key}"}).json()
     assert page["total"] == 3 and all(s["rows"] == 6 for s in page["items"])
     listing = client.list(limit=10)
