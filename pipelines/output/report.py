@@ -110,7 +110,7 @@ def expected_noise(status: Any, p_clean: Any) -> float | None:
 
     Why not the random-mismatch share (``noise_rate_gmm``): it counts only pairs that score
     like random swaps, so a corpus of near-misses reads as clean (Flickr8k dev, a third of
-    the pairs right: 1.2% against 48% here and 67% true; README "Hard noise"); ``p_clean``
+    the pairs right: 1.2% against 66% here and 67% true; README "Hard noise"); ``p_clean``
     is the calibrated answer and already counts the near-misses it sees."""
     p = np.asarray(p_clean, dtype=np.float64)[schema.ok_mask(status)]
     p = p[np.isfinite(p)]
