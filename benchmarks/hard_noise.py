@@ -30,7 +30,8 @@ prints one row per (kind, rate): ROC-AUC of ``similarity``, ``weight`` and ``p_c
 and Brier score of ``p_clean``; mean ``p_clean`` of clean and of noisy pairs; the share of
 noisy pairs that ``p_clean`` calls clean with confidence (above ``CONFIDENT``); the largest
 share of pairs tied on one ``p_clean`` value; the job's noise-rate estimate (1 - mean ``p_clean``)
-and the calibration's random-mismatch share; pairs/s of
+and the calibration's random-mismatch share; the shares of clean and of noisy pairs whose
+caption has a better owner (contrast version 3); pairs/s of
 the whole command (start-up and model load included).
 
 Embeddings (for the neighbours) and shards are cached under ``--cache`` (default
@@ -241,6 +242,9 @@ def evaluate(out: Path, labels: dict[str, Any], skip: set[str] | None = None) ->
         "random_mismatch_share": cal.get("noise_rate"),
         "true_noise_rate": float(truth.mean()),
     }
+    if "owner_margin" in df.columns:  # contrast version 3: shares of pairs whose caption has a better owner
+        owned = (df["owner_margin"].fillna(-1.0) > 0).to_numpy()
+        row["owned_clean"], row["owned_noisy"] = float(owned[clean].mean()), float(owned[truth].mean()) if truth.any() else None
     if "judge_score" in df.columns:
         judged = df["judge_score"].notna().to_numpy()
         row["judged_share"] = float(judged.mean())
