@@ -174,7 +174,8 @@ def _job_p_clean(estimator_state, recipe, feats, contrast: bool) -> tuple[np.nda
     the pairs were one shard) or on the plain similarity."""
     from pairclean import osa
     from pairclean.calibrate.calibration import calibrate
-    from pairclean.calibrate.contrast import fit_contrast, owner_p_clean, table_columns
+    from pairclean.calibrate.contrast import fit_contrast, table_columns
+    from pairclean.output.tables import scores_table
     from pairclean.lite.train import _project
 
     zi, zt = _project(estimator_state, recipe, feats)
@@ -185,13 +186,12 @@ def _job_p_clean(estimator_state, recipe, feats, contrast: bool) -> tuple[np.nda
     con = fit_contrast(img[:n], txt[:n]) if contrast else None
     cal = calibrate(beta_recipe="gmm", k=256, seed=0, weighting="p-clean", batch_size=64, similarities=sims[:n],
                     image_emb=img[:n], text_emb=txt[:n], random_beta=lambda: float("nan"), contrast=con)
-    adjusted, owner = table_columns(con, sims, img, txt, np.ones(len(sims), bool))
-    scored = sims if adjusted is None else adjusted
-    p, noisy = osa.apply_weighting(scored, cal.beta, cal.p_clean_params()), osa.noisy_flags(scored, cal.beta)
-    if owner is None or con is None:
-        return p, noisy
-    p = owner_p_clean(p, owner, con.owner_odds)
-    return p, noisy | ((np.nan_to_num(owner, nan=-1.0) > 0) & (p <= 0.5))
+    n_all = len(sims)
+    adjusted, owner = table_columns(con, sims, img, txt, np.ones(n_all, bool))
+    # the job's own table code, so these weights are what a score table would hold
+    table = scores_table("downstream", [str(i) for i in range(n_all)], np.arange(n_all), ["ok"] * n_all, [None] * n_all,
+                         sims, cal, {}, adjusted=adjusted, owner_margin=owner)
+    return table.column("p_clean").to_numpy(), table.column("noisy").to_numpy(zero_copy_only=False)
 
 
 def _hard_rows(kind: str, rate: float, half_b, captions_b: list[str], estimator, recipe, dev, seeds: list[int], seed: int) -> None:

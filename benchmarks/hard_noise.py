@@ -243,7 +243,9 @@ def evaluate(out: Path, labels: dict[str, Any], skip: set[str] | None = None) ->
         "true_noise_rate": float(truth.mean()),
     }
     if "owner_margin" in df.columns:  # contrast version 3: shares of pairs whose caption has a better owner
-        owned = (df["owner_margin"].fillna(-1.0) > 0).to_numpy()
+        from pairclean.calibrate.contrast import has_owner
+
+        owned = has_owner(df["owner_margin"].to_numpy())
         row["owned_clean"], row["owned_noisy"] = float(owned[clean].mean()), float(owned[truth].mean()) if truth.any() else None
     if "judge_score" in df.columns:
         judged = df["judge_score"].notna().to_numpy()

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pyarrow as pa
 
 from pairclean import schema
 from pairclean.output.folder import OutputDir, ShardRecord
+from pairclean.output.report import p_clean_sum
 from pairclean.job.lifecycle import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, state_for_exit
 
 from .metrics import Metrics
@@ -224,10 +224,9 @@ def _add_p_clean(run: _Running, table: pa.Table | None) -> None:
     """Add a shard's ok pairs' ``p_clean`` (finite values) to the job's running sums."""
     if table is None:
         return
-    p = table.column(schema.COL_P_CLEAN).to_numpy(zero_copy_only=False).astype(np.float64)[schema.ok_mask(table)]
-    p = p[np.isfinite(p)]
-    run.p_clean_sum += float(p.sum())
-    run.p_clean_pairs += int(p.size)
+    total, count = p_clean_sum(table.column(schema.COL_STATUS), table.column(schema.COL_P_CLEAN).to_numpy(zero_copy_only=False))
+    run.p_clean_sum += total
+    run.p_clean_pairs += count
 
 
 def _noise_rate(run: _Running, calibration: Calibration | None) -> float | None:

@@ -12,7 +12,7 @@ from pairclean import osa, schema
 from pairclean.output.folder import OutputDir
 from pairclean.output.tables import read_embeddings
 
-__all__ = ["Summary", "summarize", "format_summary", "mixture_noise", "expected_noise"]
+__all__ = ["Summary", "summarize", "format_summary", "mixture_noise", "expected_noise", "p_clean_sum"]
 
 
 @dataclass(frozen=True)
@@ -112,9 +112,16 @@ def expected_noise(status: Any, p_clean: Any) -> float | None:
     like random swaps, so a corpus of near-misses reads as clean (Flickr8k dev, a third of
     the pairs right: 1.2% against 66% here and 67% true; README "Hard noise"); ``p_clean``
     is the calibrated answer and already counts the near-misses it sees."""
+    total, count = p_clean_sum(status, p_clean)
+    return 1.0 - total / count if count else None
+
+
+def p_clean_sum(status: Any, p_clean: Any) -> tuple[float, int]:
+    """(sum, count) of ``p_clean`` over the ok pairs ((N,) statuses and values; NaN left out):
+    what ``expected_noise`` averages, summable shard by shard (the service's running estimate)."""
     p = np.asarray(p_clean, dtype=np.float64)[schema.ok_mask(status)]
     p = p[np.isfinite(p)]
-    return float(1.0 - p.mean()) if p.size else None
+    return float(p.sum()), int(p.size)
 
 
 def mixture_noise(meta: dict[str, Any]) -> tuple[float, float] | None:

@@ -356,10 +356,12 @@ def p_clean_map(heads: Heads, sample: Sample, calibration: Calibration) -> dict[
 
 
 def refined_p_clean(raw: np.ndarray, scores: np.ndarray, llr: np.ndarray | None, p_map: dict[str, Any],
-                    calibration: Calibration) -> np.ndarray:
+                    calibration: Calibration, owner_margin: np.ndarray | None = None) -> np.ndarray:
     """(N,) ``p_clean`` of ok pairs from the method's ``raw`` scores, the job's ``scores``,
-    the judge's ratios ``llr`` (None: no judge) and the map of ``p_clean_map``. A pair whose
-    raw score is not finite (the method failed on it) keeps OSA's ``p_clean``."""
+    the judge's ratios ``llr`` (None: no judge), the map of ``p_clean_map`` and the
+    contrast's ``owner_margin`` (None: a table without owners), combined as ``scores_table``
+    combines them: the judge's factor, then the owners'. A pair whose raw score is not finite
+    (the method failed on it) keeps OSA's ``p_clean``."""
     from pairclean.job.work import judged_p_clean, osa_p_clean
 
     osa_p = osa_p_clean(np.asarray(scores, np.float32), calibration)
@@ -369,10 +371,13 @@ def refined_p_clean(raw: np.ndarray, scores: np.ndarray, llr: np.ndarray | None,
         mapped = np.interp(raw, np.asarray(p_map["raw"]), np.asarray(p_map["p"])).astype(np.float32)
         base = np.where(np.isfinite(raw), mapped, osa_p).astype(np.float32)
     judge = calibration.extra.get("judge")
-    if judge is None or llr is None:
-        return np.asarray(base, np.float32)
-    judged = judged_p_clean(np.asarray(llr, np.float32), np.asarray(base, np.float32), judge)
-    return np.where(np.isfinite(judged), judged, base).astype(np.float32)
+    p = np.asarray(base, np.float32)
+    if judge is not None and llr is not None:
+        judged = judged_p_clean(np.asarray(llr, np.float32), p, judge)
+        p = np.where(np.isfinite(judged), judged, p).astype(np.float32)
+    if owner_margin is not None:
+        p = owner_p_clean(p, owner_margin, (calibration.extra.get("contrast") or {}).get("owner_odds"))
+    return p
 
 
 def apply_shard(out: OutputDir, record: ShardRecord, heads: Heads, doc: dict[str, Any]) -> ShardApplied:
@@ -396,10 +401,9 @@ def apply_shard(out: OutputDir, record: ShardRecord, heads: Heads, doc: dict[str
         if calibration is None:
             raise InputError(f"{out.uri} lost its calibration while being refined", uri=out.uri)
         llr = float_column(table, schema.COL_JUDGE_SCORE)
-        p_ok = refined_p_clean(raw_ok, scores, None if llr is None else llr[ok], p_map, calibration)
         margin = float_column(table, schema.COL_OWNER_MARGIN)
-        if margin is not None:  # a version-3 contrast's owners lower p_clean as in the scored table
-            p_ok = owner_p_clean(p_ok, margin[ok], calibration.extra["contrast"].get("owner_odds"))
+        p_ok = refined_p_clean(raw_ok, scores, None if llr is None else llr[ok], p_map, calibration,
+                               None if margin is None else margin[ok])
     n = table.num_rows
     raw = np.full(n, np.nan, dtype=np.float32)
     p = np.zeros(n, dtype=np.float32)
