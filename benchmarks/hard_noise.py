@@ -11,6 +11,10 @@ wrong caption of one kind:
 - ``edit``: a one-word edit of the own caption (object, colour/attribute, count, action,
   swapped roles; ``pairclean.judge.edits``, cycling through its kinds);
 - ``mix``: the chosen pairs split evenly over the four kinds above;
+- ``edit-unseen``: a one-word edit of one of the image's captions (the first it applies to)
+  with the held-out word lists (``edits.UNSEEN``: words no training recipe changes), drawn
+  among the images whose captions carry such a word: how the judge reads a wrong word it was
+  never shown wrong, as with edits made by another hand;
 - ``near-image-unseen``: as ``near-image``, but another of that image's captions than the
   first, which the corpus carries with its own image: no copied caption shows these
   near-misses to the calibration (``near-image`` always leaves such a copy where the other
@@ -68,7 +72,7 @@ from _embed_dev import embed_dev
 
 from pairclean.calibrate.calibration import cache_dir as _default_cache
 
-KINDS = ("random", "near-image", "near-text", "edit", "mix", "retrieved", "near-image-unseen")
+KINDS = ("random", "near-image", "near-text", "edit", "mix", "retrieved", "near-image-unseen", "edit-unseen")
 #: A noisy pair whose p_clean is above this is called clean with confidence (a confident wrong answer).
 CONFIDENT = 0.9
 PER_SHARD = 250
@@ -121,7 +125,14 @@ def make_pairing(kind: str, rate: float, images: list[Any], emb: dict[str, np.nd
     rng = np.random.default_rng([seed, KINDS.index(kind), int(rate * 1000)])
     captions = [img.captions[0] for img in images]
     labels = [""] * n
-    chosen = rng.choice(n, size=int(round(rate * n)), replace=False)
+    edits = _edit_module()
+    if kind == "edit-unseen":  # only images with a caption the held-out words apply to
+        if edits is None:
+            raise SystemExit("the edit-unseen kind needs pairclean.judge.edits with its UNSEEN words")
+        able = [i for i, img in enumerate(images) if any(edits.applicable_kinds(c, edits.UNSEEN) for c in img.captions)]
+        chosen = rng.choice(able, size=min(len(able), int(round(rate * n))), replace=False)
+    else:
+        chosen = rng.choice(n, size=int(round(rate * n)), replace=False)
     if kind == "mix":
         parts = np.array_split(chosen, 4)
         plan = dict(zip(("random", "near-image", "near-text", "edit"), parts))
@@ -129,7 +140,6 @@ def make_pairing(kind: str, rate: float, images: list[Any], emb: dict[str, np.nd
         plan = {kind: chosen}
     near_img = _nearest(emb["img"])
     near_txt_img, near_txt_cap = _near_text(emb["txt"])
-    edits = _edit_module()
     out = list(captions)
     for k, idx in plan.items():
         if k == "random":
@@ -160,6 +170,16 @@ def make_pairing(kind: str, rate: float, images: list[Any], emb: dict[str, np.nd
                         labels[i] = f"edit:{kinds[(pos + shift) % len(kinds)]}"
                         break
                 # a caption no edit applies to stays clean (and is labelled so)
+        elif k == "edit-unseen":  # words the judge never saw changed: its first caption they apply to
+            kinds = list(edits.EDIT_KINDS)
+            for pos, i in enumerate(idx):
+                options = [(c, kinds[(pos + shift) % len(kinds)]) for c in images[i].captions for shift in range(len(kinds))]
+                for caption, edit_kind in options:
+                    edited = edits.edit_caption(caption, edit_kind, rng, edits.UNSEEN)
+                    if edited is not None:
+                        out[i] = edited
+                        labels[i] = f"edit-unseen:{edit_kind}"
+                        break
     noisy = np.array([bool(lab) for lab in labels])
     return out, noisy, labels
 

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 #: `pairclean score` on the hard-noise benchmark no gain (edits 0.804 / 0.827 vs 0.805 / 0.830)
 #: for three judge passes a pair (``JUDGE_MODEL_CARD.md``).
 DEFAULT_MEMBERS = 1
+#: The shipped judge's train edits (``pairclean.judge.edits.VOCABULARIES``).
+DEFAULT_EDIT_WORDS = "training"
 
 
 def add_judge_train_parser(sub: Any) -> None:
@@ -43,6 +45,9 @@ def add_judge_train_parser(sub: Any) -> None:
     p.add_argument("--train-captions", type=int, default=5, help="captions per train photo (1-5), each with one edit")
     p.add_argument("--train-edits", type=int, default=1,
                    help="one-word edits per train caption, each of another kind (1-5); one is drawn per caption and epoch")
+    p.add_argument("--edit-words", choices=("core", "training"), default=DEFAULT_EDIT_WORDS,
+                   help="word lists of the train edits: core (the first lists, those of the benchmark's edit kind) or "
+                        "training (core plus extra words; never the held-out unseen lists)")
     p.add_argument("--pair-weight", type=float, default=base.pair_weight, help="weight of the edit ranking loss (0: BCE only)")
     p.add_argument("--epochs", type=int, default=base.epochs)
     p.add_argument("--width", type=int, default=base.width)
@@ -65,6 +70,7 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     from pairclean.embed.estimators import EstimatorSpec, load_estimator
     from pairclean.lite.evaldata import find_flickr8k
     from pairclean.lite.judge_data import build_cache, load_split
+    from pairclean.judge.edits import VOCABULARIES
     from pairclean.judge.runner import save_judge
     from pairclean.lite.judge_train import JudgeRecipe, calibrated_report, fine_rates, fit_platts, train_members
 
@@ -79,11 +85,13 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     if root is None or not (root / "captions.jsonl").exists():
         raise InputError("Flickr8k not found: pass --data /path/to/flickr8k or set PAIRCLEAN_FLICKR8K")
     cache = Path(args.features_cache) if args.features_cache else cache_dir() / "judge" / (
-        f"lite0-c{args.train_captions}" + (f"-e{args.train_edits}" if args.train_edits > 1 else ""))
+        f"lite0-c{args.train_captions}" + (f"-e{args.train_edits}" if args.train_edits > 1 else "")
+        + ("" if args.edit_words == "core" else f"-w{args.edit_words}"))
     print(f"extracting (or loading cached) regions and tokens into {cache} ...", flush=True)
     # PyTorch fp32 towers: the judge reads what `pairclean score` computes for pairclean-lite.
     estimator = load_estimator(EstimatorSpec(model="pairclean-lite", precision="fp32", engine="torch"))
-    build_cache(root, cache, estimator, seed=args.seed, train_captions=args.train_captions, train_edits=args.train_edits)
+    build_cache(root, cache, estimator, seed=args.seed, train_captions=args.train_captions, train_edits=args.train_edits,
+                edit_words=VOCABULARIES[args.edit_words])
     recipe = JudgeRecipe(epochs=args.epochs, width=args.width, layers=args.layers, seed=args.seed, lr=args.lr, batch=args.batch,
                          pair_weight=args.pair_weight, colours=args.colours == "on")
     train, dev = load_split(cache, "train", recipe.colours), load_split(cache, "dev", recipe.colours)
@@ -95,6 +103,7 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
         print(f"{name:<22} judge AUC {row['judge_auc']:.3f} (cosine {row['cosine_auc']:.3f})  ECE {row['ece']:.3f}  "
               f"Brier {row['brier']:.3f}  p_clean clean {row['p_clean_clean']:.2f} noisy {row['p_clean_noisy']:.2f}", flush=True)
     extra = {"recipe": asdict(recipe) | {"train_captions": args.train_captions, "train_edits": args.train_edits,
+                                             "edit_words": args.edit_words,
                                              "members": args.members},
              "history": report["history"], "platt_fine": list(platt_fine), "fine_rates": list(rates),
              "dev": figures, "data": "Flickr8k train (training), dev (selection, Platt map, figures)"}

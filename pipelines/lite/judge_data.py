@@ -30,7 +30,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pairclean.lite.evaldata import load_flickr8k
-from pairclean.judge.edits import EDIT_KINDS, edit_caption
+from pairclean.judge.edits import CORE, EDIT_KINDS, Vocabulary, edit_caption
 
 __all__ = ["MAX_TOKENS", "SplitFeatures", "build_cache", "load_split"]
 
@@ -58,7 +58,7 @@ class SplitFeatures:
 
 
 def _texts_of(images: list[Any], split: str, seed: int, train_captions: int,
-              train_edits: int = 1) -> tuple[list[str], list[int], list[str], list[int]]:
+              train_edits: int = 1, edit_words: Vocabulary = CORE) -> tuple[list[str], list[int], list[str], list[int]]:
     texts, owner, kinds, source = [], [], [], []
     for i, im in enumerate(images):
         # train: ``train_captions`` per photo, rotating which (every annotator's style is seen)
@@ -77,7 +77,8 @@ def _texts_of(images: list[Any], split: str, seed: int, train_captions: int,
         kinds_here = EDIT_KINDS if split == "dev" else tuple(rng.permutation(EDIT_KINDS))
         made = 0
         for kind in kinds_here:
-            edited = edit_caption(caption, kind, rng)
+            # dev keeps the core words: selection, Platt maps and the model card's figures stay comparable
+            edited = edit_caption(caption, kind, rng, CORE if split == "dev" else edit_words)
             if edited is None:
                 continue
             texts.append(edited)
@@ -91,12 +92,15 @@ def _texts_of(images: list[Any], split: str, seed: int, train_captions: int,
 
 
 def build_cache(root: Path, cache: Path, estimator: Any, batch: int = 64, seed: int = 0, train_captions: int = 1,
-                train_edits: int = 1) -> None:
+                train_edits: int = 1, edit_words: Vocabulary = CORE) -> None:
     """Compute and store the features of the train and dev splits (skips files present).
 
     ``train_edits``: one-word edits per train caption, each of a different kind (in a random
     order of the kinds, as many as apply up to this number); the trainer draws one of them
     per caption and epoch. With 1 the texts are those of earlier caches, edit for edit.
+
+    ``edit_words``: the word lists the train edits draw from (``edits.CORE``, or
+    ``edits.TRAINING``: the core and the extra words); dev edits always use the core words.
 
     ``train_captions``: captions per train photo (1-5). One by default: on the shared
     2-core machine the text tower ran at about 16 captions/s, so all five captions and their
@@ -128,7 +132,7 @@ def build_cache(root: Path, cache: Path, estimator: Any, batch: int = 64, seed: 
         tpath = cache / f"texts-{split}.npz"
         if not tpath.exists():
             t0 = time.perf_counter()
-            texts, owner, kinds, source = _texts_of(images, split, seed, train_captions, train_edits)
+            texts, owner, kinds, source = _texts_of(images, split, seed, train_captions, train_edits, edit_words)
             tok_parts, masks, embs = [], [], []
             for start in range(0, len(texts), 256):
                 ids = estimator.tokenizer(texts[start : start + 256])[:, :MAX_TOKENS]

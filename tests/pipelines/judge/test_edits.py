@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from pairclean.judge.edits import EDIT_KINDS, applicable_kinds, edit_caption
+from pairclean.judge.edits import CORE, EDIT_KINDS, EXTRA, TRAINING, UNSEEN, applicable_kinds, edit_caption
 
 
 def _words(text: str) -> list[str]:
@@ -74,3 +74,43 @@ def test_deterministic_and_inapplicable() -> None:
     assert applicable_kinds("Sunset over calm water .") == ()
     with pytest.raises(ValueError, match="unknown edit kind"):
         edit_caption(caption, "colour", np.random.default_rng(0))
+
+
+def test_the_vocabularies_are_disjoint_and_the_held_out_one_changes_only_its_own_words() -> None:
+    # The benchmark's edit-unseen kind measures words no training recipe changes: that holds
+    # only while no word of UNSEEN is in CORE or EXTRA.
+    assert not CORE.words() & EXTRA.words()
+    assert not (CORE.words() | EXTRA.words()) & UNSEEN.words()
+    assert TRAINING.words() == CORE.words() | EXTRA.words()
+    caption = "A man in a red shirt holding a rope sits on a wooden bench near a rock ."
+    changed: set[str] = set()
+    for seed in range(40):
+        for kind in EDIT_KINDS:
+            edited = edit_caption(caption, kind, np.random.default_rng(seed), UNSEEN)
+            if edited is not None:
+                changes = _changed(caption, edited)
+                changed |= {old for old, _ in changes}
+                assert all(new in UNSEEN.words() | {"two", "three", "four", "rocks", "ropes"} for _, new in changes), edited
+    # only held-out words move (a count edit turns "a rock" into "two rocks")
+    assert changed and changed <= UNSEEN.words() | {"a"}
+    assert changed & {"rope", "wooden", "rock"}
+
+
+def test_vocabularies_without_numbers_leave_number_words_to_the_core() -> None:
+    rng = np.random.default_rng(0)
+    assert edit_caption("Two dogs run .", "count", rng, UNSEEN) is None
+    assert edit_caption("Two dogs run .", "count", rng, TRAINING) is not None
+    # "boy" is a core word: only the held-out "rope" is counted
+    assert edit_caption("A boy holds a rope .", "count", rng, UNSEEN) in (
+        "A boy holds two ropes .", "A boy holds three ropes .", "A boy holds four ropes .")
+
+
+def test_extra_words_keep_objects_transitive_and_clothes_out_of_roles() -> None:
+    for seed in range(30):
+        edited = edit_caption("A dog is holding a stick .", "action", np.random.default_rng(seed), TRAINING) or ""
+        assert _words(edited)[3] in ("carrying", "chasing", "catching", "throwing", "pulling", "drinking"), edited
+    # "a girl in a pink dress": the dress never trades places with the girl
+    swapped = edit_caption("A girl in a pink dress chases a dog .", "swap", np.random.default_rng(0), TRAINING)
+    assert swapped == "A dog in a pink dress chases a girl ."
+    with pytest.raises(ValueError, match="both define"):
+        CORE + CORE
