@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 #: `pairclean score` on the hard-noise benchmark no gain (edits 0.804 / 0.827 vs 0.805 / 0.830)
 #: for three judge passes a pair (``JUDGE_MODEL_CARD.md``).
 DEFAULT_MEMBERS = 1
-#: The shipped judge's train edits (``pairclean.judge.edits.VOCABULARIES``).
-DEFAULT_EDIT_WORDS = "training"
+#: The shipped judge's train edits (``pairclean.judge.edits.VOCABULARIES``); "training" measured, not taken.
+DEFAULT_EDIT_WORDS = "core"
 
 
 def add_judge_train_parser(sub: Any) -> None:
@@ -48,6 +48,8 @@ def add_judge_train_parser(sub: Any) -> None:
     p.add_argument("--edit-words", choices=("core", "training"), default=DEFAULT_EDIT_WORDS,
                    help="word lists of the train edits: core (the first lists, those of the benchmark's edit kind) or "
                         "training (core plus extra words; never the held-out unseen lists)")
+    p.add_argument("--edits-per-positive", type=int, default=base.edits_per_positive,
+                   help="distinct edits of a caption used as negatives each epoch (up to --train-edits)")
     p.add_argument("--pair-weight", type=float, default=base.pair_weight, help="weight of the edit ranking loss (0: BCE only)")
     p.add_argument("--epochs", type=int, default=base.epochs)
     p.add_argument("--width", type=int, default=base.width)
@@ -78,6 +80,8 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
         raise InputError(f"--train-captions must be 1-5, got {args.train_captions}")
     if not 1 <= args.train_edits <= 5:
         raise InputError(f"--train-edits must be 1-5, got {args.train_edits}")
+    if not 1 <= args.edits_per_positive <= args.train_edits:
+        raise InputError(f"--edits-per-positive must be 1-{args.train_edits} (--train-edits), got {args.edits_per_positive}")
     if not 1 <= args.members <= 8:
         raise InputError(f"--members must be 1-8, got {args.members}")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
@@ -93,7 +97,8 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     build_cache(root, cache, estimator, seed=args.seed, train_captions=args.train_captions, train_edits=args.train_edits,
                 edit_words=VOCABULARIES[args.edit_words])
     recipe = JudgeRecipe(epochs=args.epochs, width=args.width, layers=args.layers, seed=args.seed, lr=args.lr, batch=args.batch,
-                         pair_weight=args.pair_weight, colours=args.colours == "on")
+                         pair_weight=args.pair_weight, colours=args.colours == "on",
+                         edits_per_positive=args.edits_per_positive)
     train, dev = load_split(cache, "train", recipe.colours), load_split(cache, "dev", recipe.colours)
     model, report = train_members(train, dev, recipe, args.members)
     platt, platt_fine = fit_platts(model, dev)

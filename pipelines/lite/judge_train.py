@@ -68,6 +68,9 @@ class JudgeRecipe:
     #: Off in the shipped recipe: measured on, dev colour edits +0.01 AUC (own caption above
     #: its colour edit 0.852 -> 0.863) but `pairclean score` edits AUC -0.013 (one seed each).
     colours: bool = False
+    #: Edits of one caption used as negatives per epoch (distinct rows, as many as the cache
+    #: holds up to this): 2 with a two-edit cache shows every caption's two edits each epoch.
+    edits_per_positive: int = 1
     #: Train on at most this many train photos (None: all); for quick comparisons.
     max_images: int | None = None
 
@@ -107,6 +110,12 @@ def _one_edit(rows: list[int] | None, rng: np.random.Generator) -> int:
     return rows[0] if len(rows) == 1 else rows[int(rng.integers(len(rows)))]
 
 
+def _other_edit(rows: list[int] | None, taken: int, rng: np.random.Generator) -> int:
+    """One of a caption's edit rows other than ``taken`` (-1: none left)."""
+    left = [r for r in rows or () if r != taken]
+    return _one_edit(left, rng)
+
+
 def _edits_by_source(source: NDArray[np.int64]) -> dict[int, list[int]]:
     """Edit rows of each edited caption row (``SplitFeatures.source``)."""
     out: dict[int, list[int]] = {}
@@ -127,10 +136,14 @@ def _epoch_pairs(train: SplitFeatures, real: NDArray[np.int64], edit_of: dict[in
     i2t_pick = _softmax_pick(rng, i2t[0][owner], i2t[1][owner], recipe.tau)
     images.append(owner)
     texts.append(real[i2t_pick])
-    edits = np.array([_one_edit(edit_of.get(int(t)), rng) for t in real])
-    has = edits >= 0
-    images.append(owner[has])
-    texts.append(edits[has])
+    for draw in range(recipe.edits_per_positive):
+        if draw == 0:
+            edits = np.array([_one_edit(edit_of.get(int(t)), rng) for t in real])
+        else:  # another edit of the caption where the cache holds one (never the same row twice)
+            edits = np.array([_other_edit(edit_of.get(int(t)), int(e), rng) for t, e in zip(real, edits)])
+        has = edits >= 0
+        images.append(owner[has])
+        texts.append(edits[has])
     rand = rng.random(len(real)) < recipe.random_rate
     other = (owner[rand] + rng.integers(1, n_img, rand.sum())) % n_img
     images.append(other)

@@ -135,3 +135,33 @@ def test_train_edits_give_a_caption_edits_of_distinct_kinds_and_keep_one_edit_ca
     assert _one_edit([7], rng) == 7 and _one_edit(None, rng) == -1 and rng.bit_generator.state == state
     picks = {_one_edit([1, 2, 3], rng) for _ in range(50)}
     assert picks == {1, 2, 3} and rng.bit_generator.state != state
+
+
+def test_two_edits_per_positive_show_both_edits_of_a_caption_each_epoch_and_never_one_twice() -> None:
+    from types import SimpleNamespace
+
+    from pairclean.judge.edits import TRAINING
+    from pairclean.lite.judge_data import SplitFeatures, _texts_of
+    from pairclean.lite.judge_train import _edits_by_source, _epoch_pairs, _other_edit
+
+    images = [SimpleNamespace(captions=list(CAPTIONS)) for _ in range(4)]
+    texts, owner, kinds, source = _texts_of(images, "train", 0, 5, 2, TRAINING)
+    n = len(texts)
+    feats = SplitFeatures(regions=np.zeros((4, 1, 1), np.float16), image_emb=np.eye(4, dtype=np.float32),
+                          tokens=np.zeros((n, 1, 1), np.float16), mask=np.ones((n, 1), bool),
+                          text_emb=np.zeros((n, 4), np.float32), image=np.array(owner), kind=np.array(kinds),
+                          source=np.array(source), texts=texts)
+    real = np.nonzero(np.array(kinds) == "")[0]
+    edit_of = _edits_by_source(feats.source)
+    top = (np.zeros((len(real), 2), np.int64), np.zeros((len(real), 2), np.float32))
+    img_top = (np.zeros((4, 2), np.int64), np.zeros((4, 2), np.float32))
+    both = JudgeRecipe(edits_per_positive=2, random_rate=0.0)
+    _, txt, labels = _epoch_pairs(feats, real, edit_of, top, img_top, both, np.random.default_rng(0))
+    shown = txt[np.isin(txt, np.nonzero(feats.source >= 0)[0])]
+    # every edit row of the cache is a negative exactly once in the epoch
+    assert sorted(shown.tolist()) == sorted(r for rows in edit_of.values() for r in rows)
+    assert (labels[np.isin(txt, shown)] == 0).all()
+    _, txt1, _ = _epoch_pairs(feats, real, edit_of, top, img_top, JudgeRecipe(random_rate=0.0), np.random.default_rng(0))
+    assert np.isin(txt1, shown).sum() == len(edit_of)  # one edit per caption by default
+    rng = np.random.default_rng(0)
+    assert _other_edit([5], 5, rng) == -1 and _other_edit([5, 6], 5, rng) == 6 and _other_edit(None, -1, rng) == -1

@@ -1,0 +1,126 @@
+"""How the judge reads one wrong word by word list: the ones it trained on and the held-out ones.
+
+On Flickr8k dev (never trained on), each photo's first caption against its one-word edits
+(``pairclean.judge.edits``), made with each vocabulary:
+
+- ``core``: the first lists (the dev cache's own edits; the hard-noise benchmark's ``edit``);
+- ``extra``: the words only the training recipe ``--edit-words training`` adds;
+- ``unseen``: words no training recipe changes (the hard-noise benchmark's ``edit-unseen``).
+
+Prints, per vocabulary and edit kind: the number of edits, the AUC of the judge's logit
+(clean first captions against the edits), the plain cosine's AUC, and the share of edits
+that score below the caption they were made from on the same photo. A judge that only
+learnt its own word lists scores well on ``core`` and near the cosine on ``unseen``.
+
+Reads the dev split of a ``pairclean train-judge`` features cache (``--features-cache``;
+regions of the dev photos) and encodes the new edits with pairclean-lite's text tower
+(a few seconds). Nothing is written.
+
+    python benchmarks/edit_words.py [--features-cache ~/.cache/pairclean/judge/lite0-c5] [--judge PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from pairclean.calibrate.calibration import cache_dir
+from pairclean.judge.edits import EDIT_KINDS, VOCABULARIES, edit_caption
+from pairclean.judge.metrics import roc_auc
+from pairclean.lite.judge_data import MAX_TOKENS, SplitFeatures, load_split
+from pairclean.lite.judge_train import score_pairs
+
+MIN_EDITS = 20  # kinds with fewer edits than this are folded into the vocabulary's row only
+
+
+def _encode(texts: list[str]) -> tuple[NDArray[np.float16], NDArray[np.bool_], NDArray[np.float32]]:
+    """Token states, masks and L2-normalised embeddings of ``texts`` (pairclean-lite, fp32)."""
+    import torch
+
+    from pairclean.embed.estimators import EstimatorSpec, load_estimator
+    from pairclean.judge.features import text_parts
+
+    est = load_estimator(EstimatorSpec(model="pairclean-lite", precision="fp32", engine="torch"))
+    toks, masks, embs = [], [], []
+    for s in range(0, len(texts), 256):
+        ids = est.tokenizer(texts[s : s + 256])[:, :MAX_TOKENS]
+        with torch.inference_mode():
+            pooled, tok, mask = text_parts(est.model, ids)
+        pad = MAX_TOKENS - tok.shape[1]
+        toks.append(np.pad(tok.to(torch.float16).numpy(), ((0, 0), (0, pad), (0, 0))))
+        masks.append(np.pad(mask.numpy(), ((0, 0), (0, pad))))
+        embs.append(torch.nn.functional.normalize(pooled.float(), dim=-1).numpy())
+    return np.concatenate(toks), np.concatenate(masks), np.concatenate(embs)
+
+
+def _new_edits(dev: SplitFeatures, first: NDArray[np.int64]) -> list[tuple[str, str, int, str]]:
+    """(vocabulary, kind, photo, text) of every extra and unseen edit of the first captions."""
+    out = []
+    for name in ("extra", "unseen"):
+        rng = np.random.default_rng(0)
+        for i, row in enumerate(first):
+            for kind in EDIT_KINDS:
+                edited = edit_caption(dev.texts[row], kind, rng, VOCABULARIES[name])
+                if edited is not None:
+                    out.append((name, kind, i, edited))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--features-cache", type=Path, default=cache_dir() / "judge" / "lite0-c5")
+    ap.add_argument("--judge", default=None, help="judge weights (default: the shipped judge)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
+    args = ap.parse_args()
+    from pairclean.judge.runner import load_judge
+
+    dev = load_split(args.features_cache, "dev")
+    n = len(dev.image_emb)
+    first = np.nonzero(dev.kind == "")[0][::5]  # each photo's first caption (five per photo, in order)
+    made = _new_edits(dev, first)
+    tokens, mask, emb = _encode([m[3] for m in made])
+    base = len(dev.texts)
+    dev.tokens, dev.mask = np.concatenate([dev.tokens, tokens]), np.concatenate([dev.mask, mask])
+    dev.text_emb = np.concatenate([dev.text_emb, emb])
+    model = load_judge(args.judge).model
+    photos = np.arange(n)
+    clean = score_pairs(model, dev, photos, first)
+    clean_cos = np.einsum("nd,nd->n", dev.image_emb, dev.text_emb[first])
+    rows: list[tuple[str, NDArray[np.int64], NDArray[np.int64]]] = []
+    for kind in EDIT_KINDS:
+        r = np.nonzero(dev.kind == kind)[0]
+        rows.append((f"core:{kind}", dev.image[r], r))
+    r = np.nonzero(dev.kind != "")[0]
+    rows.append(("core:all", dev.image[r], r))
+    for name in ("extra", "unseen"):
+        sel = [k for k, m in enumerate(made) if m[0] == name]
+        for kind in EDIT_KINDS:
+            ks = [k for k in sel if made[k][1] == kind]
+            if len(ks) >= MIN_EDITS:
+                rows.append((f"{name}:{kind}", np.array([made[k][2] for k in ks]), base + np.array(ks)))
+        rows.append((f"{name}:all", np.array([made[k][2] for k in sel]), base + np.array(sel)))
+    if not args.json:
+        print("| words:kind | edits | judge AUC | cosine AUC | own caption above its edit |\n|---|---|---|---|---|")
+    for name, img, txt in rows:
+        report = _row(model, dev, clean, clean_cos, img, txt)
+        print(json.dumps({"row": name, **report}) if args.json else
+              f"| {name} | {report['edits']} | {report['judge_auc']:.3f} | {report['cosine_auc']:.3f} | {report['own_above_edit']:.3f} |")
+
+
+def _row(model: Any, dev: SplitFeatures, clean: NDArray[np.float32], clean_cos: NDArray[np.float32],
+         img: NDArray[np.int64], txt: NDArray[np.int64]) -> dict[str, Any]:
+    scores = score_pairs(model, dev, img, txt)
+    cos = np.einsum("nd,nd->n", dev.image_emb[img], dev.text_emb[txt])
+    labels = np.r_[np.ones(len(clean), bool), np.zeros(len(txt), bool)]
+    return {"edits": int(len(txt)), "judge_auc": round(roc_auc(np.r_[clean, scores], labels), 4),
+            "cosine_auc": round(roc_auc(np.r_[clean_cos, cos], labels), 4),
+            "own_above_edit": round(float((clean[img] > scores).mean()), 4)}
+
+
+if __name__ == "__main__":
+    main()
