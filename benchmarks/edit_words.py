@@ -32,30 +32,10 @@ from numpy.typing import NDArray
 from pairclean.calibrate.calibration import cache_dir
 from pairclean.judge.edits import EDIT_KINDS, VOCABULARIES, edit_caption
 from pairclean.judge.metrics import roc_auc
-from pairclean.lite.judge_data import MAX_TOKENS, SplitFeatures, load_split
+from pairclean.lite.judge_data import SplitFeatures, encode_texts, load_split
 from pairclean.lite.judge_train import score_pairs
 
 MIN_EDITS = 20  # kinds with fewer edits than this are folded into the vocabulary's row only
-
-
-def _encode(texts: list[str]) -> tuple[NDArray[np.float16], NDArray[np.bool_], NDArray[np.float32]]:
-    """Token states, masks and L2-normalised embeddings of ``texts`` (pairclean-lite, fp32)."""
-    import torch
-
-    from pairclean.embed.estimators import EstimatorSpec, load_estimator
-    from pairclean.judge.features import text_parts
-
-    est = load_estimator(EstimatorSpec(model="pairclean-lite", precision="fp32", engine="torch"))
-    toks, masks, embs = [], [], []
-    for s in range(0, len(texts), 256):
-        ids = est.tokenizer(texts[s : s + 256])[:, :MAX_TOKENS]
-        with torch.inference_mode():
-            pooled, tok, mask = text_parts(est.model, ids)
-        pad = MAX_TOKENS - tok.shape[1]
-        toks.append(np.pad(tok.to(torch.float16).numpy(), ((0, 0), (0, pad), (0, 0))))
-        masks.append(np.pad(mask.numpy(), ((0, 0), (0, pad))))
-        embs.append(torch.nn.functional.normalize(pooled.float(), dim=-1).numpy())
-    return np.concatenate(toks), np.concatenate(masks), np.concatenate(embs)
 
 
 def _new_edits(dev: SplitFeatures, first: NDArray[np.int64]) -> list[tuple[str, str, int, str]]:
@@ -83,7 +63,10 @@ def main() -> None:
     n = len(dev.image_emb)
     first = np.nonzero(dev.kind == "")[0][::5]  # each photo's first caption (five per photo, in order)
     made = _new_edits(dev, first)
-    tokens, mask, emb = _encode([m[3] for m in made])
+    from pairclean.embed.estimators import EstimatorSpec, load_estimator
+
+    estimator = load_estimator(EstimatorSpec(model="pairclean-lite", precision="fp32", engine="torch"))
+    tokens, mask, emb = encode_texts(estimator, [m[3] for m in made])
     base = len(dev.texts)
     dev.tokens, dev.mask = np.concatenate([dev.tokens, tokens]), np.concatenate([dev.mask, mask])
     dev.text_emb = np.concatenate([dev.text_emb, emb])

@@ -32,7 +32,7 @@ from numpy.typing import NDArray
 from pairclean.lite.evaldata import load_flickr8k
 from pairclean.judge.edits import CORE, EDIT_KINDS, Vocabulary, edit_caption
 
-__all__ = ["MAX_TOKENS", "SplitFeatures", "build_cache", "load_split"]
+__all__ = ["MAX_TOKENS", "SplitFeatures", "build_cache", "encode_texts", "load_split"]
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def build_cache(root: Path, cache: Path, estimator: Any, batch: int = 64, seed: 
     """
     import torch
 
-    from pairclean.judge.features import image_parts, text_parts
+    from pairclean.judge.features import image_parts
 
     cache.mkdir(parents=True, exist_ok=True)
     model = estimator.model
@@ -133,20 +133,32 @@ def build_cache(root: Path, cache: Path, estimator: Any, batch: int = 64, seed: 
         if not tpath.exists():
             t0 = time.perf_counter()
             texts, owner, kinds, source = _texts_of(images, split, seed, train_captions, train_edits, edit_words)
-            tok_parts, masks, embs = [], [], []
-            for start in range(0, len(texts), 256):
-                ids = estimator.tokenizer(texts[start : start + 256])[:, :MAX_TOKENS]
-                with torch.inference_mode():
-                    pooled, tok, mask = text_parts(model, ids)
-                pad = MAX_TOKENS - tok.shape[1]
-                tok_parts.append(np.pad(tok.to(torch.float16).numpy(), ((0, 0), (0, pad), (0, 0))))
-                masks.append(np.pad(mask.numpy(), ((0, 0), (0, pad))))
-                embs.append(torch.nn.functional.normalize(pooled.float(), dim=-1).numpy())
-            tokens = np.concatenate(tok_parts)
-            _save(tpath, tokens=tokens, mask=np.concatenate(masks), emb=np.concatenate(embs),
+            tokens, text_masks, text_embs = encode_texts(estimator, texts)
+            _save(tpath, tokens=tokens, mask=text_masks, emb=text_embs,
                   image=np.array(owner, np.int64), kind=np.array(kinds), source=np.array(source, np.int64),
                   texts=np.array(texts))
             log.info("%s texts: %d in %.0f s", split, len(texts), time.perf_counter() - t0)
+
+
+def encode_texts(estimator: Any, texts: list[str], batch: int = 256) -> tuple[NDArray[np.float16], NDArray[np.bool_], NDArray[np.float32]]:
+    """The judge's text inputs for ``texts``: token states (T, ``MAX_TOKENS``, W) float16
+    (zero-padded), masks (T, ``MAX_TOKENS``) bool, and the estimator's L2-normalised caption
+    embeddings (T, D) float32, from one pass of its text tower (pairclean-lite's, as
+    ``pairclean score`` runs it)."""
+    import torch
+
+    from pairclean.judge.features import text_parts
+
+    tok_parts, masks, embs = [], [], []
+    for start in range(0, len(texts), batch):
+        ids = estimator.tokenizer(texts[start : start + batch])[:, :MAX_TOKENS]
+        with torch.inference_mode():
+            pooled, tok, mask = text_parts(estimator.model, ids)
+        pad = MAX_TOKENS - tok.shape[1]
+        tok_parts.append(np.pad(tok.to(torch.float16).numpy(), ((0, 0), (0, pad), (0, 0))))
+        masks.append(np.pad(mask.numpy(), ((0, 0), (0, pad))))
+        embs.append(torch.nn.functional.normalize(pooled.float(), dim=-1).numpy())
+    return np.concatenate(tok_parts), np.concatenate(masks), np.concatenate(embs)
 
 
 def _pixels(images: list[Any], estimator: Any) -> Any:

@@ -302,7 +302,9 @@ def test_refine_keeps_what_score_calibrated_the_contrast_and_the_word_check(make
 
 @pytest.mark.parametrize("option, value, message", [("--train-edits", "9", "--train-edits must be 1-5, got 9"),
                                                      ("--train-captions", "0", "--train-captions must be 1-5, got 0"),
-                                                     ("--members", "0", "--members must be 1-8, got 0")])
+                                                     ("--members", "0", "--members must be 1-8, got 0"),
+                                                     ("--edits-per-positive", "2",
+                                                      "--edits-per-positive must be 1-1 (--train-edits), got 2")])
 def test_train_judge_refuses_out_of_range_options_in_one_line_before_any_work(tmp_path: Path, option: str, value: str, message: str,
                                                                              capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train-judge", "--out", str(tmp_path / "j.safetensors"), option, value]) == 1
