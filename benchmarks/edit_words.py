@@ -24,16 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from pairclean.calibrate.calibration import cache_dir
 from pairclean.judge.edits import EDIT_KINDS, VOCABULARIES, edit_caption
-from pairclean.judge.metrics import roc_auc
 from pairclean.lite.judge_data import SplitFeatures, encode_texts, load_split
-from pairclean.lite.judge_train import score_pairs
+from pairclean.lite.judge_train import evaluate, score_pairs
 
 MIN_EDITS = 20  # kinds with fewer edits than this are folded into the vocabulary's row only
 
@@ -71,39 +69,31 @@ def main() -> None:
     dev.tokens, dev.mask = np.concatenate([dev.tokens, tokens]), np.concatenate([dev.mask, mask])
     dev.text_emb = np.concatenate([dev.text_emb, emb])
     model = load_judge(args.judge).model
-    photos = np.arange(n)
-    clean = score_pairs(model, dev, photos, first)
-    clean_cos = np.einsum("nd,nd->n", dev.image_emb, dev.text_emb[first])
-    rows: list[tuple[str, NDArray[np.int64], NDArray[np.int64]]] = []
+    pairs = {"clean": (np.arange(n), first)}
     for kind in EDIT_KINDS:
         r = np.nonzero(dev.kind == kind)[0]
-        rows.append((f"core:{kind}", dev.image[r], r))
+        pairs[f"core:{kind}"] = (dev.image[r], r)
     r = np.nonzero(dev.kind != "")[0]
-    rows.append(("core:all", dev.image[r], r))
+    pairs["core:all"] = (dev.image[r], r)
     for name in ("extra", "unseen"):
         sel = [k for k, m in enumerate(made) if m[0] == name]
         for kind in EDIT_KINDS:
             ks = [k for k in sel if made[k][1] == kind]
             if len(ks) >= MIN_EDITS:
-                rows.append((f"{name}:{kind}", np.array([made[k][2] for k in ks]), base + np.array(ks)))
-        rows.append((f"{name}:all", np.array([made[k][2] for k in sel]), base + np.array(sel)))
+                pairs[f"{name}:{kind}"] = (np.array([made[k][2] for k in ks]), base + np.array(ks))
+        pairs[f"{name}:all"] = (np.array([made[k][2] for k in sel]), base + np.array(sel))
+    aucs = evaluate(model, dev, pairs)  # the judge's and the cosine's AUC, as train-judge reports them
+    clean = score_pairs(model, dev, *pairs["clean"])
     if not args.json:
         print("| words:kind | edits | judge AUC | cosine AUC | own caption above its edit |\n|---|---|---|---|---|")
-    for name, img, txt in rows:
-        report = _row(model, dev, clean, clean_cos, img, txt)
+    for name, (img, txt) in pairs.items():
+        if name == "clean":
+            continue
+        report = {"edits": int(len(txt)), "judge_auc": round(aucs[name]["judge_auc"], 4),
+                  "cosine_auc": round(aucs[name]["cosine_auc"], 4),
+                  "own_above_edit": round(float((clean[img] > score_pairs(model, dev, img, txt)).mean()), 4)}
         print(json.dumps({"row": name, **report}) if args.json else
               f"| {name} | {report['edits']} | {report['judge_auc']:.3f} | {report['cosine_auc']:.3f} | {report['own_above_edit']:.3f} |")
-
-
-def _row(model: Any, dev: SplitFeatures, clean: NDArray[np.float32], clean_cos: NDArray[np.float32],
-         img: NDArray[np.int64], txt: NDArray[np.int64]) -> dict[str, Any]:
-    scores = score_pairs(model, dev, img, txt)
-    cos = np.einsum("nd,nd->n", dev.image_emb[img], dev.text_emb[txt])
-    labels = np.r_[np.ones(len(clean), bool), np.zeros(len(txt), bool)]
-    return {"edits": int(len(txt)), "judge_auc": round(roc_auc(np.r_[clean, scores], labels), 4),
-            "cosine_auc": round(roc_auc(np.r_[clean_cos, cos], labels), 4),
-            "own_above_edit": round(float((clean[img] > scores).mean()), 4)}
-
 
 if __name__ == "__main__":
     main()

@@ -119,6 +119,19 @@ def _edit_module() -> Any:
     return edits
 
 
+def _first_edit(edits: Any, texts: list[str], pos: int, rng: np.random.Generator, vocabulary: Any) -> tuple[str, str] | None:
+    """(edited text, edit kind) of the first of ``texts`` an edit applies to, trying the kinds
+    in turn from the ``pos``-th (so consecutive pairs cycle through them); None: none applies."""
+    kinds = list(edits.EDIT_KINDS)
+    for text in texts:
+        for shift in range(len(kinds)):
+            kind = kinds[(pos + shift) % len(kinds)]
+            edited = edits.edit_caption(text, kind, rng, vocabulary)
+            if edited is not None:
+                return edited, kind
+    return None
+
+
 def make_pairing(kind: str, rate: float, images: list[Any], emb: dict[str, np.ndarray], seed: int) -> tuple[list[str], np.ndarray, list[str]]:
     """(captions, noisy flags, noise kind per pair ("" when clean)) for one (kind, rate)."""
     n = len(images)
@@ -158,28 +171,17 @@ def make_pairing(kind: str, rate: float, images: list[Any], emb: dict[str, np.nd
             for i in idx:
                 out[i] = images[near_txt_img[i]].captions[near_txt_cap[i]]
                 labels[i] = k
-        elif k == "edit":
+        elif k in ("edit", "edit-unseen"):
             if edits is None:
-                raise SystemExit("the edit kind needs pairclean.judge.edits (not in this tree yet); pass --kinds without edit/mix")
-            kinds = list(edits.EDIT_KINDS)
+                raise SystemExit(f"the {k} kind needs pairclean.judge.edits (not in this tree yet); pass --kinds without it and mix")
+            # edit: the own first caption, core words (one no edit applies to stays clean, labelled so);
+            # edit-unseen: the first of the image's captions the held-out words apply to
+            texts_of = (lambda i: [captions[i]]) if k == "edit" else (lambda i: images[i].captions)
+            vocabulary = edits.CORE if k == "edit" else edits.UNSEEN
             for pos, i in enumerate(idx):
-                for shift in range(len(kinds)):
-                    edited = edits.edit_caption(captions[i], kinds[(pos + shift) % len(kinds)], rng)
-                    if edited is not None and edited != captions[i]:
-                        out[i] = edited
-                        labels[i] = f"edit:{kinds[(pos + shift) % len(kinds)]}"
-                        break
-                # a caption no edit applies to stays clean (and is labelled so)
-        elif k == "edit-unseen":  # words the judge never saw changed: its first caption they apply to
-            kinds = list(edits.EDIT_KINDS)
-            for pos, i in enumerate(idx):
-                options = [(c, kinds[(pos + shift) % len(kinds)]) for c in images[i].captions for shift in range(len(kinds))]
-                for caption, edit_kind in options:
-                    edited = edits.edit_caption(caption, edit_kind, rng, edits.UNSEEN)
-                    if edited is not None:
-                        out[i] = edited
-                        labels[i] = f"edit-unseen:{edit_kind}"
-                        break
+                made = _first_edit(edits, texts_of(i), pos, rng, vocabulary)
+                if made is not None:
+                    out[i], labels[i] = made[0], f"{k}:{made[1]}"
     noisy = np.array([bool(lab) for lab in labels])
     return out, noisy, labels
 
