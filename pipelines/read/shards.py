@@ -167,6 +167,29 @@ def _known_size(fh: Any) -> int | None:
     return size if isinstance(size, int) else None
 
 
+def _check_trailer(tar: tarfile.TarFile, uri: str) -> None:
+    """Raise ``ShardReadError`` unless what follows the end-of-archive marker is zero padding.
+
+    ``tarfile`` stops at the first zero block, so a header zeroed by damage, two tars
+    concatenated (``cat a.tar b.tar``) or bytes appended to a shard would otherwise end the
+    shard early and silently. Reads the (decompressed) rest of the archive, at most
+    ``_MAX_TRAILER`` bytes: tar writers pad to a 10 KiB record, never more.
+    """
+    end = tar.offset
+    seen = 0
+    while True:
+        chunk = tar.fileobj.read(1 << 16)  # type: ignore[union-attr]
+        if not chunk:
+            return
+        if chunk.count(0) != len(chunk):
+            at = end + seen + next(i for i, b in enumerate(chunk) if b)
+            raise ShardReadError(f"unreadable tar {uri!r}: data after its end-of-archive marker at byte {at} "
+                                 "(a damaged header, or tars joined end to end); the shard is not read short", uri=uri)
+        seen += len(chunk)
+        if seen > _MAX_TRAILER:
+            raise ShardReadError(f"unreadable tar {uri!r}: over {_MAX_TRAILER} bytes after its end-of-archive marker", uri=uri)
+
+
 def _iter_members(fh: BinaryIO, uri: str, max_member_bytes: int | None) -> Iterator[_Member]:
     size = _known_size(fh)
     counted = _Counting(fh)
@@ -195,6 +218,7 @@ def _iter_members(fh: BinaryIO, uri: str, max_member_bytes: int | None) -> Itera
             if last_header[0] != bytes(_BLOCK):
                 what = "ends without an end-of-archive marker (truncated)" if len(last_header[0]) < _BLOCK else "has a corrupt header"
                 raise ShardReadError(f"unreadable tar {uri!r}: it {what} after {tar.offset} bytes", uri=uri)
+            _check_trailer(tar, uri)
         if size is not None:
             while counted.count < size and counted.count <= size + _MAX_TRAILER:
                 if not counted.read(min(1 << 16, size - counted.count + 1)):

@@ -131,6 +131,25 @@ def test_shard_cut_at_a_member_boundary_is_an_error_not_a_shorter_shard(tmp_path
     assert len(list(iter_pairs(str(good)))) == 4
 
 
+@pytest.mark.parametrize("compress", [False, True])
+def test_data_after_the_end_marker_is_an_error_not_a_shorter_shard(tmp_path: Path, compress: bool) -> None:
+    members = [(f"{i}.{ext}", b"x" * 600) for i in range(4) for ext in ("jpg", "txt")]
+    good = _tar(tmp_path / "g.tar", members).read_bytes()
+    other = _tar(tmp_path / "o.tar", [("z.jpg", b"y" * 10), ("z.txt", b"other")]).read_bytes()
+    zeroed = bytearray(good)
+    zeroed[4 * 1536 : 4 * 1536 + 512] = bytes(512)  # the 5th header wiped, as by a disk hole
+    cases = {"joined": good + other, "zeroed": bytes(zeroed), "appended": good + b"junk" * 10}
+    for name, data in {"good": good, **cases}.items():
+        path = tmp_path / f"{name}.tar{'.gz' if compress else ''}"
+        path.write_bytes(gzip.compress(data) if compress else data)
+        if name == "good":
+            assert len(list(iter_pairs(str(path)))) == 4  # zero padding after the marker is fine
+            continue
+        # tarfile alone stops at the first zero block: 4 (or 2) samples, and no error
+        with pytest.raises(ShardReadError, match=f"{name}.tar.*after its end-of-archive marker"):
+            list(iter_pairs(str(path)))
+
+
 def test_duplicate_keys_fields_and_link_members_become_status_rows(tmp_path: Path) -> None:
     shard = _tar(tmp_path / "d.tar", [("a.jpg", b"1"), ("a.txt", b"first"), ("b.jpg", b"2"), ("b.txt", b"x"), ("b.txt", b"again"),
                                       ("a.jpg", b"3"), ("a.txt", b"second")], links=("c.jpg",))
