@@ -42,6 +42,8 @@ __all__ = [
     "is_jpeg",
     "decode_jpeg_batch",
     "implausible_size",
+    "extreme_aspect",
+    "MAX_ASPECT",
     "JPEG_MAX_PIXELS_PER_BYTE",
 ]
 
@@ -51,6 +53,21 @@ DEFAULT_MAX_PIXELS = 64_000_000
 #: so one byte of file holds at most 512 pixels; twice that is refused as a forged or
 #: cut header (a 633-byte file claiming 7990x8000 would decode as a grey picture).
 JPEG_MAX_PIXELS_PER_BYTE = 1024
+
+
+#: Longest side over shortest side. Preprocessing resizes the short side to the model's
+#: input (224 px), so a 40000x1 PNG of 200 bytes would become a 224 x 9 million image
+#: (gigabytes) before the centre crop; no photo is that thin, and 64:1 still admits
+#: panoramas and banners.
+MAX_ASPECT = 64
+
+
+def extreme_aspect(width: int, height: int) -> str | None:
+    """Why a ``width`` x ``height`` image is refused for its shape (see ``MAX_ASPECT``), or None."""
+    if max(width, height) > MAX_ASPECT * max(1, min(width, height)):
+        return (f"{width}x{height} is thinner than {MAX_ASPECT}:1 (resizing its short side to the model's input "
+                "would make it a strip of millions of pixels)")
+    return None
 
 
 def implausible_size(img: Image.Image, nbytes: int) -> str | None:
@@ -91,6 +108,9 @@ def decode_image(
                     schema.STATUS_TOO_LARGE,
                     f"{width}x{height} = {width * height} pixels exceeds the limit of {max_pixels}",
                 )
+            thin = extreme_aspect(width, height)
+            if thin:
+                return DecodeFailure(schema.STATUS_TOO_LARGE, thin)
             forged = implausible_size(img, len(data))
             if forged:
                 return DecodeFailure(schema.STATUS_DECODE_ERROR, forged)
@@ -156,7 +176,16 @@ def decode_and_preprocess(
     img = decode_image(data, max_pixels, draft_size=draft_size)
     if isinstance(img, DecodeFailure):
         return img
-    return preprocess(img)
+    return _guarded(preprocess, img)
+
+
+def _guarded(step: Callable[[Image.Image], Any], img: Image.Image) -> Any | DecodeFailure:
+    """``step(img)``, or a ``decode_error`` failure when it raises: one image that PIL
+    decodes but the transform cannot take is a row with a status, never a failed shard."""
+    try:
+        return step(img)
+    except Exception as exc:  # noqa: BLE001 - any transform failure is a per-sample status
+        return DecodeFailure(schema.STATUS_DECODE_ERROR, f"preprocess failed: {type(exc).__name__}: {_without_addresses(str(exc))}")
 
 
 @dataclass(frozen=True)
@@ -214,7 +243,7 @@ def decode_pixels(data: bytes, max_pixels: int, split: SplitPreprocess, draft_si
     img = decode_image(data, max_pixels, draft_size=draft_size)
     if isinstance(img, DecodeFailure):
         return img
-    return split.pixels(img)
+    return _guarded(split.pixels, img)
 
 
 #: Every JPEG starts with SOI (FF D8) followed by the first marker's FF.
@@ -364,7 +393,7 @@ def _batch_decodable(data: bytes, max_pixels: int) -> bool:
             with Image.open(io.BytesIO(data)) as img:
                 width, height = img.size
                 return (img.format == "JPEG" and img.mode in _GPU_JPEG_MODES and width * height <= max_pixels
-                        and implausible_size(img, len(data)) is None)
+                        and extreme_aspect(width, height) is None and implausible_size(img, len(data)) is None)
     except Exception:  # noqa: BLE001 - unreadable header: the CPU path names the error
         return False
 

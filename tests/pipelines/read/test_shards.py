@@ -85,6 +85,37 @@ def test_pixel_bomb_is_refused_without_decoding() -> None:
     assert isinstance(result, DecodeFailure) and result.status == schema.STATUS_TOO_LARGE
 
 
+def test_a_thin_strip_of_an_image_is_refused_before_it_is_resized() -> None:
+    from PIL import Image
+
+    from pairclean.read.decode import MAX_ASPECT
+
+    # A 200-byte 40000x1 PNG: its short side resized to 224 px would be 224 x 9 million pixels.
+    buf = io.BytesIO()
+    Image.new("RGB", (40000, 1)).save(buf, format="PNG")
+    result = decode_image(buf.getvalue())
+    assert isinstance(result, DecodeFailure) and result.status == schema.STATUS_TOO_LARGE and "40000x1" in result.error
+    buf = io.BytesIO()
+    Image.new("RGB", (MAX_ASPECT * 10, 10)).save(buf, format="PNG")  # a panorama at the limit still decodes
+    assert not isinstance(decode_image(buf.getvalue()), DecodeFailure)
+
+
+def test_a_transform_that_fails_on_one_image_gives_that_row_a_status() -> None:
+    from PIL import Image
+
+    from pairclean.read.decode import decode_and_preprocess
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, format="PNG")
+
+    def broken(img: object) -> object:
+        raise MemoryError("cannot allocate")
+
+    result = decode_and_preprocess(buf.getvalue(), 10_000, broken)
+    assert isinstance(result, DecodeFailure) and result.status == schema.STATUS_DECODE_ERROR
+    assert result.error == "preprocess failed: MemoryError: cannot allocate"
+
+
 # -- hostile and broken tars (issue 10) ---------------------------------------------------
 
 def _tar(path: Path, members: list[tuple[str, bytes]], links: tuple[str, ...] = ()) -> Path:
