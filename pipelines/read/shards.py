@@ -27,6 +27,7 @@ import os
 import re
 import stat
 import tarfile
+import unicodedata
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -41,6 +42,7 @@ __all__ = [
     "PairSample",
     "ReadOptions",
     "DEFAULT_MAX_MEMBER_BYTES",
+    "MAX_CAPTION_CHARS",
     "iter_raw_samples_from",
     "iter_pairs_from",
     "split_member_name",
@@ -60,6 +62,8 @@ _BLOCK = tarfile.BLOCKSIZE
 # Bytes after the end-of-archive marker are drained to compare the total with the
 # object's size; tar writers pad to a 10 KiB record, so more than this is not padding.
 _MAX_TRAILER = 1 << 20
+#: Characters of a caption kept for scoring (the text towers read at most 77 tokens).
+MAX_CAPTION_CHARS = 8192
 
 
 @dataclass(frozen=True)
@@ -289,14 +293,37 @@ def _parse_json(sample: RawSample) -> tuple[dict[str, Any], str | None]:
 
 
 def _caption(sample: RawSample, meta: dict[str, Any], caption_field: str | None) -> str | None:
+    """The caption as read (not yet bounded: see ``_bounded``); None when there is none."""
     if caption_field is not None:
-        value = meta.get(caption_field)
-        return None if value is None else str(value)
+        return _caption_value(meta.get(caption_field))
     raw = sample.files.get("txt")
     if raw is not None:
-        return raw.decode("utf-8", errors="replace")
-    value = meta.get("caption")
-    return None if value is None else str(value)
+        return raw[: 4 * MAX_CAPTION_CHARS].decode("utf-8", errors="replace")  # 4: bytes per UTF-8 character at most
+    return _caption_value(meta.get("caption"))
+
+
+def _caption_value(value: Any) -> str | None:
+    """A json caption: strings as they are, numbers as text; None for absent or null.
+
+    A list or object is not a caption (``str`` would make "['a', 'b']" of it): ``ValueError``.
+    """
+    if value is None:
+        return None
+    if isinstance(value, (list, dict, bool)):
+        raise ValueError(f"json caption is a{'n object' if isinstance(value, dict) else ' ' + type(value).__name__}, not text")
+    return str(value)
+
+
+def _bounded(text: str) -> str:
+    """``text`` cut to ``MAX_CAPTION_CHARS``: the text towers read its first few dozen
+    tokens only, and tokenising a 16 MiB caption whole took gigabytes."""
+    return text if len(text) <= MAX_CAPTION_CHARS else text[:MAX_CAPTION_CHARS]
+
+
+def _blank(text: str) -> bool:
+    """No visible character: spaces, and format or control characters such as a
+    zero-width space, which ``str.strip`` keeps."""
+    return all(c.isspace() or unicodedata.category(c)[0] in "CZ" for c in text)
 
 
 def _opt_str(value: Any) -> str | None:
@@ -309,7 +336,11 @@ def to_pair(sample: RawSample, caption_field: str | None = None) -> PairSample:
     uid, url = _opt_str(meta.get("uid")), _opt_str(meta.get("url"))
     image_ext = next((e for e in IMAGE_EXTS if e in sample.files), None)
     image = sample.files[image_ext] if image_ext else None
-    text = _caption(sample, meta, caption_field)
+    try:
+        text = _caption(sample, meta, caption_field)
+    except ValueError as exc:
+        text, json_error = None, str(exc)
+    text = None if text is None else _bounded(text)
     # The caption's member as _caption picks it; a json-fallback caption (no caption_field,
     # no txt) gets no span, so a viewer never has to guess which member it reads.
     caption_ext = "json" if caption_field is not None else "txt"
@@ -325,8 +356,8 @@ def to_pair(sample: RawSample, caption_field: str | None = None) -> PairSample:
     if text is None:
         where = f"json field {caption_field!r}" if caption_field else "txt member or json caption"
         return row(schema.STATUS_MISSING_TEXT, json_error or f"no {where}")
-    if not text.strip():
-        return row(schema.STATUS_EMPTY_TEXT, "caption is empty")
+    if _blank(text):
+        return row(schema.STATUS_EMPTY_TEXT, "caption is empty (no visible character)")
     return row(schema.STATUS_OK, None)
 
 

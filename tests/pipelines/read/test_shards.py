@@ -189,6 +189,24 @@ def test_duplicate_keys_fields_and_link_members_become_status_rows(tmp_path: Pat
     assert pairs[0].text == "first"  # never overwritten by the later duplicate
 
 
+def test_captions_are_bounded_and_blank_or_non_text_captions_are_rows_with_a_status(tmp_path: Path) -> None:
+    import json
+
+    from pairclean.read.shards import MAX_CAPTION_CHARS
+
+    shard = _tar(tmp_path / "c.tar", [
+        ("long.jpg", b"1"), ("long.txt", b"a dog " * 1_000_000),
+        ("zw.jpg", b"2"), ("zw.txt", "\u200b\u00a0 \ufeff".encode()),
+        ("list.jpg", b"3"), ("list.json", json.dumps({"caption": ["a", "b"]}).encode()),
+        ("num.jpg", b"4"), ("num.json", json.dumps({"caption": 12345}).encode()),
+    ])
+    pairs = {p.key: p for p in iter_pairs(str(shard))}
+    assert pairs["long"].status == "ok" and pairs["long"].text == ("a dog " * 2000)[:MAX_CAPTION_CHARS]
+    assert pairs["zw"].status == "empty_text"
+    assert pairs["list"].status == "missing_text" and pairs["list"].error == "json caption is a list, not text"
+    assert (pairs["num"].status, pairs["num"].text) == ("ok", "12345")
+
+
 def test_sixteen_bit_png_keeps_its_tones_instead_of_clipping() -> None:
     import numpy as np
     from PIL import Image
