@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -49,7 +50,7 @@ from pairclean.spec import JobSpec, spec_diff, spec_digest
 from pairclean.storage import Store, WriteInfo
 from pairclean.uris import shard_stem
 
-__all__ = ["ShardRecord", "OutputDir", "COMPACT_EVERY", "COMPACT_SECONDS", "MAX_SEGMENTS"]
+__all__ = ["ShardRecord", "OutputDir", "enclosing_output", "is_output", "COMPACT_EVERY", "COMPACT_SECONDS", "MAX_SEGMENTS"]
 
 #: Completion records since the last compaction that trigger a new compaction. Resuming
 #: reads at most this many single records, so it stays small.
@@ -64,6 +65,29 @@ COMPACT_SECONDS = 120.0
 #: records (cost O(COMPACT_EVERY)); a merge rewrites everything (O(shards)) but only once
 #: every MAX_SEGMENTS compactions, and resuming reads at most MAX_SEGMENTS + 1 segments.
 MAX_SEGMENTS = 32
+
+
+def is_output(exists: Any, path: str) -> bool:
+    """Whether the folder at ``path`` holds a pairclean job's state (either layout), asking
+    ``exists(path) -> bool`` of the filesystem it lives on."""
+    return bool(exists(path + schema.SIDE_SUFFIX + "/" + schema.side_name(schema.STATE_DIR)) or exists(f"{path}/{schema.STATE_DIR}"))
+
+
+def enclosing_output(store: Store) -> str | None:
+    """The pairclean output that ``store``'s folder lies inside (in it, or in its
+    ``.pairclean`` side folder, at any depth), or None. Asks about each enclosing folder
+    up to the filesystem's (or bucket's) root: a handful of lookups."""
+    exists = os.path.exists if store.local else store.fs.exists
+    path = store.root.rstrip("/")
+    outer = path.split("/")[:-1]
+    # A bucket (the first component of a remote path) holds no job: it has no sibling folder.
+    stop = 1 if store.local else 2
+    candidates = ["/".join(outer[:n]) for n in range(len(outer), stop - 1, -1)]
+    candidates += [c[: -len(schema.SIDE_SUFFIX)] for c in [path, *candidates] if c.endswith(schema.SIDE_SUFFIX)]
+    for folder in candidates:
+        if folder and is_output(exists, folder):
+            return folder if store.local else f"{store.scheme}://{folder}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -219,6 +243,7 @@ class OutputDir:
         An output folder holding files pairclean did not write (an img2dataset shard
         folder, say) is refused: scores would mix with, or replace, the user's files.
         """
+        self._check_not_nested()
         if self.store.exists(schema.JOB_FILE):
             return
         entries = self.store.list()
@@ -238,6 +263,18 @@ class OutputDir:
             raise ForeignOutputError(
                 f"output {self.uri} already holds files pairclean did not write ({shown}); "
                 "pairclean never mixes its outputs with other files: choose an empty or new folder",
+                uri=self.uri,
+            )
+
+    def _check_not_nested(self) -> None:
+        """``ForeignOutputError`` when this folder lies inside another pairclean output or its
+        side folder: its files would join that job's dataset (readers of the outer folder
+        would meet this job's tables and state) and its resume would not know them."""
+        outer = enclosing_output(self.store)
+        if outer is not None:
+            raise ForeignOutputError(
+                f"output {self.uri} lies inside the pairclean output {outer}; its files would mix with that job's: "
+                "choose a folder outside it",
                 uri=self.uri,
             )
 

@@ -137,15 +137,21 @@ def _check_output_owner(output: str, key: str, who: Principal, store: JobStore) 
     folder that already holds pairclean state no job of this owner ever used (written by
     the batch CLI, or by a job since deleted) is refused alike. Admins are no exception:
     a folder holds one tenant's data."""
-    from pairclean import schema
+    from pairclean.output.folder import enclosing_output, is_output
+    from pairclean.storage import Store as Folder
 
     owners = store.output_owners(key)
     if owners and owners != {who.name}:
         raise HTTPException(409, f"output {output!r} belongs to another owner's job; choose another output folder")
     target = local_target(output)
-    if not owners and target is not None and os.path.exists(os.path.join(target, schema.STATE_DIR)):
+    if target is None:
+        return  # remote: the job's own run refuses a folder inside another job's output
+    if not owners and is_output(os.path.exists, target):
         raise HTTPException(409, f"output {output!r} already holds a pairclean job's output that is not yours; "
                                  "choose another output folder")
+    if enclosing_output(Folder(target)) is not None:
+        # Not named: the outer folder may be another tenant's.
+        raise HTTPException(409, f"output {output!r} lies inside another pairclean job's output; choose a folder outside it")
 
 def expand(request: JobRequest, settings: ServiceSettings) -> list[str]:
     """Allow-list every location before it is touched and expand the shards; 422 otherwise."""

@@ -741,6 +741,13 @@ def test_an_output_folder_belongs_to_the_tenant_that_made_it(tmp_path: Path) -> 
         (tmp_path / "out" / "cli" / "_pairclean").mkdir(parents=True)  # a batch CLI run's folder
         r = srv.post("/v1/jobs", who="bob", json={"shards": [str(shard)], "output": str(tmp_path / "out" / "cli")})
         assert r.status_code == 409 and "not yours" in r.json()["detail"]
+        (tmp_path / "out" / "cli2.pairclean" / "state").mkdir(parents=True)  # today's layout: state beside the folder
+        r = srv.post("/v1/jobs", who="bob", json={"shards": [str(shard)], "output": str(tmp_path / "out" / "cli2")})
+        assert r.status_code == 409 and "not yours" in r.json()["detail"]
+        # Nor inside alice's folder or its side folder, where bob's files would join her dataset.
+        for inner in (tmp_path / "out" / "a" / "nested", tmp_path / "out" / "a.pairclean" / "emb" / "z"):
+            r = srv.post("/v1/jobs", who="bob", json={"shards": [str(shard)], "output": str(inner)})
+            assert r.status_code == 409 and "lies inside another" in r.json()["detail"] and job not in r.text, r.text
         # The owner may run again into her own folder (a resume).
         r = srv.post("/v1/jobs", json={"shards": [str(shard)], "output": str(tmp_path / "out" / "a"), "estimator": "pairclean-tiny-test"})
         assert r.status_code == 201, r.text

@@ -130,6 +130,21 @@ def test_a_folder_of_other_files_is_refused_and_left_untouched(make_shards, tmp_
         assert not (folder / schema.STATE_DIR).exists() and not Path(f"{folder}{schema.SIDE_SUFFIX}").exists()
 
 
+def test_an_output_inside_another_jobs_output_is_refused_and_that_job_left_whole(make_shards, tmp_path: Path,
+                                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    shards = [str(s) for s in make_shards(n_shards=1, per_shard=4)]
+    out = tmp_path / "out"
+    assert main(["score", *shards, "--out", str(out), *TINY]) == 0
+    before = _snapshot(tmp_path)
+    for inner in (out / "nested", out / "a" / "b", Path(f"{out}{schema.SIDE_SUFFIX}") / "emb" / "z"):
+        assert main(["score", *shards, "--out", str(inner), *TINY]) == 1
+        err = capsys.readouterr().err
+        assert f"lies inside the pairclean output {out}" in err and "Traceback" not in err
+        assert _snapshot(tmp_path) == before  # not even a lock was written
+    assert main(["score", *shards, "--out", str(tmp_path / "beside"), *TINY]) == 0  # a sibling is fine
+    assert len(pq.read_table(out)) == 4
+
+
 def test_overwrite_deletes_only_what_the_job_wrote(make_shards, tmp_path: Path) -> None:
     shards = [str(s) for s in make_shards(n_shards=3, per_shard=4)]
     out = tmp_path / "out"
