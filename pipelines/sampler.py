@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
 from pairclean.errors import InputError
-from pairclean.schema import checked_weights
+from pairclean.schema import STATUS_DUPLICATE_KEY, checked_weights
 from pairclean.uris import shard_stem
 
 __all__ = [
@@ -90,7 +90,7 @@ class WeightStore:
         where = str(path)
         try:
             names = pq.read_schema(path).names
-            table = pq.read_table(path, columns=["key", "weight", "noisy"] + (["shard"] if "shard" in names else []))
+            table = pq.read_table(path, columns=["key", "weight", "noisy"] + [c for c in ("shard", "status") if c in names])
         except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise InputError(f"{where} is not a readable pairclean table with key, weight and noisy ({first})", uri=where) from None
@@ -99,17 +99,20 @@ class WeightStore:
         noisy = table.column("noisy")
         if table.column("key").null_count or noisy.null_count:
             raise InputError(f"{where}: null keys or noisy flags; the table is damaged", uri=where)
-        if len(set(keys)) != len(keys):
-            seen: set[str] = set()
-            twice = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-            raise InputError(f"{where}: key {twice!r} appears more than once; the table is damaged", uri=where)
+        repeated = _repeated_keys(keys, table.column("status").to_pylist() if "status" in table.column_names else None)
+        if isinstance(repeated, str):
+            raise InputError(f"{where}: key {repeated!r} appears more than once; the table is damaged", uri=where)
         if "shard" in table.column_names:
             others = {str(u) for u in table.column("shard").unique().to_pylist() if u is not None and shard_stem(str(u)) != stem}
             if others:
                 raise InputError(f"{where}: its rows belong to shard {sorted(others)[0]!r}, not {stem!r}; "
                                  "a table copied under another name joins the wrong pairs", uri=where)
         flags = noisy.to_numpy(zero_copy_only=False)
-        return {k: (float(w), bool(n)) for k, w, n in zip(keys, weights, flags)}
+        rows = {k: (float(w), bool(n)) for k, w, n in zip(keys, weights, flags)}
+        # A key the shard holds twice names two samples the trainer cannot tell apart:
+        # neither is weighted up (weight 0, noisy).
+        rows.update({k: (0.0, True) for k in repeated})
+        return rows
 
     def get(self, url: str, key: str) -> tuple[float, bool] | None:
         return self._load(shard_stem(url)).get(key)
@@ -120,6 +123,21 @@ class WeightStore:
         state = self.__dict__.copy()
         state["_cache"] = {}
         return state
+
+
+def _repeated_keys(keys: list[str], statuses: list[str] | None) -> set[str] | str:
+    """The keys a shard held more than once, as ``pairclean score`` writes them (the first
+    row as read, each later one with status ``duplicate_key``); or the first repeated key,
+    as a ``str``, when the repeats are not that (a damaged or hand-made table)."""
+    seen: set[str] = set()
+    repeated: set[str] = set()
+    for i, key in enumerate(keys):
+        if key in seen:
+            if statuses is None or statuses[i] != STATUS_DUPLICATE_KEY:
+                return key
+            repeated.add(key)
+        seen.add(key)
+    return repeated
 
 
 def _unit_hash(seed: int, rank: int, stem: str, key: str) -> float:

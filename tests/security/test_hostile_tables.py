@@ -183,6 +183,20 @@ def test_weight_stage_refuses_damaged_tables(tmp_path: Path, weights: list[float
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
+def test_a_key_the_shard_held_twice_is_weighted_zero_not_a_broken_table(tmp_path: Path) -> None:
+    """A shard with a repeated ``__key__`` scores as an ``ok`` row and a ``duplicate_key``
+    row under that key; the trainer meets both samples and cannot tell them apart."""
+    from pairclean.sampler import WEIGHT_KEY, WeightStage
+
+    folder = tmp_path / "w"
+    folder.mkdir()
+    pq.write_table(pa.table({"key": ["k0", "k1", "k0"], "weight": pa.array([0.9, 0.8, 0.0], type=pa.float32()),
+                             "noisy": [False, False, True], "status": ["ok", "ok", "duplicate_key"]}), folder / "s-000.parquet")
+    samples = [{"__key__": k, "__url__": "/data/s-000.tar"} for k in ("k0", "k1", "k0")]
+    assert [s[WEIGHT_KEY] for s in WeightStage(folder, "loss")(samples)] == [0.0, pytest.approx(0.8), 0.0]
+    assert [s["__key__"] for s in WeightStage(folder, "keep")(samples)] == ["k1"]
+
+
 def test_weight_stage_accepts_its_own_shard_and_clamps_rounding(tmp_path: Path) -> None:
     from pairclean.sampler import WEIGHT_KEY, WeightStage
 
