@@ -51,6 +51,14 @@ class JobSpec:
     #: similarity. False for specs written before it (their calibrations have none).
     contrast: bool = False
 
+    def __post_init__(self) -> None:
+        """``InputError`` (one line) for counts that cannot run: a job of them did nothing and
+        reported success (``--calibration-pairs 0``), or refused every image (``--max-pixels -5``)."""
+        for name in ("batch_size", "max_pixels", "calibration_pairs", "beta_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"--{name.replace('_', '-')} must be a whole number of at least 1, got {value!r}")
+
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict (``shards`` as a list). The judge's fields only when it
         is on: a job without one keeps the spec (and digest) it had before judges existed."""

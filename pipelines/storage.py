@@ -179,6 +179,12 @@ class Store:
             return os.path.exists(self.path(name))
         return bool(self.fs.exists(self.path(name)))
 
+    def is_file(self) -> bool:
+        """Whether the folder's own path is a file (an object, remotely): no folder can be there."""
+        if self.local:
+            return os.path.isfile(self.root)
+        return bool(self.fs.isfile(self.root))
+
     def size(self, name: str) -> int | None:
         """Size of ``name`` in bytes, None when absent."""
         try:

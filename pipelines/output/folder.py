@@ -244,6 +244,8 @@ class OutputDir:
         folder, say) is refused: scores would mix with, or replace, the user's files.
         """
         self._check_not_nested()
+        if self.store.is_file():
+            raise ForeignOutputError(f"output {self.uri} is a file, not a folder; choose a folder", uri=self.uri)
         if self.store.exists(schema.JOB_FILE):
             return
         entries = self.store.list()
@@ -297,6 +299,8 @@ class OutputDir:
         if existing is not None and overwrite:
             self.clear()
             existing = None
+        elif existing is not None and existing != spec and self._never_started(existing):
+            existing = None  # a start that failed before calibrating (an unknown model, say): nothing to resume
         elif existing is not None and existing != spec:
             raise SpecMismatchError(
                 f"{self.uri} holds a job with a different spec ({spec_diff(existing, spec)}); rerun with the "
@@ -304,6 +308,14 @@ class OutputDir:
             )
         if existing is None:
             self.write_job_doc({"pairclean_version": __version__, "spec": spec.to_json(), "spec_sha256": spec_digest(spec)})
+
+    def _never_started(self, spec: JobSpec) -> bool:
+        """Whether the job of ``spec`` left nothing but its ``job.json``: no calibration, no
+        committed or quarantined shard, no data file of its own. Such a folder holds no
+        work a different spec could spoil, so the corrected command may claim it."""
+        if self.read_calibration() is not None or self.committed() or self.quarantined():
+            return False
+        return not self._stray_outputs(spec_digest(spec), set())
 
     def clear(self) -> list[str]:
         """Delete what this job's records say it wrote (and nothing else); returns the names.

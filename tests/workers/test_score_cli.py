@@ -161,6 +161,28 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
     assert _score(good, tmp_path / "a-file") == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(tmp_path / "a-file") in err and "Traceback" not in err and err.count("\n") == 1
+    assert "is a file, not a folder" in err and (tmp_path / "a-file").read_text() == "x"
+    assert not Path(f"{tmp_path / 'a-file'}{schema.SIDE_SUFFIX}").exists()  # refused before anything was scored
+    # Counts that cannot run: one line, nothing written (--calibration-pairs 0 used to report SUCCEEDED).
+    for flag, value in (("--calibration-pairs", "0"), ("--max-pixels", "-5"), ("--batch-size", "0")):
+        assert main(["score", *good, "--out", str(tmp_path / "o4"), *TINY, flag, value]) == 1
+        err = capsys.readouterr().err
+        assert f"{flag} must be a whole number of at least 1" in err and err.count("\n") == 1
+        assert not (tmp_path / "o4").exists()
+
+
+def test_a_start_that_failed_before_calibrating_does_not_block_the_corrected_command(
+        make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shards = [str(s) for s in make_shards(n_shards=1, per_shard=4)]
+    out = tmp_path / "out"
+    args = ["--no-progress", "--batch-size", "4", "--executor", "local"]
+    assert main(["score", *shards, "--out", str(out), "--model", "no-such-model", *args]) == 1
+    assert "unknown model" in capsys.readouterr().err
+    assert _score(shards, out) == 0  # not "holds a job with a different spec"
+    assert len(_manifest(out)) == 1
+    # Once a job has done work, a different spec is still refused.
+    assert _score(shards, out, "--weighting", "reference") == 1
+    assert "different spec" in capsys.readouterr().err
 
 
 @pytest.mark.slow
