@@ -485,6 +485,31 @@ def main(argv: Sequence[str] | None = None, extend: Callable[[Any], None] | None
     except KeyboardInterrupt:
         print("interrupted: committed shards are kept; rerun the same command to resume", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if not _from_storage_client(exc):
+            raise  # a bug: its traceback is what a report needs
+        # Object-storage clients raise their own types (botocore's NoCredentialsError is no
+        # OSError): a setup problem of the user's, one line like the others.
+        if args.verbose:
+            log.exception("storage failed")
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        print(f"error: object storage: {type(exc).__name__}: {first}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+#: Packages whose exceptions mean "the storage service or its credentials", not a bug here.
+_STORAGE_CLIENTS = ("botocore", "aiobotocore", "s3fs", "gcsfs", "google.auth", "google.api_core", "fsspec")
+
+
+def _from_storage_client(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) is an object-storage client's error."""
+    seen = 0
+    while exc is not None and seen < 5:
+        module = type(exc).__module__ or ""
+        if any(module == p or module.startswith(p + ".") for p in _STORAGE_CLIENTS):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1  # type: ignore[assignment]
+    return False
 
 
 if __name__ == "__main__":

@@ -171,6 +171,19 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
         assert not (tmp_path / "o4").exists()
 
 
+def test_missing_object_storage_credentials_are_one_line(make_shards, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata lookup
+    shards = [str(s) for s in make_shards(n_shards=1, per_shard=2)]
+    assert main(["score", *shards, "--out", "s3://no-such-bucket-pairclean/out", *TINY]) == 1
+    err = capsys.readouterr().err
+    assert err == "error: object storage: NoCredentialsError: Unable to locate credentials\n"
+
+
 def test_a_start_that_failed_before_calibrating_does_not_block_the_corrected_command(
         make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     shards = [str(s) for s in make_shards(n_shards=1, per_shard=4)]
