@@ -205,6 +205,8 @@ def test_captions_are_bounded_and_blank_or_non_text_captions_are_rows_with_a_sta
     assert pairs["zw"].status == "empty_text"
     assert pairs["list"].status == "missing_text" and pairs["list"].error == "json caption is a list, not text"
     assert (pairs["num"].status, pairs["num"].text) == ("ok", "12345")
+    dots = list(iter_pairs(str(_tar(tmp_path / "d.tar", [("a.v1.jpg", b"1"), ("a.v1.txt", b"x")]))))
+    assert dots[0].status == "missing_image" and dots[0].error == "no jpg/jpeg/png/webp member (its fields: v1.jpg, v1.txt)"
 
 
 def test_sixteen_bit_png_keeps_its_tones_instead_of_clipping() -> None:
