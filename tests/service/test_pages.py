@@ -299,3 +299,18 @@ def test_a_failed_job_without_tables_still_has_pages(demo_service) -> None:
     assert "FAILED" in html and "No shard is committed yet" in html and "Quarantined shards" in html and "broken-000000" in html
     assert "No pairs to show yet" in client.get(f"/ui/jobs/{job}/gallery").text
     assert client.get(f"/ui/jobs/{job}/shards/broken-000000").status_code == 404  # quarantined: no table to list
+
+
+def test_a_job_without_any_ok_pair_has_a_page_not_a_500(demo_service) -> None:
+    folder = demo_service.root / "no-ok"
+    folder.mkdir()
+    # One shard with only failed rows (no image, an undecodable one), one empty shard.
+    write_shard(folder / "failed-000000.tar", [{"__key__": "a", "txt": "no image"}, {"__key__": "b", "jpg": b"not a jpeg", "txt": "x"}])
+    write_shard(folder / "empty-000000.tar", [])
+    job = demo_service.submit([str(folder / "failed-000000.tar"), str(folder / "empty-000000.tar")], str(folder / "out"),
+                              estimator="pairclean-tiny-test")
+    demo_service.wait(job)
+    client = _login(demo_service)
+    r = client.get(f"/ui/jobs/{job}")
+    assert r.status_code == 200 and "No ok pair in the committed shards" in r.text
+
