@@ -20,7 +20,6 @@ store, the figures computed from them with the library's estimators (``pairclean
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import io
 from typing import Any
@@ -180,8 +179,6 @@ class Auditor:
             buf = io.BytesIO()
             pq.write_table(pa.Table.from_pylist(rows, schema=schema), buf)
             return buf.getvalue(), "application/vnd.apache.parquet"
-        text = io.StringIO()
-        writer = csv.DictWriter(text, fieldnames=EXPORT_COLUMNS, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
-        return text.getvalue().encode(), "text/csv; charset=utf-8"
+        from pairclean.audit.run import csv_bytes
+
+        return csv_bytes(rows, EXPORT_COLUMNS), "text/csv; charset=utf-8"

@@ -51,6 +51,7 @@ __all__ = [
     "Population",
     "apply_recalibration",
     "audit_report",
+    "csv_bytes",
     "format_report",
     "make_queue",
     "parse_labels",
@@ -170,12 +171,33 @@ def read_design(out: OutputDir) -> dict[str, Any]:
 
 def queue_csv(queue: list[dict[str, Any]]) -> bytes:
     """The queue as the CSV a person fills in (an empty ``label`` column)."""
+    return csv_bytes([item | {"label": ""} for item in queue], QUEUE_COLUMNS)
+
+
+#: A text cell starting with one of these is a formula to a spreadsheet (``=HYPERLINK(...)``
+#: as a key would run when the labeller opens the queue); the quote is the escape itself.
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r", "'")
+
+
+def csv_bytes(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> bytes:
+    """``rows`` as CSV for people and spreadsheets, read back by ``read_labels``.
+
+    RFC 4180 line ends (CRLF), so a key holding a bare CR is quoted, not split over two
+    lines; a text cell that would start a formula (``_FORMULA_START``) gets a leading ``'``,
+    which ``parse_labels`` takes off again. Numbers are written as they are.
+    """
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=QUEUE_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=list(columns), extrasaction="ignore", lineterminator="\r\n")
     writer.writeheader()
-    for item in queue:
-        writer.writerow(item | {"label": ""})
+    for row in rows:
+        writer.writerow({k: ("'" + v if isinstance(v, str) and v.startswith(_FORMULA_START) else v) for k, v in row.items()})
     return buf.getvalue().encode()
+
+
+def _cell(value: Any) -> str:
+    """A text cell of a labels file as ``csv_bytes`` wrote it, unescaped (one leading ``'`` off)."""
+    text = str(value or "")
+    return text[1:] if text.startswith("'") else text
 
 
 # -- labels ---------------------------------------------------------------------------------
@@ -197,7 +219,7 @@ def parse_labels(rows: Sequence[dict[str, Any]], where: str = "labels") -> list[
     queue row). ``InputError`` names the first bad line."""
     out = []
     for line, row in enumerate(rows, start=2):
-        key = str(row.get("key") or "").strip()
+        key = _cell(row.get("key")).strip()
         label = str(row.get("label") or "").strip().lower()
         if not label:
             continue
@@ -205,7 +227,7 @@ def parse_labels(rows: Sequence[dict[str, Any]], where: str = "labels") -> list[
             raise InputError(f"{where}, line {line}: no key")
         if label not in LABELS:
             raise InputError(f"{where}, line {line}: label must be one of {', '.join(LABELS)}")
-        shard = str(row.get("shard") or "").strip() or None
+        shard = _cell(row.get("shard")).strip() or None
         out.append(Label(key, label, shard, str(row.get("who") or "").strip(), str(row.get("labelled_at") or "").strip()))
     return out
 
