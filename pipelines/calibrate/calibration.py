@@ -22,6 +22,7 @@ from numpy.typing import NDArray
 from pairclean import osa
 from pairclean.calibrate import p_clean as p_clean_model
 from pairclean.calibrate.contrast import Contrast, copied_caption_share
+from pairclean.errors import InputError
 from pairclean.storage import write_file_atomic
 
 __all__ = ["Calibration", "needs_corpus", "calibrate", "cache_dir", "cached_random_beta"]
@@ -187,7 +188,8 @@ def calibrate(
         beta = random_beta()
     elif beta_recipe == "shuffled":
         if image_emb is None or text_emb is None or len(image_emb) < 2:
-            raise ValueError("the shuffled recipe needs the embeddings of at least 2 ok pairs")
+            raise InputError("the shuffled recipe needs the embeddings of at least 2 ok pairs; "
+                             "this job has fewer (use --beta-recipe gmm or random-inputs)")
         beta = osa.beta_shuffled(image_emb, text_emb, k * k, seed)
     elif beta_recipe == "gmm":
         if gmm is None:

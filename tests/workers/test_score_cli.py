@@ -184,6 +184,16 @@ def test_missing_object_storage_credentials_are_one_line(make_shards, tmp_path: 
     assert err == "error: object storage: NoCredentialsError: Unable to locate credentials\n"
 
 
+def test_rescoring_a_job_without_ok_pairs_is_one_line(make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shards = make_shards(n_shards=1, per_shard=2, extra={0: {"jpg": b"not an image"}, 1: {"jpg": b"nor this"}})
+    out = tmp_path / "out"
+    assert _score([str(s) for s in shards], out) == 0  # every row failed: nothing to calibrate on
+    capsys.readouterr()
+    assert main(["rescore", str(out), "--beta-recipe", "shuffled", "--weighting", "paper"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: the shuffled recipe needs the embeddings of at least 2 ok pairs") and err.count("\n") == 1
+
+
 def test_a_start_that_failed_before_calibrating_does_not_block_the_corrected_command(
         make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     shards = [str(s) for s in make_shards(n_shards=1, per_shard=4)]
