@@ -268,9 +268,14 @@ class WeightedSampler:
     - any length (50 million and more; no 2^24 limit). With replacement, draws go chunk by
       chunk (a chunk by its total weight, then an index inside it), so temporary memory is
       O(chunk + num_samples); without replacement one float32 key per weight is needed;
-    - ``replacement=True``: each rank draws ``num_samples`` independent indices;
-      ``replacement=False``: one global weighted permutation (Efraimidis-Spirakis keys),
-      dealt to ranks round-robin, so ranks never share an index within an epoch;
+    - ``num_samples`` (default: one per weight) is the draw of all ranks together; each rank
+      yields ``ceil(num_samples / world_size)`` indices, the same number on every rank (as
+      ``torch.utils.data.DistributedSampler`` pads), so no rank waits at the last collective;
+    - ``replacement=True``: each rank draws its share as independent indices;
+    - ``replacement=False``: one global weighted permutation (Efraimidis-Spirakis keys),
+      dealt to ranks round-robin, so ranks never share an index within an epoch (where
+      ``num_samples`` does not divide evenly, the first few of the permutation are dealt
+      again to fill the last round, as ``DistributedSampler`` does). A weight of 0 is never drawn;
     - ``set_epoch(e)`` reseeds, as ``torch.utils.data.DistributedSampler`` does.
 
     Works as a ``sampler=`` of a torch ``DataLoader`` (it has ``__iter__`` and ``__len__``).
@@ -315,7 +320,7 @@ class WeightedSampler:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return len(range(self.rank, self.total, self.world_size))
+        return -(-self.total // self.world_size)
 
     def __iter__(self) -> Iterator[int]:
         indices = self._with_replacement() if self.replacement else self._without_replacement()
@@ -348,10 +353,13 @@ class WeightedSampler:
         keys = np.empty(self.weights.size, dtype=np.float32)
         for start in range(0, self.weights.size, _CHUNK):
             w = self.weights[start : start + _CHUNK]
-            e = rng.exponential(size=w.size).astype(np.float32)
+            e = rng.exponential(size=w.size)
+            # log(E / w), in float64 before the float32 store: E / w itself overflows float32
+            # for tiny weights, and an overflowed key ties with a zero weight's +inf.
             with np.errstate(divide="ignore"):
-                keys[start : start + _CHUNK] = np.where(w > 0, e / w, np.inf)
+                keys[start : start + _CHUNK] = np.where(w > 0, np.log(e) - np.log(w.astype(np.float64)), np.inf)
         # Smallest E/w first is a weighted sample without replacement (Efraimidis-Spirakis).
         top = np.argpartition(keys, self.total - 1)[: self.total] if self.total < keys.size else np.arange(keys.size)
         order = top[np.argsort(keys[top], kind="stable")]
-        return order[self.rank :: self.world_size].astype(np.int64)
+        padded = np.resize(order, len(self) * self.world_size)  # wraps around: every rank gets len(self)
+        return padded[self.rank :: self.world_size].astype(np.int64)

@@ -86,6 +86,25 @@ def test_sampler_ranks_epochs_and_no_replacement() -> None:
         WeightedSampler(np.array([1.0, 0.0]), 2, replacement=False)
 
 
+@pytest.mark.parametrize("replacement", [True, False])
+def test_every_rank_gets_as_many_indices_when_the_draw_does_not_divide(replacement: bool) -> None:
+    # 1025 over 4 ranks gave 257, 256, 256, 256: one rank ran a batch more, and DDP waits for it.
+    weights = np.random.default_rng(0).random(1025).astype(np.float32) + 0.1
+    parts = [list(WeightedSampler(weights, replacement=replacement, rank=r, world_size=4, seed=2)) for r in range(4)]
+    assert [len(p) for p in parts] == [257] * 4
+    assert all(len(WeightedSampler(weights, replacement=replacement, rank=r, world_size=4)) == 257 for r in range(4))
+    if not replacement:
+        drawn = [i for p in parts for i in p]
+        assert set(drawn) == set(range(1025)) and len(drawn) - len(set(drawn)) == 3  # 3 dealt again to fill the round
+
+
+def test_a_zero_weight_is_never_drawn_beside_a_tiny_one() -> None:
+    # E / 1e-39 overflowed float32 to inf and tied with the zero weights' keys.
+    weights = np.array([0.0, 0.0, 0.0, 0.0, 1e-39], dtype=np.float32)
+    for seed in range(20):
+        assert list(WeightedSampler(weights, 1, replacement=False, seed=seed)) == [4]
+
+
 @pytest.mark.slow
 def test_sampler_handles_50_million_weights_in_bounded_memory() -> None:
     code = """
