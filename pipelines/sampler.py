@@ -320,7 +320,7 @@ class WeightedSampler:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return -(-self.total // self.world_size)
+        return math.ceil(self.total / self.world_size)
 
     def __iter__(self) -> Iterator[int]:
         indices = self._with_replacement() if self.replacement else self._without_replacement()

@@ -66,6 +66,8 @@ __all__ = [
     "HEADS_DIR",
     "REFINE_DIR",
     "PSEUDO_DIR",
+    "PSEUDO_RECORD_FILE",
+    "PSEUDO_STALE_FILE",
     "SIDE_SUFFIX",
     "SIDE_FOLDERS",
     "side_folder",
@@ -171,6 +173,11 @@ HEADS_DIR: Final = f"{STATE_DIR}/heads"
 REFINE_DIR: Final = f"{STATE_DIR}/refine"
 #: ``pairclean pseudo-pair``'s tables (``<image shard stem>.parquet``) and completion record.
 PSEUDO_DIR: Final = "_pseudo"
+#: A finished pseudo-pair run's record (``pairclean.pseudo.pairing``).
+PSEUDO_RECORD_FILE: Final = f"{PSEUDO_DIR}/_run.json"
+#: Written beside it when the job's tables are rewritten after the run (rescore, refine,
+#: audit): the pseudo-pairs' weights and noisy pool are the earlier tables'.
+PSEUDO_STALE_FILE: Final = f"{PSEUDO_DIR}/_stale.json"
 #: ``OUT`` -> ``OUT.pairclean``: the job's state, sidecars, exports and pseudo-pairs.
 SIDE_SUFFIX: Final = ".pairclean"
 #: Logical folder -> its name inside ``OUT.pairclean/``.

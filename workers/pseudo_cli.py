@@ -68,7 +68,7 @@ def cmd_pseudo_pair(args: argparse.Namespace) -> int:
     opts = PseudoOptions(pool=args.pool, mutual_only=args.mutual, index=args.index, min_weight=args.min_weight,
                          neighbours=args.neighbours, seed=args.seed, nprobe=args.nprobe, chunk=args.chunk)
     if out.read_spec() is None:  # checked before the lock, which would write into the folder
-        raise InputError(f"{out.uri} is not a pairclean output folder (no {schema.JOB_FILE}): score shards into it first")
+        raise InputError(f"{out.uri} is not a pairclean output folder (no {out.store.url(schema.JOB_FILE)}): score shards into it first")
     with contextlib.ExitStack() as stack:
         searcher = None
         if args.executor == "ray":

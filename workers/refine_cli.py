@@ -29,7 +29,7 @@ def add_refine_parser(sub: Any) -> None:
     p.add_argument("--method", choices=METHODS, default=None, help=f"default: {DEFAULT_METHOD} (or the method of --heads)")
     add_seed_arg(p, 0, "seed of the fit sample and the heads' initialisation")
     p.add_argument("--sample-pairs", type=int, default=DEFAULT_SAMPLE_PAIRS, help="ok pairs the heads are fitted on (a seeded sample; all when fewer)")
-    p.add_argument("--heads", default=None, help="apply this heads file (OUT/_pairclean/heads/*.safetensors of another job) instead of fitting")
+    p.add_argument("--heads", default=None, help="apply this heads file (OUT.pairclean/state/heads/*.safetensors of another job) instead of fitting")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a method setting, e.g. epochs=3 (repeatable)")
     add_executor_args(p, "actors that apply the heads (default: one per 2 CPUs)")
     add_threads_arg(p, "torch threads of the fit (and of each actor)")
@@ -88,7 +88,7 @@ def cmd_refine(args: argparse.Namespace) -> int:
     report = refine(out, options, executor=executor, lock_ttl_s=args.lock_ttl)
     rate = report.pairs / report.apply_seconds if report.apply_seconds else 0.0
     how = f"fitted on {report.sample_pairs} pairs in {report.fit_seconds:.1f} s" if report.fitted else "heads reused"
-    print(f"refined {out.uri} with {report.method} ({how}; heads {report.heads}, sha256 {report.heads_sha256[:12]}): "
+    print(f"refined {out.uri} with {report.method} ({how}; heads {out.store.url(report.heads)}, sha256 {report.heads_sha256[:12]}): "
           f"{report.refined} shards rewritten, {report.skipped} already done; {report.pairs} pairs at {rate:.0f} pairs/s", file=sys.stdout)
     if report.choice:
         c = report.choice

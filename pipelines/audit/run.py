@@ -154,7 +154,7 @@ def make_queue(out: OutputDir, n: int, seed: int) -> list[dict[str, Any]]:
         raise InputError("--sample must be at least 1")
     out.check_owned()
     if out.read_spec() is None:
-        raise InputError(f"{out.uri} is not a pairclean output folder (no {schema.JOB_FILE})", uri=out.uri)
+        raise InputError(f"{out.uri} is not a pairclean output folder (no {out.store.url(schema.JOB_FILE)})", uri=out.uri)
     doc, queue = queue_rows(population(out), n, seed)
     out.store.put(DESIGN_FILE, json.dumps({"design": doc, "queue": queue}, indent=1).encode())
     return queue

@@ -61,7 +61,7 @@ def rescore(
     osa.check_method(beta_recipe, weighting)
     old_spec = out.read_spec()
     if old_spec is None:
-        raise InputError(f"{out.uri} is not a pairclean output folder (no {schema.JOB_FILE})")
+        raise InputError(f"{out.uri} is not a pairclean output folder (no {out.store.url(schema.JOB_FILE)})")
     old_judge = _old_judge(out, old_spec)
     spec = replace(old_spec, beta_recipe=beta_recipe, weighting=weighting, beta_k=beta_k or old_spec.beta_k,
                    contrast=old_spec.contrast if contrast is None else contrast)

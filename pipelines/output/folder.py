@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -52,6 +53,8 @@ from pairclean.uris import shard_stem
 
 __all__ = ["ShardRecord", "OutputDir", "enclosing_output", "is_output", "COMPACT_EVERY", "COMPACT_SECONDS", "MAX_SEGMENTS"]
 
+log = logging.getLogger(__name__)
+
 #: Completion records since the last compaction that trigger a new compaction. Resuming
 #: reads at most this many single records, so it stays small.
 COMPACT_EVERY = 200
@@ -70,7 +73,8 @@ MAX_SEGMENTS = 32
 def is_output(exists: Any, path: str) -> bool:
     """Whether the folder at ``path`` holds a pairclean job's state (either layout), asking
     ``exists(path) -> bool`` of the filesystem it lives on."""
-    return bool(exists(path + schema.SIDE_SUFFIX + "/" + schema.side_name(schema.STATE_DIR)) or exists(f"{path}/{schema.STATE_DIR}"))
+    side_state = f"{path}{schema.SIDE_SUFFIX}/{schema.SIDE_FOLDERS[schema.STATE_DIR]}"
+    return bool(exists(side_state) or exists(f"{path}/{schema.STATE_DIR}"))
 
 
 def enclosing_output(store: Store) -> str | None:
@@ -514,7 +518,12 @@ class OutputDir:
         return name
 
     def replace_records(self, records: list[ShardRecord]) -> None:
-        """Rewrite the manifest as exactly ``records`` (e.g. new checksums after a rescore)."""
+        """Rewrite the manifest as exactly ``records`` (e.g. new checksums after a rescore).
+
+        The tables changed, so what was derived from them is out of date: a pseudo-pair run
+        is marked stale (its readers refuse it until it is run again), and exports are
+        named in a warning (open_clip and DataComp read them without asking)."""
+        self._mark_derived_stale()
         self.committed()
         old = list(self._segments)
         name = self._write_segment({r.stem: r for r in records})
@@ -522,6 +531,16 @@ class OutputDir:
         self._rm_many([f"{schema.MANIFEST_DIR}/{n}" for n in old])
         self._segments = [name]
         self._compacted, self._pending = {r.stem: r for r in records}, {}
+
+    def _mark_derived_stale(self) -> None:
+        if self.store.exists(schema.PSEUDO_RECORD_FILE):
+            self.store.put(schema.PSEUDO_STALE_FILE, json.dumps({"reason": "the job's tables were rewritten after this run",
+                                                                 "at": time.time()}).encode())
+            log.warning("the pseudo-pairs in %s were made from the earlier weights: run `pairclean pseudo-pair %s` again "
+                        "before training with them", self.side_uri, self.uri)
+        if self.store.exists(schema.EXPORTS_FILE):
+            log.warning("the exports of %s (sizes.json, shard_weights.json, datacomp_keep.npy) hold the earlier weights: "
+                        "run `pairclean export %s` again", self.uri, self.uri)
 
     # -- failures -------------------------------------------------------------------------
     def quarantined(self) -> dict[str, dict[str, Any]]:

@@ -179,7 +179,13 @@ def _row(r: dict[str, Any]) -> str:
     sim = r[schema.COL_SIMILARITY]
     sim_s = "   nan" if sim is None or np.isnan(sim) else f"{sim:+.3f}"
     flag = "NOISY" if r[schema.COL_NOISY] else "clean"
-    return f"  {r[schema.COL_KEY]:<32} {r[schema.COL_STATUS]:<13} sim {sim_s}  weight {r[schema.COL_WEIGHT]:.3f}  {flag}"
+    return f"  {_printable(r[schema.COL_KEY]):<32} {r[schema.COL_STATUS]:<13} sim {sim_s}  weight {r[schema.COL_WEIGHT]:.3f}  {flag}"
+
+
+def _printable(text: str) -> str:
+    """``text`` with control characters escaped: a key is the shard's, and an escape
+    sequence in it would clear or recolour the terminal that prints it."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 def _contrast_line(doc: dict[str, Any]) -> str:

@@ -87,7 +87,7 @@ POOLS: Final = ("noisy", "all")
 PSEUDO_DIR: Final = schema.PSEUDO_DIR
 #: The completion record of the last run, written after every file: a set of files without
 #: it is an unfinished run (readers refuse it). The "_" keeps it out of dataset discovery.
-RECORD: Final = f"{PSEUDO_DIR}/_run.json"
+RECORD: Final = schema.PSEUDO_RECORD_FILE
 #: Columns of ``OUT/_pseudo/<stem>.parquet``.
 COLUMNS: Final = ("image_shard", "image_key", "caption_shard", "caption_key", "caption", "similarity", "weight", "mutual", "rank", "direction")
 _CHUNK: Final = 65_536
@@ -207,7 +207,7 @@ def load_pool(out: OutputDir, pool: str, workdir: str | os.PathLike[str]) -> Poo
         raise InputError(f"unknown pool {pool!r}; choose one of {', '.join(POOLS)}")
     spec = out.read_spec()
     if spec is None:
-        raise InputError(f"{out.uri} is not a pairclean output folder (no {schema.JOB_FILE})")
+        raise InputError(f"{out.uri} is not a pairclean output folder (no {out.store.url(schema.JOB_FILE)})")
     records = list(out.iter_committed())
     if not records:
         raise InputError(f"{out.uri} holds no committed shard: run pairclean score first")
@@ -517,6 +517,7 @@ def pseudo_pair(out: OutputDir, opts: PseudoOptions, storage_options: Mapping[st
     if before_write is not None:
         before_write()
     out.store.put(RECORD, json.dumps(record, indent=1, sort_keys=True).encode())
+    out.store.rm(schema.PSEUDO_STALE_FILE)  # made from today's tables
     timings["total_s"] = time.perf_counter() - t0
     remote = getattr(searcher, "name", "remote")
     return PseudoReport(pool.size, pairs, mutual, sorted(files), result.plans, timings,
@@ -600,6 +601,9 @@ class PseudoCaptions:
             # Files without the record are a mix of an interrupted run's and an older run's.
             raise FileNotFoundError(f"the pseudo-pairs in {output_dir} are incomplete (a pseudo-pair run was interrupted): "
                                     f"run pairclean pseudo-pair {output_dir} again")
+        if Path(schema.local_side_path(output_dir, schema.PSEUDO_STALE_FILE)).is_file():
+            raise FileNotFoundError(f"the pseudo-pairs in {output_dir} were made from weights the job has replaced since "
+                                    f"(rescore, refine or audit): run pairclean pseudo-pair {output_dir} again")
         self.caption_key = caption_key
         self.max_cached = max_cached_shards
         self._cache: dict[str, dict[str, tuple[str, float]]] = {}

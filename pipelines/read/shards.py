@@ -182,7 +182,7 @@ def _check_trailer(tar: tarfile.TarFile, uri: str) -> None:
     end = tar.offset
     seen = 0
     while True:
-        chunk = tar.fileobj.read(1 << 16)  # type: ignore[union-attr]
+        chunk = tar.fileobj.read(1 << 16)
         if not chunk:
             return
         if chunk.count(0) != len(chunk):

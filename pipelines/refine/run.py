@@ -152,7 +152,7 @@ class JobView:
 def check_job(out: OutputDir) -> JobView:
     """Raise ``InputError`` unless ``out`` can be refined: a job, sidecars, one model."""
     if out.read_spec() is None:
-        raise InputError(f"{out.uri} is not a pairclean output folder (no {schema.JOB_FILE})", uri=out.uri)
+        raise InputError(f"{out.uri} is not a pairclean output folder (no {out.store.url(schema.JOB_FILE)})", uri=out.uri)
     records = list(out.iter_committed())
     if not records:
         raise InputError(f"{out.uri} holds no committed shard: score it first", uri=out.uri)

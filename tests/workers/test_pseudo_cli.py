@@ -140,6 +140,24 @@ def test_sampler_substitutes_pseudo_captions(job) -> None:
     assert substituted == sum(1 for k in captions if flags[k] and pseudo.get(str(shards[int(k[1])]), k))
 
 
+def test_a_rescore_makes_trainers_refuse_the_earlier_pseudo_pairs_until_they_are_made_again(job, tmp_path: Path, caplog) -> None:
+    import shutil
+
+    from pairclean.pseudo.pairing import PseudoCaptions
+
+    out = tmp_path / "out"
+    shutil.copytree(job[0], out)
+    shutil.copytree(f"{job[0]}{schema.SIDE_SUFFIX}", f"{out}{schema.SIDE_SUFFIX}")
+    assert main(["pseudo-pair", str(out), "--pool", "noisy"]) == 0
+    PseudoCaptions(out)
+    assert main(["rescore", str(out), "--beta-recipe", "gmm", "--weighting", "paper"]) == 0
+    assert "pseudo-pairs" in caplog.text and "made from the earlier weights" in caplog.text
+    with pytest.raises(FileNotFoundError, match="made from weights the job has replaced since"):
+        PseudoCaptions(out)
+    assert main(["pseudo-pair", str(out), "--pool", "noisy"]) == 0
+    PseudoCaptions(out)  # made from today's tables
+
+
 def test_clear_errors(job, tmp_path: Path, dev_images: list, capsys) -> None:
     from pairclean.lite.evaldata import write_shard
 
