@@ -27,6 +27,8 @@ def add_audit_parser(sub: Any) -> None:
     mode.add_argument("--labels", help="a labels file (CSV or Parquet with columns key,label[,shard]; label clean|noisy|unsure)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sample (the same seed gives the same queue)")
     p.add_argument("--out", dest="queue_out", default=None, help="with --sample: where to write the queue CSV")
+    p.add_argument("--resample", action="store_true",
+                   help="with --sample: replace the job's earlier audit sample (labels of its pairs stop counting)")
     p.add_argument("--threshold", type=float, default=None, help="with --labels: also report the flag p_clean < T")
     p.add_argument("--target", default=None, metavar="METRIC=VALUE", help="with --labels: the threshold reaching precision=0.9 or recall=0.8")
     p.add_argument("--no-apply", action="store_true", help="with --labels: do not write the recalibrated p_clean into the tables")
@@ -65,15 +67,15 @@ def cmd_audit(args: argparse.Namespace) -> int:
             raise InputError("--sample needs --out queue.csv (where to write the pairs to label)")
         if args.threshold is not None or args.target or args.no_apply:
             raise InputError("--threshold, --target and --no-apply go with --labels")
-        queue = run.make_queue(out, args.sample, args.seed)
+        queue = run.make_queue(out, args.sample, args.seed, resample=args.resample)
         _write_new(args.queue_out, run.queue_csv(queue), storage)
         design = run.read_design(out)["design"]
         print(f"wrote {len(queue)} pairs to label to {args.queue_out} (seed {args.seed}; {design['population']:,} ok pairs in "
               f"{sum(1 for s in design['sizes'] if s)} score bands); fill in the label column with clean, noisy or unsure, "
               f"then run: pairclean audit {args.out} --labels {args.queue_out}")
         return 0
-    if args.queue_out:
-        raise InputError("--out goes with --sample (the report is written to OUT/_pairclean/audit.json)")
+    if args.queue_out or args.resample:
+        raise InputError("--out and --resample go with --sample (the report is written to OUT.pairclean/state/audit.json)")
     if args.threshold is not None and not 0 <= args.threshold <= 1:
         raise InputError("--threshold is a p_clean value in [0, 1]")
     target = _target(args.target)

@@ -148,14 +148,25 @@ def queue_rows(pop: Population, n: int, seed: int) -> tuple[dict[str, Any], list
     return doc, queue
 
 
-def make_queue(out: OutputDir, n: int, seed: int) -> list[dict[str, Any]]:
-    """Draw the queue and save it with its design (``DESIGN_FILE``); returns the queue."""
+def make_queue(out: OutputDir, n: int, seed: int, resample: bool = False) -> list[dict[str, Any]]:
+    """Draw the queue and save it with its design (``DESIGN_FILE``); returns the queue.
+
+    A job holds one audit sample: labels count only for its pairs. Drawing a different one
+    (another size or seed) over it is refused unless ``resample`` (``InputError``); the same
+    draw again just writes the same queue."""
     if n < 1:
         raise InputError("--sample must be at least 1")
     out.check_owned()
     if out.read_spec() is None:
         raise InputError(f"{out.uri} is not a pairclean output folder (no {out.store.url(schema.JOB_FILE)})", uri=out.uri)
     doc, queue = queue_rows(population(out), n, seed)
+    earlier = out.store.get(DESIGN_FILE)
+    if earlier is not None and not resample:
+        before = json.loads(earlier)
+        if [(r["shard"], r["key"]) for r in before["queue"]] != [(r["shard"], r["key"]) for r in queue]:
+            raise InputError(f"{out.uri} already has an audit sample of {len(before['queue'])} pairs (seed {before['design'].get('seed')}); "
+                             "labels made for it count only for its pairs: label that queue (--sample with the same size and "
+                             "seed writes it again), or pass --resample to replace it", uri=out.uri)
     out.store.put(DESIGN_FILE, json.dumps({"design": doc, "queue": queue}, indent=1).encode())
     return queue
 

@@ -137,3 +137,10 @@ def test_bad_input_is_one_line_and_touches_nothing(job: Path, tmp_path: Path, ca
     assert mine.read_text() == "my own notes\n"
     assert main(["audit", str(job), "--labels", str(queue), "--target", "accuracy=2"]) == 1
     assert "--target expects" in capsys.readouterr().err
+    # Another sample over the one being labelled would make its labels stop counting, silently.
+    design = schema.local_side_path(job, "_pairclean/audit/design.json")
+    before = design.read_bytes()
+    assert main(["audit", str(job), "--sample", "8", "--seed", "5", "--out", str(tmp_path / "q2.csv")]) == 1
+    assert "already has an audit sample of 5 pairs" in capsys.readouterr().err and design.read_bytes() == before
+    assert main(["audit", str(job), "--sample", "8", "--seed", "5", "--out", str(tmp_path / "q2.csv"), "--resample"]) == 0
+    assert len(json.loads(design.read_text())["queue"]) == 8
