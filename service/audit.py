@@ -116,18 +116,29 @@ class Auditor:
         doc = self.queue(job)
         assert doc is not None
         queue = doc["queue"]
-        rows = []
+        labels = self.store.audit_labels(job.id, job.owner)
+        rows, already = [], 0
         for i, item in enumerate(items):
             pos = item["position"]
             if not 0 <= pos < len(queue) or queue[pos]["key"] != item["key"]:
                 raise HTTPException(422, f"labels[{i}]: no such pair in this job's audit queue")
+            mine = [lab for lab in labels if lab["who"] == who.name and lab["position"] == pos]
+            # A second label of one pair by one labeller counts only as the blind repeat the
+            # queue asked for (``_pick`` is deterministic): a retried request, or a double
+            # click, would otherwise count as a repeat that agrees with itself.
+            if mine and self._pick(job, queue, labels, who.name) != pos:
+                if mine[-1]["label"] == item["label"]:
+                    already += 1
+                    continue
+                raise HTTPException(409, f"labels[{i}]: you labelled this pair already; undo that label to change it")
             rows.append((pos, queue[pos]["key"], item["label"]))
+            labels = [*labels, {"who": who.name, "position": pos, "label": item["label"]}]
         if self.store.count_labels(job.id) + len(rows) > self.labels_cap(doc):
             raise HTTPException(409, f"this job holds the most labels it may ({self.labels_cap(doc)})")
         self.store.add_labels(job.id, job.owner, who.name, rows)
         for _, _, label in rows:
             self.metrics.audit_labels.labels(label=label).inc()
-        return {"stored": len(rows)}
+        return {"stored": len(rows), "already_stored": already}
 
     def undo(self, job: JobRow, who: Principal) -> dict[str, Any] | None:
         """Remove ``who``'s latest label on the job."""

@@ -36,7 +36,7 @@ def test_label_the_queue_over_http_and_get_the_figures(demo_service, job: str, t
     assert first["summary"] == "no labels yet"
     assert HTTP.get(base, headers=h).json()["status"] == "too_few_labels"
 
-    seen, repeats = [], 0
+    seen, repeats, keys = [], 0, {}
     while True:
         item = HTTP.get(f"{base}/next", headers=h).json()
         if item["done"]:
@@ -44,11 +44,21 @@ def test_label_the_queue_over_http_and_get_the_figures(demo_service, job: str, t
         if item["position"] in seen:
             repeats += 1  # a blind repeat: nothing in the reply says so
         seen.append(item["position"])
+        keys[item["position"]] = item["key"]
         r = HTTP.post(f"{base}/labels", headers=h,
                        json={"labels": [{"position": item["position"], "key": item["key"], "label": _truth(demo_service, item["key"])}]})
         assert r.status_code == 201, r.text
         assert len(seen) < 100
     assert sorted(set(seen)) == list(range(30)) and repeats >= 2
+
+    # A retried request (or a double click) stores nothing more and counts as no repeat;
+    # another label of a pair already labelled, unasked, is refused.
+    retry = {"labels": [{"position": seen[-1], "key": keys[seen[-1]], "label": _truth(demo_service, keys[seen[-1]])}] * 2}
+    r = HTTP.post(f"{base}/labels", headers=h, json=retry)
+    assert r.status_code == 201 and r.json() == {"stored": 0, "already_stored": 2}, r.text
+    other = "clean" if retry["labels"][0]["label"] == "noisy" else "noisy"
+    r = HTTP.post(f"{base}/labels", headers=h, json={"labels": [retry["labels"][0] | {"label": other}]})
+    assert r.status_code == 409 and "undo" in r.json()["detail"]
 
     report = HTTP.get(base, headers=h).json()
     assert report["status"] == "ok"
