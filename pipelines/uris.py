@@ -633,6 +633,9 @@ def open_shard(
     try:
         fh = stack.enter_context(_open_any(uri, storage_options or {}, http_allowed, deadline))
     except FileNotFoundError as exc:
+        unreachable = _unreachable(exc)
+        if unreachable:  # fsspec's HTTP reports a refused connection as FileNotFoundError
+            raise ShardReadError(f"cannot reach shard {uri!r}: {unreachable}", uri=uri) from exc
         raise ShardNotFoundError(f"shard not found: {uri!r}", uri=uri) from exc
     except ImportError as exc:
         raise UnsupportedSchemeError(f"reading {uri!r} needs an extra package: {exc}", uri=uri) from exc
@@ -642,6 +645,20 @@ def open_shard(
         raise ShardReadError(f"cannot open shard {uri!r}: {exc}", uri=uri) from exc
     with stack:
         yield fh
+
+
+def _unreachable(exc: BaseException) -> str | None:
+    """What failed when a "not found" was really a connection that could not be made
+    (refused, timed out, no such host), from the exception it was raised from; else None."""
+    cause = exc.__cause__ or exc.__context__
+    for _ in range(4):
+        if cause is None:
+            return None
+        if isinstance(cause, (ConnectionError, TimeoutError)) or type(cause).__name__.startswith(("ClientConnector", "ServerTimeout")):
+            inner = getattr(cause, "os_error", None) or cause
+            return f"{type(cause).__name__}: {getattr(inner, 'strerror', None) or inner}"
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def shard_size(uri: str, storage_options: Mapping[str, Any] | None = None) -> int | None:

@@ -125,3 +125,18 @@ def test_remote_prefixes_match_on_segment_boundaries() -> None:
     assert under_prefix("https://h/data/x.tar", "https://h/data")
     assert not under_prefix("https://h/data/%2e%2e/private/x.tar", "https://h/data")
     assert not under_prefix("gs://laion/x.tar", "s3://laion")
+
+
+def test_a_refused_connection_is_not_reported_as_a_missing_shard() -> None:
+    import socket
+
+    from pairclean.errors import ShardNotFoundError, ShardReadError
+    from pairclean.uris import open_shard
+
+    with socket.socket() as s:  # a port nothing listens on once this closes
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ShardReadError, match="cannot reach shard") as info:
+        with open_shard(f"http://127.0.0.1:{port}/a.tar"):
+            pass
+    assert not isinstance(info.value, ShardNotFoundError)
