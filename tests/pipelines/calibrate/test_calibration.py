@@ -178,9 +178,9 @@ def test_random_inputs_on_an_empty_job_needs_no_pairs() -> None:
 
 
 def test_shuffled_needs_embeddings_of_two_pairs(corpus: Corpus) -> None:
-    with pytest.raises(ValueError, match="at least 2"):
+    with pytest.raises(InputError, match="at least 2"):
         _calibrate(corpus, "shuffled", "paper", with_emb=False)
-    with pytest.raises(ValueError, match="at least 2"):
+    with pytest.raises(InputError, match="at least 2"):
         _calibrate(corpus, "shuffled", "paper", n=1)
 
 

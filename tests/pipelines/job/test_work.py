@@ -190,5 +190,5 @@ def test_writing_never_replaces_a_file_pairclean_did_not_write(
 
 def test_a_recipe_that_cannot_calibrate_on_the_job_is_an_input_error(make_spec) -> None:
     spec = make_spec(["/x/part-00000.tar"], beta_recipe="shuffled")
-    with pytest.raises(InputError, match="cannot calibrate beta recipe 'shuffled' on this job"):
+    with pytest.raises(InputError, match="the shuffled recipe needs the embeddings of at least 2 ok pairs"):
         calibrate_on([], spec, lambda: 0.0, 32)
