@@ -74,12 +74,16 @@ def _add_middleware(app: FastAPI, settings: ServiceSettings, metrics: Metrics) -
     @app.middleware("http")
     async def metrics_middleware(request: Request, call_next: Any) -> Response:
         started = time.perf_counter()
-        response: Response = await call_next(request)
-        route = request.scope.get("route")
-        name = getattr(route, "path", "unmatched")  # bounded: route templates, not raw paths
-        metrics.requests.labels(route=name, code=f"{response.status_code // 100}xx").inc()
-        metrics.latency.labels(route=name).observe(time.perf_counter() - started)
-        return response
+        code = 500  # an exception that reaches here becomes a 500 (the outer error handler)
+        try:
+            response: Response = await call_next(request)
+            code = response.status_code
+            return response
+        finally:  # counted either way: a panel of errors must see the 500s too
+            route = request.scope.get("route")
+            name = getattr(route, "path", "unmatched")  # bounded: route templates, not raw paths
+            metrics.requests.labels(route=name, code=f"{code // 100}xx").inc()
+            metrics.latency.labels(route=name).observe(time.perf_counter() - started)
 
     # Outermost (added last): bodies are bounded before metrics, authentication or routing.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)

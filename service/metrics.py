@@ -88,5 +88,8 @@ def exported_names() -> set[str]:
     """Every sample name the service exports (what a Grafana expression may use)."""
     names: set[str] = set()
     for family in Metrics().registry.collect():
-        names.update(family.name + suffix for suffix in _SUFFIXES.get(family.type, ("",)))
+        if family.samples:  # what it really writes (a histogram with negative buckets has no _sum)
+            names.update(sample.name for sample in family.samples)
+        else:  # labelled, no child yet: the names its type writes
+            names.update(family.name + suffix for suffix in _SUFFIXES.get(family.type, ("",)))
     return names

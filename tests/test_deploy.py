@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,11 @@ def test_images_install_the_cli_on_the_matching_ray(name: str) -> None:
         assert f"COPY --chown=ray:users {folder}" in text
     assert "pip install" in text and "score" in text and "ray" in text
     assert "HF_HUB_OFFLINE=1" in text
+    # compose runs `pairclean serve` from the same image: the service's extra must be in it
+    extras = re.search(r"pip install --no-cache-dir '\.\[([a-z,-]+)\]'", text)
+    assert extras is not None and {"score", "ray", "service"} <= set(extras.group(1).split(","))
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    assert any(s.get("command", [None])[:2] == ["pairclean", "serve"] for s in compose["services"].values())
 
 
 def test_grafana_panels_use_only_exported_metrics() -> None:

@@ -142,3 +142,18 @@ def test_server_killed_mid_job_restarts_and_resumes(make_shards, tmp_path: Path)
     finally:
         second.send_signal(signal.SIGINT)
         second.wait(timeout=30)
+
+
+def test_a_request_that_ends_in_a_500_is_counted_in_the_metrics(tmp_path: Path, live_server_cls) -> None:
+    """The middleware counted only responses: an exception (the error handler's 500) was
+    missing from pairclean_http_requests_total, so no panel could show server errors."""
+    with live_server_cls(tmp_path) as srv:
+        def broken(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("the job store is down")
+
+        srv.app.state.store.list = broken
+        for _ in range(3):
+            r = httpx.get(f"{srv.url}/v1/jobs", headers={"Authorization": f"Bearer {srv.key}"})
+            assert r.status_code == 500 and r.json() == {"detail": "internal error"}
+        metrics = httpx.get(f"{srv.url}/metrics").text
+        assert 'pairclean_http_requests_total{code="5xx",route="/v1/jobs"} 3.0' in metrics
