@@ -141,11 +141,35 @@ def init_ray(options: RayOptions) -> None:
 
     if ray.is_initialized():
         return
+    if address is not None:
+        _check_reachable(address)
     kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": False}
     runtime_env = _with_cpu_env(options.runtime_env)
     if runtime_env:
         kwargs["runtime_env"] = runtime_env
     ray.init(address=address, **kwargs)
+
+
+#: Seconds to wait for a TCP connection to a cluster's GCS before saying it cannot be reached.
+CONNECT_TIMEOUT_S = 10.0
+
+
+def _check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """``InputError`` (one line) when ``address`` (``host:port`` of a cluster's GCS) takes no
+    TCP connection within ``timeout_s``. ``ray.init`` itself retries a wrong address without
+    end, printing C++ warnings (a job would stay RUNNING forever). ``auto`` and ``ray://``
+    addresses are left to Ray: the first is found locally, the second fails on its own."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if address in ("auto", "local") or "://" in address or not sep or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return
+    except OSError as exc:
+        raise InputError(f"cannot reach the Ray cluster at {address!r} ({exc.strerror or type(exc).__name__}); "
+                         "check --ray-address or RAY_ADDRESS, or leave both unset for a local Ray") from None
 
 
 def _token_auth_for_local_ray() -> None:
