@@ -66,6 +66,11 @@ class _Running:
     log_path: Path
     seen_stems: set[str]
     seen_failed: set[str] = field(default_factory=set)
+    #: What the folder held when this run started (a retry, or a resume after a restart):
+    #: those shards were counted by the run that committed or quarantined them, so the
+    #: metrics skip them (the noise-rate estimate still reads them).
+    committed_before: set[str] = field(default_factory=set)
+    failed_before: dict[str, Any] = field(default_factory=dict)
     out: OutputDir | None = None  # kept between looks: completion records already read are cached
     #: Sum of ``p_clean`` and count of the ok pairs of the shards seen so far: the job's
     #: noise-rate estimate is 1 - their mean (``pairclean.output.report.expected_noise``).
@@ -134,6 +139,7 @@ class JobRunner:
             job = queued[0]
             log_path = self.logs / f"{job.id}.log"
             try:
+                before = _folder_state(job.request["output"])
                 proc = self._start(job, log_path)
             except Exception as exc:  # noqa: BLE001 - one job that cannot start must not block the queue
                 log.warning("job %s could not start: %s", job.id, exc)
@@ -144,7 +150,7 @@ class JobRunner:
                 _end_group(proc.pid)  # cancelled in between
                 continue
             with self._lock:
-                self.running[job.id] = _Running(job.id, proc, log_path, set())
+                self.running[job.id] = _Running(job.id, proc, log_path, set(), committed_before=before[0], failed_before=before[1])
 
     def _start(self, job: JobRow, log_path: Path) -> subprocess.Popen[bytes]:
         """Write the job's shard list file and start its process."""
@@ -191,13 +197,15 @@ class JobRunner:
         for stem, record in failed.items():
             if stem not in run.seen_failed:
                 run.seen_failed.add(stem)
-                self.metrics.shard_quarantined(int(record.get("attempts", 1)))
+                if run.failed_before.get(stem) != record:  # failed in this run, not only in an earlier one
+                    self.metrics.shard_quarantined(int(record.get("attempts", 1)))
         for stem, entry in committed.items():
             if stem not in run.seen_stems:
                 run.seen_stems.add(stem)
                 table = _read_values(out, entry)
-                self.metrics.shard_committed(entry.to_json(), lambda cols, e=entry: table.select(cols) if table is not None
-                                             else out.read_scores(e, cols))
+                if stem not in run.committed_before:
+                    self.metrics.shard_committed(entry.to_json(), lambda cols, e=entry: table.select(cols) if table is not None
+                                                 else out.read_scores(e, cols))
                 _add_p_clean(run, table)
         calibration = out.read_calibration()
         self.store.update(
@@ -205,6 +213,16 @@ class JobRunner:
             pairs=sum(e.rows for e in committed.values()),
             noise_rate=_noise_rate(run, calibration),
         )
+
+
+def _folder_state(output: str) -> tuple[set[str], dict[str, Any]]:
+    """(committed stems, quarantine records) of a job's folder before its process starts;
+    empty for a new folder or one that cannot be read yet (then every shard is counted)."""
+    try:
+        out = OutputDir(output)
+        return set(out.committed()), dict(out.quarantined())
+    except Exception:  # noqa: BLE001 - metrics only: the job itself reports what it cannot read
+        return set(), {}
 
 
 #: The score columns one look reads of each newly committed shard (metrics and the noise rate).

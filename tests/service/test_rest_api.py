@@ -157,3 +157,29 @@ def test_a_request_that_ends_in_a_500_is_counted_in_the_metrics(tmp_path: Path, 
             assert r.status_code == 500 and r.json() == {"detail": "internal error"}
         metrics = httpx.get(f"{srv.url}/metrics").text
         assert 'pairclean_http_requests_total{code="5xx",route="/v1/jobs"} 3.0' in metrics
+
+
+def test_a_retry_counts_only_the_shards_it_scores_in_the_metrics(server, make_shards, tmp_path: Path) -> None:
+    """A retried (or resumed) job used to count its already-committed shards again."""
+    shards = make_shards(n_shards=3, per_shard=6, folder=tmp_path / "shards")
+    good = shards[2].read_bytes()
+    shards[2].write_bytes(b"not a tar" * 100)  # fails (quarantined): the job ends FAILED (1 of 3 > 5%)
+    client = PaircleanClient(server.url, server.key)
+    job_id = client.submit([str(s) for s in shards], str(tmp_path / "out"), estimator="pairclean-tiny-test")
+    from pairclean_service.client import JobFailed
+
+    with pytest.raises(JobFailed, match="ended FAILED"):
+        client.wait(job_id, timeout=300, poll=0.2)
+    assert client.status(job_id)["progress"]["shards_done"] == 2
+
+    def counts() -> tuple[str, str, str]:
+        text = httpx.get(f"{server.url}/metrics").text
+        return tuple(next((line.rsplit(" ", 1)[1] for line in text.splitlines() if line.startswith(name)), "0")
+                     for name in ('pairclean_pairs_scored_total{status="ok"}', 'pairclean_shards_total{state="committed"}',
+                                  'pairclean_shards_total{state="quarantined"}'))
+
+    assert counts() == ("12.0", "2.0", "1.0")
+    shards[2].write_bytes(good)  # repaired
+    client.retry(job_id)
+    assert client.wait(job_id, timeout=300, poll=0.2)["state"] == "SUCCEEDED"
+    assert counts() == ("18.0", "3.0", "1.0")  # the retry scored one shard: 6 pairs more, not 18
