@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -88,18 +89,34 @@ class JobRunner:
         self.lists = state_dir / "shard-lists"
         self.lists.mkdir(parents=True, exist_ok=True)
         self.running: dict[str, _Running] = {}
+        #: Who launches this runner's jobs: stable over restarts of this replica, distinct
+        #: between replicas (each has its own state folder: the job logs live there).
+        self.runner_id = f"{socket.gethostname()}:{state_dir.resolve()}"
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="pairclean-runner", daemon=True)
 
     def start(self) -> None:
-        """Resume jobs a previous service process left RUNNING, then start the loop."""
+        """Resume jobs a previous process of this runner left RUNNING, then start the loop.
+
+        Another replica's running jobs (the store is shared) are left alone: on this host
+        while their process lives, elsewhere always (that replica resumes them itself)."""
         for job in self.store.in_states([RUNNING]):
+            if not self._resumes(job):
+                continue
             if _is_score_process(job.pid):  # never signal a pid the system reused
                 _end_group(job.pid)
             self.store.transition(job.id, [RUNNING], state=QUEUED, pid=None)
             log.info("resuming job %s after a restart", job.id)
         self._thread.start()
+
+    def _resumes(self, job: JobRow) -> bool:
+        """Whether ``start`` takes over ``job`` (RUNNING): its own, one launched before
+        runners were recorded, or another replica's on this host whose process has died."""
+        if job.runner is None or job.runner == self.runner_id:
+            return True
+        host = job.runner.split(":", 1)[0]
+        return host == socket.gethostname() and not _is_score_process(job.pid)
 
     def stop(self, kill_jobs: bool = False) -> None:
         """Stop following jobs; their processes keep running unless ``kill_jobs``."""
@@ -146,7 +163,7 @@ class JobRunner:
                 self.store.transition(job.id, [QUEUED], state=FAILED, error=f"the job process could not start: {exc}",
                                       finished_at=now_iso())
                 continue
-            if not self.store.transition(job.id, [QUEUED], state=RUNNING, pid=proc.pid, started_at=now_iso()):
+            if not self.store.transition(job.id, [QUEUED], state=RUNNING, pid=proc.pid, started_at=now_iso(), runner=self.runner_id):
                 _end_group(proc.pid)  # cancelled in between
                 continue
             with self._lock:

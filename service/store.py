@@ -58,6 +58,8 @@ class JobRow:
     created_at: str
     started_at: str | None
     finished_at: str | None
+    #: "host:state folder" of the runner that launched it (None: before migration 0005, or never launched)
+    runner: str | None = None
 
 
 # JobRow field -> column: the same name except the idempotency key (``idem_key`` since keys

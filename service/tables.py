@@ -43,6 +43,8 @@ jobs = Table(
     Column("finished_at", String(32)),
     # sha256 of the resolved output location (pairclean_service.security.output_key)
     Column("output_key", String(64)),
+    # the runner that launched a RUNNING job: "host:state folder" (migration 0005)
+    Column("runner", String(300)),
 )
 
 Index("jobs_state", jobs.c.state)
