@@ -244,6 +244,7 @@ class RaySource:
         self.tasks_per_actor = max(1, options.tasks_per_actor)
         self.actor_cls = ray.remote(ShardScorer)
         self.retries = 0  # shard retries so far (workers lost, timeouts, unexpected errors)
+        self._loading: dict[int, Any] = {}  # id(actor) -> its readiness ref, until it resolves
         self.actors: list[Any] = [self._new_actor() for _ in range(self.num_actors)]
         self.load: list[int] = [0] * self.num_actors
         try:
@@ -262,7 +263,20 @@ class RaySource:
             opts["num_gpus"] = 1
         if self.options.actor_resources:
             opts["resources"] = dict(self.options.actor_resources)
-        return self.actor_cls.options(**opts).remote(self.estimator_spec, self.spec, self.out, self.score_opts, self.threads)
+        actor = self.actor_cls.options(**opts).remote(self.estimator_spec, self.spec, self.out, self.score_opts, self.threads)
+        # Resolves once the actor's __init__ (the model load) is done: no shard's clock runs before.
+        self._loading[id(actor)] = actor.pid.remote()
+        return actor
+
+    def _ready(self, actor: Any) -> bool:
+        """Whether ``actor`` has finished loading (checked without waiting)."""
+        ref = self._loading.get(id(actor))
+        if ref is None:
+            return True
+        done, _ = self.ray.wait([ref], timeout=0)
+        if done:
+            del self._loading[id(actor)]
+        return bool(done)
 
     def _replace(self, task: _Task) -> None:
         """Refill the slot of a lost actor, once (its other tasks fail the same way)."""
@@ -379,19 +393,35 @@ class RaySource:
     def _expire(self, running: dict[Any, _Task], queue: deque[tuple[str, int, float]]) -> list[ShardOutcome]:
         """Kill the workers of shards running longer than the timeout; retry or give up.
 
-        Shards queued behind a killed one fail with the actor and are retried as lost work.
+        A shard's clock runs only while it runs: not while its actor is still loading the
+        model (a replacement's start), nor while it waits behind another shard on the same
+        actor (each actor runs one at a time, in the order sent). Shards waiting behind a
+        killed one go back to the queue without an attempt charged.
         """
         limit = self.options.shard_timeout_s
         if limit is None:
             return []
         now, given_up = time.monotonic(), []
-        for ref, task in list(running.items()):
-            if ref not in running or now - task.started <= limit:
+        heads: set[int] = set()
+        for ref, task in list(running.items()):  # in the order sent: the first per actor is the one running
+            if ref not in running:
+                continue
+            head = id(task.actor) not in heads
+            heads.add(id(task.actor))
+            if not head or not self._ready(task.actor):
+                task.started = now  # not running yet: its clock has not started
+                continue
+            if now - task.started <= limit:
                 continue
             log.warning("shard %s exceeded %.0f s: killing its worker", task.uri, limit)
             running.pop(ref)
             self.load[task.slot] -= 1
             self.ray.kill(task.actor, no_restart=True)
+            for other_ref, other in list(running.items()):
+                if other.actor is task.actor:  # waited behind it: lost with the actor, through no fault of its own
+                    running.pop(other_ref)
+                    self.load[other.slot] -= 1
+                    queue.appendleft((other.uri, other.attempt, 0.0))
             self._replace(task)
             outcome = self._retry(task, queue, f"timed out after {limit:.0f} s")
             if outcome is not None:

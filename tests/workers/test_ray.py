@@ -159,6 +159,23 @@ def test_stragglers_time_out_and_end_quarantined(ray_local, make_shards, tmp_pat
     assert all("timed out" in q["error"] and q["attempts"] == 2 for q in quarantined.values())
 
 
+def test_a_straggler_never_costs_the_shards_behind_it_or_a_replacement_s_model_load(ray_local, make_shards, tmp_path: Path) -> None:
+    """A shard's clock ran from when it was sent: a shard queued behind a straggler timed out
+    with it, and the next one's clock counted the replacement actor's model load."""
+    from pairclean_workers.ray_exec import RayOptions, RaySource
+
+    slow = [str(s) for s in make_shards(n_shards=1, per_shard=800, prefix="slow")]  # many seconds: beyond the limit
+    fast = [str(s) for s in make_shards(n_shards=3, per_shard=2, prefix="fast", offset=800)]
+    spec = _spec(slow + fast)
+    opts = RayOptions(num_actors=1, threads_per_actor=1, shard_timeout_s=0.75, max_retries=0, backoff_s=0.05, tasks_per_actor=2)
+    out = OutputDir(str(tmp_path / "out"))
+    source = RaySource(EstimatorSpec("pairclean-tiny-test", precision="fp32", device="cpu"), spec, out, score_options(spec), opts)
+    report = run_job(spec, out, lambda: source, max_failed_fraction=0.5)
+    assert sorted(out.committed()) == ["fast-00000", "fast-00001", "fast-00002"]  # none charged for the straggler
+    assert sorted(out.quarantined()) == ["slow-00000"] and "timed out" in out.quarantined()["slow-00000"]["error"]
+    assert report.state == "PARTIAL"
+
+
 def test_killed_driver_resumes_without_redoing_shards(make_shards, tmp_path: Path, crash_mid_job) -> None:
     pytest.importorskip("ray")
     shards = make_shards(n_shards=6, per_shard=16)
