@@ -17,6 +17,7 @@ same folder at once, even when two API replicas accept them at the same moment.
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -119,6 +120,12 @@ class JobStore:
         if self.engine.dialect.name == "sqlite":
             event.listen(self.engine, "connect", _sqlite_pragmas)
         self.migrate()
+        #: A SQLite file's path and identity (device, inode) as opened: ``ping`` notices the
+        #: file deleted or replaced under a running service (open connections would keep
+        #: writing into the unlinked file: every job lost at the next start).
+        database = self.engine.url.database if self.engine.dialect.name == "sqlite" else None
+        self._file = os.path.abspath(database) if database and database != ":memory:" else None
+        self._identity = _identity(self._file) if self._file else None
 
     def migrate(self) -> str:
         """Bring the schema to the Alembic head (see ``migrations``); returns the revision
@@ -314,8 +321,24 @@ class JobStore:
         return dict(r._mapping)
 
     def ping(self) -> bool:
-        with self.engine.connect() as conn:
-            return conn.execute(select(literal(1))).scalar() == 1
+        """Whether the store answers and, for a SQLite file, is still the file it opened and
+        writable (``/readyz`` reports what a job submission would meet)."""
+        if self._file is not None and (_identity(self._file) != self._identity or not os.access(self._file, os.W_OK)):
+            return False
+        try:
+            with self.engine.connect() as conn:
+                return conn.execute(select(literal(1))).scalar() == 1
+        except Exception:  # noqa: BLE001 - any failure to answer is "not ready", never a 500
+            return False
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of ``path``, or None when it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:

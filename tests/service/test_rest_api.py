@@ -208,3 +208,14 @@ def test_starting_a_second_replica_leaves_the_first_ones_running_job_alone(make_
             os.killpg(pid, 0)  # still alive
         done = client.wait(job_id, timeout=300, poll=0.3)
         assert done["state"] == "SUCCEEDED" and done["progress"]["shards_done"] == 40
+
+
+def test_readiness_fails_when_the_job_store_file_is_deleted_under_the_service(tmp_path: Path, live_server_cls) -> None:
+    """The open connections kept answering from the unlinked file: /readyz stayed green while
+    every job written since was bound to vanish at the next start."""
+    with live_server_cls(tmp_path) as srv:
+        assert httpx.get(f"{srv.url}/readyz").status_code == 200
+        for suffix in ("", "-wal", "-shm"):
+            (tmp_path / f"jobs.db{suffix}").unlink(missing_ok=True)
+        r = httpx.get(f"{srv.url}/readyz")
+        assert r.status_code == 503 and r.json() == {"status": "not ready"}
