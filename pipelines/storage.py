@@ -144,7 +144,12 @@ class Store:
         if self.local:
             write_file_atomic(self.path(name), data)
         else:
-            self.fs.pipe_file(self.path(name), data)
+            try:
+                self.fs.pipe_file(self.path(name), data)
+            except OSError as exc:
+                if exc.filename is None:  # s3fs: "The specified bucket does not exist", naming nothing
+                    raise type(exc)(exc.errno, exc.strerror or str(exc), self.url(name)) from exc
+                raise
         return WriteInfo(len(data), hashlib.sha256(data).hexdigest())
 
     def put_parquet(self, name: str, table: pa.Table) -> WriteInfo:

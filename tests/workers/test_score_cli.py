@@ -194,6 +194,14 @@ def test_rescoring_a_job_without_ok_pairs_is_one_line(make_shards, tmp_path: Pat
     assert err.startswith("error: the shuffled recipe needs the embeddings of at least 2 ok pairs") and err.count("\n") == 1
 
 
+def test_an_output_bucket_that_does_not_exist_is_named_in_the_error(make_shards, s3_endpoint: str,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    shards = [str(s) for s in make_shards(n_shards=1, per_shard=2)]
+    assert main(["score", *shards, "--out", "s3://no-such-bucket/out", *TINY, "--storage-option", f"endpoint_url={s3_endpoint}"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "s3://no-such-bucket/out" in err and "Traceback" not in err and err.count("\n") == 1
+
+
 def test_a_start_that_failed_before_calibrating_does_not_block_the_corrected_command(
         make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     shards = [str(s) for s in make_shards(n_shards=1, per_shard=4)]
