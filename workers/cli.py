@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -56,6 +57,17 @@ def _add_estimator_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine", default="auto", choices=("auto", "torch"),
                    help="auto: pairclean-lite's image tower on ONNX Runtime on CPU when installed and agreeing (1.8x); torch: PyTorch only")
     add_threads_arg(g, "torch threads (default: all cores)")
+
+
+def _non_negative(text: str) -> int:
+    """argparse type: a whole number >= 0 (a usage error, exit 2, otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
 
 
 def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.ArgumentParser:
@@ -117,7 +129,7 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
 
     inspect = sub.add_parser("inspect", help="print pairs, status counts, noise-rate estimate, weight histogram")
     inspect.add_argument("out")
-    inspect.add_argument("--rows", type=int, default=10)
+    inspect.add_argument("--rows", type=_non_negative, default=10)
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     add_storage_arg(inspect)
 
@@ -365,8 +377,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from pairclean.output.report import format_summary, summarize
 
     summary = summarize(OutputDir(args.out, storage_options(args.storage_option)), rows=args.rows)
-    print(json.dumps(asdict(summary), default=str) if args.json else format_summary(summary))
+    print(json.dumps(_json_safe(asdict(summary)), default=str, allow_nan=False) if args.json else format_summary(summary))
     return EXIT_OK
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with NaN and infinities as None: JSON has no NaN (``json.dumps`` would write
+    a bare ``NaN`` that strict parsers, JavaScript's among them, refuse)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def cmd_export(args: argparse.Namespace) -> int:

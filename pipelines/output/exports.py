@@ -18,6 +18,7 @@ import hashlib
 import io
 import json
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -234,11 +235,10 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+#: Exactly 32 hex digits: ``int(uid, 16)`` alone also takes a sign and underscores
+#: ("-" + 31 digits overflowed uint64; "0123_..." became another pair than the resharder's).
+_DATACOMP_UID = re.compile(r"[0-9a-fA-F]{32}")
+
+
 def _is_datacomp_uid(uid: str) -> bool:
-    if len(uid) != 32:
-        return False
-    try:
-        int(uid, 16)
-    except ValueError:
-        return False
-    return True
+    return _DATACOMP_UID.fullmatch(uid) is not None

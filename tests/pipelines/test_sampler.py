@@ -278,6 +278,15 @@ def test_export_names_a_bad_uid_and_writes_nothing_unless_told_to_skip(dev_image
     assert len(keep) == len(kept) - len(bad)
 
 
+def test_a_datacomp_uid_is_exactly_32_hex_digits() -> None:
+    from pairclean.output.exports import _is_datacomp_uid
+
+    assert _is_datacomp_uid("0123456789abcdef0123456789ABCDEF")
+    # int(uid, 16) took these: a sign overflowed uint64 (a traceback), an underscore named another pair
+    for bad in ("-" + "f" * 31, "0123456789abcdef01234567_9abcdef", " " + "a" * 31, "0x" + "a" * 30, "a" * 31):
+        assert not _is_datacomp_uid(bad), bad
+
+
 def pairclean_read(out: Path) -> list[dict]:
     import pairclean
 

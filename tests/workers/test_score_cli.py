@@ -115,7 +115,7 @@ def test_rescore_agrees_with_a_fresh_score(make_shards, tmp_path: Path) -> None:
 
 
 def test_inspect_prints_counts_noise_rate_and_histogram(make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    shards = [str(s) for s in make_shards(n_shards=1, per_shard=20)]
+    shards = [str(s) for s in make_shards(n_shards=1, per_shard=20, extra={0: {"jpg": b"not an image"}})]
     _score(shards, tmp_path / "o")
     # score's last line: what the corpus-mixture p_clean counted, from its fit, and how to
     # measure what it cannot see
@@ -126,15 +126,24 @@ def test_inspect_prints_counts_noise_rate_and_histogram(make_shards, tmp_path: P
     assert note.endswith(f"measure them with `pairclean audit {tmp_path / 'o'} --sample 200`")
     assert main(["inspect", str(tmp_path / "o")]) == 0
     text = capsys.readouterr().out
-    assert "status: ok=20" in text and "weight histogram" in text
+    assert "ok=19" in text and "decode_error=1" in text and "weight histogram" in text
     # the noise-rate estimate is the wrong captions p_clean expects; the random-mismatch share
     # (a lower bound) is its own line
-    p_clean = pq.read_table(tmp_path / "o").column("p_clean").to_numpy()
+    table = pq.read_table(tmp_path / "o")
+    p_clean = table.column("p_clean").to_numpy()[np.array(table.column("status").to_pylist()) == "ok"]
     assert f"noise-rate estimate (1 - mean p_clean over ok pairs: the wrong captions p_clean expects): {100 * (1 - p_clean.mean()):.1f}%" in text
     assert "random-mismatch share (pairs below the median of random mismatched pairs x 2" in text
     assert main(["inspect", str(tmp_path / "o"), "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
+
+    def no_nan(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")  # the failed row's similarity was a bare NaN
+
+    doc = json.loads(capsys.readouterr().out, parse_constant=no_nan)
     assert doc["pairs"] == 20 and doc["expected_noise"] == pytest.approx(1 - p_clean.astype(float).mean())
+    assert [r["similarity"] for r in doc["first"] if r["status"] == "decode_error"] == [None]
+    with pytest.raises(SystemExit) as usage:
+        main(["inspect", str(tmp_path / "o"), "--rows", "-1"])
+    assert usage.value.code == 2
 
 
 def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
