@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -46,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MODES", "WeightHolder", "WeightedClipLoss", "WeightedLoader", "expected_samples", "main"]
+__all__ = ["MODES", "WeightHolder", "WeightedClipLoss", "WeightedLoader", "expected_samples", "main", "shard_samples", "starving_workers"]
 
 log = logging.getLogger("pairclean.open_clip_train")
 
@@ -153,11 +154,17 @@ def expected_samples(out: str | Path, train_data: str, mode: str) -> int:
     the ok rows (open_clip drops samples without an image or caption, and those it cannot
     decode), the kept ones (status ok, not noisy), or ``sum(min(1, weight))``.
     Raises ``FileNotFoundError`` naming a shard the job did not score."""
+    return int(round(sum(shard_samples(out, train_data, mode).values())))
+
+
+def shard_samples(out: str | Path, train_data: str, mode: str) -> dict[str, float]:
+    """Per shard stem of ``train_data``, in order: the samples one pass yields in ``mode``
+    (see ``expected_samples``)."""
     import pyarrow.parquet as pq
 
     from pairclean.uris import shard_stems
 
-    total = 0.0
+    counts: dict[str, float] = {}
     for stem in shard_stems(train_data):
         path = Path(out) / f"{stem}.parquet"
         if not path.is_file():
@@ -165,12 +172,33 @@ def expected_samples(out: str | Path, train_data: str, mode: str) -> int:
         table = pq.read_table(path, columns=["status", "weight", "noisy"])
         ok = np.asarray(table.column("status").to_pylist()) == "ok"
         if mode == "weight":
-            total += int(ok.sum())
+            counts[stem] = int(ok.sum())
         elif mode == "keep":
-            total += int((ok & ~table.column("noisy").to_numpy(zero_copy_only=False).astype(bool)).sum())
+            counts[stem] = int((ok & ~table.column("noisy").to_numpy(zero_copy_only=False).astype(bool)).sum())
         else:
-            total += float(np.minimum(1.0, table.column("weight").to_numpy()).sum())
-    return int(round(total))
+            counts[stem] = float(np.minimum(1.0, table.column("weight").to_numpy()).sum())
+    return counts
+
+
+def starving_workers(counts: dict[str, float], loaders: int, batch_size: int) -> str | None:
+    """Why some data-loader worker could yield no full batch in a pass, or None.
+
+    open_clip deals the shards (shuffled each epoch) to ``loaders`` = ranks x ``--workers``
+    workers, and each worker repeats its own shards until it has made its share of batches
+    (``with_epoch``): a worker whose shards hold fewer samples than one batch never does,
+    and the epoch never ends. The worst deal gives a worker the ``len // loaders`` smallest
+    shards; empty, json-only or all-noisy shards make that likely.
+    """
+    if not counts:
+        return None
+    per_worker = max(1, len(counts) // loaders)
+    smallest = sorted(counts.items(), key=lambda kv: kv[1])[:per_worker]
+    if sum(v for _, v in smallest) >= batch_size:
+        return None
+    names = ", ".join(f"{stem} ({v:.0f})" for stem, v in smallest[:3]) + (" ..." if len(smallest) > 3 else "")
+    return (f"with {loaders} data-loader worker(s) one may get only the shards {names}: fewer samples than one batch "
+            f"of {batch_size}, and open_clip's loader would then never end the epoch; leave near-empty shards out of "
+            "--train-data, or pass fewer --workers or a smaller --batch-size")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -251,11 +279,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         open_clip.add_model_config(config)
     args = parse_args(list(rest))
     _check(options, args)
+    try:
+        counts = shard_samples(options.pairclean_weights, args.train_data, options.pairclean_mode)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    starving = starving_workers(counts, max(1, args.workers) * world, args.batch_size)
+    if starving:
+        raise SystemExit(f"error: {starving}")
     if args.train_num_samples is None:
-        try:
-            n = expected_samples(options.pairclean_weights, args.train_data, options.pairclean_mode)
-        except FileNotFoundError as exc:
-            raise SystemExit(f"error: {exc}") from None
+        n = int(round(sum(counts.values())))
         rest = [*rest, "--train-num-samples", str(n)]
         print(f"pairclean: --train-num-samples {n} ({options.pairclean_mode} mode, from {options.pairclean_weights})", file=sys.stderr)
     holder = WeightHolder()

@@ -172,3 +172,17 @@ def test_refusals_are_one_line_before_training(weights: Path, tmp_path: Path) ->
     assert run.returncode != 0 and "does not support --accum-freq" in run.stderr and "Traceback" not in run.stderr
     run = _train(tmp_path / "nowhere", tmp_path / "b")
     assert run.returncode != 0 and "not a folder" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_the_launcher_refuses_a_worker_deal_that_never_fills_a_batch() -> None:
+    """open_clip's with_epoch repeats a worker's shards until it has made its batches: a
+    worker holding only the empty shard of an img2dataset folder looped for ever."""
+    from pairclean.open_clip_train import starving_workers
+
+    counts = {"00000": 0, "00001": 0, "00002": 20, "00003": 20}  # empty, json-only, two of 20 pairs
+    why = starving_workers(counts, loaders=4, batch_size=4)
+    assert why is not None and "00000 (0)" in why and "fewer samples than one batch of 4" in why
+    assert starving_workers(counts, loaders=2, batch_size=4) is not None  # a worker may get both empty shards
+    assert starving_workers(counts, loaders=1, batch_size=4) is None
+    assert starving_workers(counts, loaders=1, batch_size=256) is not None  # 40 pairs never make a batch of 256
+    assert starving_workers({f"{i:05d}": 20 for i in range(8)}, loaders=4, batch_size=32) is None  # 2 shards a worker: 40
