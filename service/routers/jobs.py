@@ -217,7 +217,27 @@ def validate_blocking(request: JobRequest, settings: ServiceSettings) -> Validat
         problems.append(f"read only the first {limit} of {first!r}")
     except PaircleanError as exc:
         problems.append(str(exc))
+    if samples == 0 and not problems:
+        problems.append(f"the first shard {first!r} holds no sample (only the first shard is read: an img2dataset shard "
+                        "where every download failed looks like this)")
+    problems += _output_problems(request.output)
     return Validation(shards=len(shards), first_shard=first, samples=samples, statuses=statuses, problems=problems)
+
+
+def _output_problems(output: str) -> list[str]:
+    """What ``pairclean score`` would refuse about a local ``output`` before writing (the
+    outer job is not named: it may be another tenant's)."""
+    from pairclean.output.folder import enclosing_output
+    from pairclean.storage import Store as Folder
+
+    target = local_target(output)
+    if target is None:
+        return []
+    if os.path.isfile(target):
+        return [f"output {output!r} is a file, not a folder"]
+    if enclosing_output(Folder(target)) is not None:
+        return [f"output {output!r} lies inside another pairclean job's output"]
+    return []
 
 
 def _seconds_since(iso: str | None) -> float | None:

@@ -58,7 +58,15 @@ def test_job_lifecycle_progress_shards_metrics_and_idempotency(server, make_shar
     assert 'pairclean_jobs{state="SUCCEEDED"} 1.0' in metrics
     assert "pairclean_stage_seconds_bucket" in metrics and "pairclean_pair_weight_count 18.0" in metrics
     report = client.validate(body["shards"], body["output"], estimator="pairclean-tiny-test")
-    assert report["shards"] == 3 and report["samples"] == 6 and report["statuses"] == {"ok": 6}
+    assert report["shards"] == 3 and report["samples"] == 6 and report["statuses"] == {"ok": 6} and report["problems"] == []
+    # The dry run says what score would refuse, and an empty first shard, instead of "no problem"
+    inside = client.validate(body["shards"], str(tmp_path / "out" / "nested"), estimator="pairclean-tiny-test")
+    assert inside["problems"] == [f"output {str(tmp_path / 'out' / 'nested')!r} lies inside another pairclean job's output"]
+    from pairclean.lite.evaldata import write_shard
+
+    empty = write_shard(tmp_path / "shards" / "empty-00000.tar", [])
+    report = client.validate([str(empty), *body["shards"]], str(tmp_path / "out2"), estimator="pairclean-tiny-test")
+    assert report["samples"] == 0 and "holds no sample" in report["problems"][0]
 
 
 def test_cancel_and_retry_rules(server, make_shards, tmp_path: Path) -> None:
