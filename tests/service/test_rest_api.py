@@ -193,29 +193,31 @@ def test_a_retry_counts_only_the_shards_it_scores_in_the_metrics(server, make_sh
     assert counts() == ("18.0", "3.0", "1.0")  # the retry scored one shard: 6 pairs more, not 18
 
 
-def test_starting_a_second_replica_leaves_the_first_ones_running_job_alone(make_shards, tmp_path: Path, live_server_cls) -> None:
+def test_starting_a_second_replica_leaves_the_first_ones_running_job_alone(tmp_path: Path, live_server_cls) -> None:
     """Replicas share the job store. A replica's start used to take every RUNNING job for its
-    own: it killed the other replica's job process, and that job ended FAILED."""
+    own: it killed the other replica's job process, and that job ended FAILED. Now it takes
+    its own, and another replica's on this host only once that job's process is gone."""
+    from pairclean_service.store import JobStore
+
     url = f"sqlite:///{tmp_path / 'jobs.db'}"
-    a_root, b_root = tmp_path / "a", tmp_path / "b"
-    a_root.mkdir()
-    b_root.mkdir()
-    shards = make_shards(n_shards=40, per_shard=24, folder=a_root / "shards")
-    with live_server_cls(a_root, url) as a:
-        client = PaircleanClient(a.url, a.key)
-        job_id = client.submit([str(s) for s in shards], str(a_root / "out"), estimator="pairclean-tiny-test", options={"batch_size": 2})
-        deadline = time.time() + 60
-        while (a.app.state.store.get(job_id).pid is None or client.status(job_id)["progress"]["shards_done"] < 1) and time.time() < deadline:
-            time.sleep(0.1)
-        pid = a.app.state.store.get(job_id).pid
-        assert a.app.state.store.get(job_id).state == "RUNNING"
-        with live_server_cls(b_root, url):
-            time.sleep(1.0)
-            job = a.app.state.store.get(job_id)
-            assert job.state == "RUNNING" and job.pid == pid, job
-            os.killpg(pid, 0)  # still alive
-        done = client.wait(job_id, timeout=300, poll=0.3)
-        assert done["state"] == "SUCCEEDED" and done["progress"]["shards_done"] == 40
+    store = JobStore(url)
+    # A live job process of replica A (its command line is what the runner recognises).
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "pairclean_workers.cli"], start_new_session=True)
+    try:
+        job, _ = store.create({"shards": ["/x/a.tar"], "output": str(tmp_path / "out")}, "tester", None, 1)
+        runner_a = f"{socket.gethostname()}:{(tmp_path / 'a' / 'state').resolve()}"
+        assert store.transition(job.id, ["QUEUED"], state="RUNNING", pid=proc.pid, runner=runner_a)
+        (tmp_path / "b").mkdir()
+        with live_server_cls(tmp_path / "b", url, max_running_jobs=0):  # replica B starts
+            assert store.get(job.id).state == "RUNNING" and proc.poll() is None  # A's job and process untouched
+        proc.kill()
+        proc.wait()
+        with live_server_cls(tmp_path / "b", url, max_running_jobs=0):  # A's process is gone: B resumes the job
+            assert store.get(job.id).state == "QUEUED"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
 
 
 def test_readiness_fails_when_the_job_store_file_is_deleted_under_the_service(tmp_path: Path, live_server_cls) -> None:
