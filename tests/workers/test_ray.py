@@ -164,8 +164,21 @@ def test_a_straggler_never_costs_the_shards_behind_it_or_a_replacement_s_model_l
     with it, and the next one's clock counted the replacement actor's model load."""
     from pairclean_workers.ray_exec import RayOptions, RaySource
 
-    slow = [str(s) for s in make_shards(n_shards=1, per_shard=800, prefix="slow")]  # many seconds: beyond the limit
-    fast = [str(s) for s in make_shards(n_shards=3, per_shard=2, prefix="fast", offset=800)]
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from pairclean.lite.evaldata import write_shard
+
+    # 24 photos of 4000x3000 px (a grey ramp: 42 kB as PNG): about 0.2 s each to decode and
+    # resize, seconds in all, far beyond the limit on any machine; 2-pair shards take a fraction.
+    ramp = np.tile(np.linspace(0, 255, 4000, dtype=np.uint8), (3000, 1))
+    buf = io.BytesIO()
+    Image.fromarray(np.stack([ramp] * 3, axis=2)).save(buf, format="PNG")
+    big = [{"__key__": f"big/{i:03d}", "png": buf.getvalue(), "txt": "a grey ramp"} for i in range(24)]
+    slow = [str(write_shard(tmp_path / "shards" / "slow-00000.tar", big))]
+    fast = [str(s) for s in make_shards(n_shards=3, per_shard=2, prefix="fast")]
     spec = _spec(slow + fast)
     opts = RayOptions(num_actors=1, threads_per_actor=1, shard_timeout_s=0.75, max_retries=0, backoff_s=0.05, tasks_per_actor=2)
     out = OutputDir(str(tmp_path / "out"))
