@@ -17,6 +17,8 @@ translated from foreign exceptions at the boundary with ``raise ... from exc``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 __all__ = [
     "PaircleanError",
     "InputError",
@@ -27,6 +29,7 @@ __all__ = [
     "SpecMismatchError",
     "OutputBusyError",
     "ModelLoadError",
+    "causes",
 ]
 
 
@@ -68,3 +71,15 @@ class SpecMismatchError(PaircleanError):
 
 class ModelLoadError(PaircleanError):
     """The estimator could not be built or its weights could not be loaded."""
+
+
+def causes(exc: BaseException, limit: int = 5) -> Iterator[BaseException]:
+    """``exc`` and what it was raised from (``__cause__``, else ``__context__``), at most
+    ``limit`` of them: libraries wrap the error that says what went wrong (fsspec reports a
+    refused connection as FileNotFoundError, an s3fs write a botocore error)."""
+    current: BaseException | None = exc
+    for _ in range(limit):
+        if current is None:
+            return
+        yield current
+        current = current.__cause__ or current.__context__

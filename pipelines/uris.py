@@ -24,7 +24,7 @@ from pathlib import PurePosixPath
 from typing import Any, BinaryIO
 from urllib.parse import unquote, urlparse
 
-from pairclean.errors import InputError, ShardNotFoundError, ShardReadError, UnsupportedSchemeError
+from pairclean.errors import InputError, ShardNotFoundError, ShardReadError, UnsupportedSchemeError, causes
 
 __all__ = [
     "LOCAL_SCHEMES",
@@ -650,14 +650,10 @@ def open_shard(
 def _unreachable(exc: BaseException) -> str | None:
     """What failed when a "not found" was really a connection that could not be made
     (refused, timed out, no such host), from the exception it was raised from; else None."""
-    cause = exc.__cause__ or exc.__context__
-    for _ in range(4):
-        if cause is None:
-            return None
+    for cause in list(causes(exc))[1:]:
         if isinstance(cause, (ConnectionError, TimeoutError)) or type(cause).__name__.startswith(("ClientConnector", "ServerTimeout")):
             inner = getattr(cause, "os_error", None) or cause
             return f"{type(cause).__name__}: {getattr(inner, 'strerror', None) or inner}"
-        cause = cause.__cause__ or cause.__context__
     return None
 
 

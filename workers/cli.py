@@ -527,13 +527,10 @@ _STORAGE_CLIENTS = ("botocore", "aiobotocore", "s3fs", "gcsfs", "google.auth", "
 
 def _from_storage_client(exc: BaseException) -> bool:
     """Whether ``exc`` (or what it was raised from) is an object-storage client's error."""
-    seen = 0
-    while exc is not None and seen < 5:
-        module = type(exc).__module__ or ""
-        if any(module == p or module.startswith(p + ".") for p in _STORAGE_CLIENTS):
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1  # type: ignore[assignment]
-    return False
+    from pairclean.errors import causes
+
+    modules = [type(e).__module__ or "" for e in causes(exc)]
+    return any(m == p or m.startswith(p + ".") for m in modules for p in _STORAGE_CLIENTS)
 
 
 if __name__ == "__main__":

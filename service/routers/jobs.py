@@ -225,16 +225,14 @@ def validate_blocking(request: JobRequest, settings: ServiceSettings) -> Validat
 
 
 def _output_problems(output: str) -> list[str]:
-    """What ``pairclean score`` would refuse about a local ``output`` before writing (the
-    outer job is not named: it may be another tenant's)."""
+    """What ``pairclean score`` would refuse about a local ``output`` that ``expand`` lets
+    through: a folder inside another job's output (not named: it may be another tenant's)."""
     from pairclean.output.folder import enclosing_output
     from pairclean.storage import Store as Folder
 
-    target = local_target(output)
+    target = local_target(output)  # (an output that is a file was refused by ``expand``: a 422)
     if target is None:
         return []
-    if os.path.isfile(target):
-        return [f"output {output!r} is a file, not a folder"]
     if enclosing_output(Folder(target)) is not None:
         return [f"output {output!r} lies inside another pairclean job's output"]
     return []
