@@ -22,6 +22,8 @@ ranged read.
 
 from __future__ import annotations
 
+import codecs
+
 import json
 import os
 import re
@@ -298,8 +300,26 @@ def _caption(sample: RawSample, meta: dict[str, Any], caption_field: str | None)
         return _caption_value(meta.get(caption_field))
     raw = sample.files.get("txt")
     if raw is not None:
-        return raw[: 4 * MAX_CAPTION_CHARS].decode("utf-8", errors="replace")  # 4: bytes per UTF-8 character at most
+        return _decode_text(raw[: 4 * MAX_CAPTION_CHARS], cut=len(raw) > 4 * MAX_CAPTION_CHARS)  # 4: bytes per UTF-8 character at most
     return _caption_value(meta.get("caption"))
+
+
+def _decode_text(raw: bytes, cut: bool = False) -> str:
+    """A ``.txt`` caption's bytes as text: UTF-8 (a leading byte-order mark dropped); bytes
+    that are not UTF-8 are read as Windows-1252. ``cut``: ``raw`` was cut at the caption
+    bound, so a UTF-8 character it split at its end is dropped rather than taken for such bytes.
+
+    Why the fallback: alt-text scraped from pages that declared a legacy encoding reaches
+    shards as Latin-1/Windows-1252 bytes ("caf\\xe9"), which UTF-8 with replacement turned into
+    "caf\\ufffd", a word the text tower has never seen; a byte sequence that is valid UTF-8 is
+    almost never meant as Windows-1252, so UTF-8 is tried first. Windows-1252's five
+    undefined bytes become U+FFFD.
+    """
+    try:
+        decoder = codecs.getincrementaldecoder("utf-8-sig")()
+        return decoder.decode(raw, final=not cut)
+    except UnicodeDecodeError:
+        return raw.decode("cp1252", errors="replace")
 
 
 def _caption_value(value: Any) -> str | None:

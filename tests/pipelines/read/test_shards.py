@@ -209,6 +209,26 @@ def test_captions_are_bounded_and_blank_or_non_text_captions_are_rows_with_a_sta
     assert dots[0].status == "missing_image" and dots[0].error == "no jpg/jpeg/png/webp member (its fields: v1.jpg, v1.txt)"
 
 
+def test_captions_in_a_legacy_encoding_are_read_as_windows_1252_and_utf_8_stays_utf_8(tmp_path: Path) -> None:
+    from pairclean.read.shards import MAX_CAPTION_CHARS
+
+    long_accents = "é" * (4 * MAX_CAPTION_CHARS)  # 2 bytes each: the byte bound cuts it, maybe mid-character
+    shard = _tar(tmp_path / "enc.tar", [
+        ("latin.jpg", b"1"), ("latin.txt", "un café crème, 5 € à Zürich".encode("cp1252")),
+        ("utf8.jpg", b"2"), ("utf8.txt", "un café crème à Zürich".encode()),
+        ("bom.jpg", b"3"), ("bom.txt", "\ufeffa dog on grass".encode()),
+        ("long.jpg", b"4"), ("long.txt", ("x" + long_accents).encode()),
+        ("undefined.jpg", b"5"), ("undefined.txt", b"a \x81 dog caf\xe9"),
+    ])
+    pairs = {p.key: p for p in iter_pairs(str(shard))}
+    assert pairs["latin"].text == "un café crème, 5 € à Zürich"
+    assert pairs["utf8"].text == "un café crème à Zürich"
+    assert pairs["bom"].text == "a dog on grass"
+    assert pairs["long"].text == ("x" + long_accents)[:MAX_CAPTION_CHARS]  # still UTF-8, not mojibake
+    assert pairs["undefined"].text == "a \ufffd dog café"
+    assert {p.status for p in pairs.values()} == {"ok"}
+
+
 def test_sixteen_bit_png_keeps_its_tones_instead_of_clipping() -> None:
     import numpy as np
     from PIL import Image
