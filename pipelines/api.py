@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -59,13 +60,17 @@ class PairScores:
     status: list[str]
     error: list[str | None]
     calibration: Any
+    #: The judge's score (log likelihood ratio clean : noisy; NaN where it did not judge),
+    #: as a job's ``judge_score`` column; None when the calibration has no judge.
+    judge_score: NDArray[np.float32] | None = None
 
     def to_pandas(self) -> Any:
-        """The arrays as a pandas DataFrame (needs pandas)."""
+        """The arrays as a pandas DataFrame (needs pandas); ``judge_score`` where there is one."""
         import pandas as pd
 
+        judge = {} if self.judge_score is None else {"judge_score": self.judge_score}
         return pd.DataFrame({"similarity": self.similarity, "weight": self.weight, "noisy": self.noisy,
-                             "p_clean": self.p_clean, "status": self.status, "error": self.error})
+                             "p_clean": self.p_clean, **judge, "status": self.status, "error": self.error})
 
 
 def load_calibration(source: Any, *, model: str | None = None, storage_options: Any = None) -> Any:
@@ -177,6 +182,7 @@ def score_pairs(
     max_pixels: int | None = None,
     calibration: Any = None,
     allow_small_calibration: bool = False,
+    judge_checkpoint: str | None = None,
 ) -> PairScores:
     """Score ``images[i]`` against ``captions[i]`` for every i.
 
@@ -190,6 +196,13 @@ def score_pairs(
     (``allow_small_calibration=True`` accepts fewer: hard 0/1 weights). Raises
     ``InputError`` when the lengths differ, no pair can be scored with a corpus recipe, or
     the batch is too small to calibrate itself.
+
+    A job's calibration brings the job's second stage: its corpus contrast, and its judge
+    (``judge_score``; the judge's band and priors as frozen), so each pair gets the weight the
+    job gave it. The judge is the shipped one, or ``judge_checkpoint`` for a job scored with
+    ``--judge-checkpoint`` (its sha256 is checked against the calibration's). A batch that
+    calibrates itself is scored by OSA alone (no contrast, no judge: their priors need a
+    corpus-sized sample).
     """
     from pairclean import schema
     from pairclean.calibrate.calibration import needs_corpus
@@ -201,7 +214,7 @@ def score_pairs(
     from pairclean.output.tables import scores_table
     from pairclean.calibrate.contrast import table_columns
     from pairclean.read.shards import PairSample
-    from pairclean.job.work import calibrate_on, random_beta_fn
+    from pairclean.job.work import calibrate_on, judged_columns, random_beta_fn
 
     if len(images) != len(captions):
         raise InputError(f"{len(images)} images but {len(captions)} captions: they must pair up one to one")
@@ -212,7 +225,8 @@ def score_pairs(
     weighting = frozen.weighting if frozen is not None else weighting
     samples = [_pair(i, image, caption, PairSample, schema) for i, (image, caption) in enumerate(zip(images, captions))]
     options = ScoreOptions(batch_size=batch_size, max_pixels=max_pixels or DEFAULT_MAX_PIXELS)
-    result = _score_samples(samples, est, options)
+    judge = _frozen_judge(frozen, est, judge_checkpoint)
+    result = _score_samples(samples, est, options, judge)
     spec = JobSpec(("in-memory",), est.info.model_id, None, None, est.info.precision, recipe, beta_k, weighting, seed,
                    batch_size, options.max_pixels, None, False, calibration_pairs)
     if frozen is not None:
@@ -229,18 +243,53 @@ def score_pairs(
             )
         calibration = calibrate_on([result], spec, random_beta_fn(est, beta_k, seed), int(est.info.embed_dim))
     adjusted, owner = table_columns(contrast, result.similarity, result.image_emb, result.text_emb, result.ok_mask)
+    second_stage, extra_scores = judged_columns(result, calibration, adjusted) if judge is not None else (None, None)
     table = scores_table("in-memory", result.keys, result.idx, result.status, result.error, result.similarity, calibration, {},
-                         adjusted=adjusted, owner_margin=owner)
+                         second_stage=second_stage, extra_scores=extra_scores, adjusted=adjusted, owner_margin=owner)
     return PairScores(
         similarity=result.similarity, weight=table.column(schema.COL_WEIGHT).to_numpy(),
         noisy=table.column(schema.COL_NOISY).to_numpy(zero_copy_only=False),
         p_clean=table.column(schema.COL_P_CLEAN).to_numpy(), status=result.status, error=result.error,
         calibration=calibration,
+        judge_score=None if judge is None else table.column(schema.COL_JUDGE_SCORE).to_numpy(zero_copy_only=False),
     )
 
 
+#: Judge runners bound to an estimator, by judge file and sha256: binding one exports its image tower
+#: to ONNX Runtime (seconds), which a Ray actor calling ``score_pairs`` per batch pays once.
+_JUDGES: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _frozen_judge(frozen: Any, estimator: Any, checkpoint: str | None) -> Any:
+    """The judge of a frozen calibration, bound to ``estimator`` and judging its frozen band;
+    None when the calibration has no judge. ``InputError`` when the judge file found
+    (``checkpoint``, else the shipped one) is not the calibration's (sha256)."""
+    from pairclean.errors import InputError
+    from pairclean.job.work import judge_band
+    from pairclean.judge.runner import JudgeRunner, default_judge_path, load_judge
+
+    band = None if frozen is None else judge_band(frozen)
+    if band is None:
+        return None
+    record = frozen.extra["judge"]
+    want = str(record.get("sha256", ""))
+    bound = _JUDGES.setdefault(estimator, {})
+    key = f"{os.path.abspath(checkpoint or default_judge_path())}:{want}"  # the file as checked against this sha256
+    runner = bound.get(key)
+    if runner is None:
+        loaded = load_judge(checkpoint)
+        if want and loaded.sha256 != want:
+            raise InputError(f"the calibration was made with judge {record.get('id')!r} (sha256 {want[:12]}...), not "
+                             f"{loaded.path!r} ({loaded.sha256[:12]}...): pass judge_checkpoint= the job's judge file")
+        runner = bound[key] = JudgeRunner(loaded, estimator)
+    return runner.with_band(band)
+
+
 def _pair(i: int, image: Any, caption: str, pair_cls: Any, schema: Any) -> Any:
-    text = caption.strip() if isinstance(caption, str) else ""
+    from pairclean.read.shards import caption_text
+
+    # as a shard's caption is read: bounded, and one of only invisible characters is empty
+    text = caption_text(caption) if isinstance(caption, str) else ""
     status, error = (schema.STATUS_OK, None) if text else (schema.STATUS_EMPTY_TEXT, "empty caption")
     if image is None:  # a row without an image (a failed download in img2dataset's output, say)
         return pair_cls(key=f"{i:09d}", idx=i, image=None, text=text or None, status=schema.STATUS_MISSING_IMAGE, error="no image")
@@ -254,8 +303,8 @@ def _pair(i: int, image: Any, caption: str, pair_cls: Any, schema: Any) -> Any:
     return pair_cls(key=f"{i:09d}", idx=i, image=data, text=text or None, status=status, error=error)
 
 
-def _score_samples(samples: list[Any], estimator: Any, options: Any) -> Any:
+def _score_samples(samples: list[Any], estimator: Any, options: Any, judge: Any = None) -> Any:
     """A ``ShardResult`` for in-memory samples: the scoring path of a shard, without the tar."""
     from pairclean.embed.shard import score_shard
 
-    return score_shard("in-memory", estimator, options, samples=samples)
+    return score_shard("in-memory", estimator, options, samples=samples, judge=judge)

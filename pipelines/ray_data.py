@@ -27,7 +27,7 @@ import numpy as np
 __all__ = ["ScorePairs"]
 
 #: The columns ``ScorePairs`` adds to each batch.
-OUTPUT_COLUMNS = ("similarity", "weight", "noisy", "p_clean", "status", "error")
+OUTPUT_COLUMNS = ("similarity", "weight", "noisy", "p_clean", "status", "error")  # and judge_score where the job has a judge
 
 
 class ScorePairs:
@@ -37,7 +37,9 @@ class ScorePairs:
     ``calibration``: required (see the module docstring). ``image_column`` holds decoded
     uint8 arrays as Ray Data's readers give them (``read_images``, ``read_webdataset``'s
     default decoder: ``H x W x 3``), encoded bytes (``decoder=None``) or paths;
-    ``caption_column`` strings or bytes. On img2dataset folders (json-only samples of failed
+    ``caption_column`` strings or bytes. A job whose calibration has a judge adds a
+    ``judge_score`` column, and its weights are the job's (``judge_checkpoint``: the job's
+    judge file, where it was not the shipped one). On img2dataset folders (json-only samples of failed
     downloads) read with ``read_webdataset(..., decoder=None)``: Ray Data cannot batch its
     decoded images beside missing ones, and pairclean decodes each image itself (a bad one
     is a status row). ``drop_image``: leave the image column out of
@@ -60,6 +62,7 @@ class ScorePairs:
         threads: int | None = None,
         batch_size: int = 64,
         storage_options: Any = None,
+        judge_checkpoint: str | None = None,
     ) -> None:
         from pairclean.api import load_calibration, load_estimator
 
@@ -69,6 +72,7 @@ class ScorePairs:
         self.image_column, self.caption_column = image_column, caption_column
         self.drop_image = drop_image
         self.batch_size = batch_size
+        self.judge_checkpoint = judge_checkpoint
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         from pairclean.api import score_pairs
@@ -82,10 +86,13 @@ class ScorePairs:
         images = [_missing_as_none(x) for x in _rows(batch[self.image_column])] if self.image_column in batch else [None] * n
         raw = _rows(batch[self.caption_column]) if self.caption_column in batch else [None] * n
         captions = [_text(c) for c in raw]
-        result = score_pairs(images, captions, estimator=self.estimator, calibration=self.calibration, batch_size=self.batch_size)
+        result = score_pairs(images, captions, estimator=self.estimator, calibration=self.calibration, batch_size=self.batch_size,
+                             judge_checkpoint=self.judge_checkpoint)
         out = {k: v for k, v in batch.items() if not (self.drop_image and k == self.image_column)}
         out.update(similarity=result.similarity, weight=result.weight, noisy=result.noisy, p_clean=result.p_clean,
                    status=np.asarray(result.status, dtype=object), error=np.asarray(result.error, dtype=object))
+        if result.judge_score is not None:
+            out["judge_score"] = result.judge_score
         return out
 
 
@@ -106,7 +113,9 @@ def _text(value: Any) -> str:
     """A caption cell as text: bytes decoded, a missing one (None, or the NaN pandas/Ray put
     into a missing cell) empty, so the pair gets the ``empty_text`` status."""
     if isinstance(value, (bytes, bytearray)):
-        return bytes(value).decode("utf-8", "replace")
+        from pairclean.read.shards import decode_caption
+
+        return decode_caption(bytes(value))  # as a shard's .txt member is read
     return value if isinstance(value, str) else ""
 
 

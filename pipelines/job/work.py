@@ -239,6 +239,24 @@ def _finite(x: float) -> float | str:
     return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
 
 
+def judged_columns(result: ShardResult, calibration: Calibration, adjusted: NDArray[np.float32] | None) -> tuple[Any, dict[str, Any]]:
+    """(the cascade's p_clean (N,), NaN where not judged; {judge_score column: llr (N,)}) of a
+    judged ``result`` under ``calibration`` (with a judge record); ``adjusted``: the contrast's
+    adjusted similarities (N,), None without a contrast. A job's workers and the notebook API
+    (``pairclean.api.score_pairs`` with a job's calibration) both write through here.
+
+    Calibration-phase shards were judged everywhere: pairs outside the frozen band are
+    dropped here, so they read exactly as if scored after the calibration."""
+    from pairclean.judge.posterior import in_band
+
+    assert result.judge_llr is not None
+    band = judge_band(calibration)
+    assert band is not None
+    llr = np.where(in_band(result.similarity, band) & result.ok_mask, result.judge_llr, np.nan).astype(np.float32)
+    osa_p = osa_p_clean(result.similarity if adjusted is None else adjusted, calibration)
+    return judged_p_clean(llr, osa_p, calibration.extra["judge"]), {schema.COL_JUDGE_SCORE: llr}
+
+
 def judge_band(calibration: Calibration) -> tuple[float, float] | None:
     """The band frozen in ``calibration`` (None: the job has no judge)."""
     judge = calibration.extra.get("judge")
@@ -327,7 +345,7 @@ class ShardWork:
         adjusted, owner = table_columns(self.contrast_of(calibration), result.similarity, result.image_emb, result.text_emb,
                                         result.ok_mask)
         if result.judge_llr is not None and "judge" in calibration.extra:
-            second_stage, extra_scores = self._judged(result, calibration, adjusted)
+            second_stage, extra_scores = judged_columns(result, calibration, adjusted)
             extra_meta["judge"] = calibration.extra["judge"]
         meta = output_metadata(self.model_info, calibration, extra_meta)
         scores = scores_table(
@@ -369,17 +387,3 @@ class ShardWork:
             self._contrast = (doc["bank_sha256"], loaded)
         return self._contrast[1]
 
-    @staticmethod
-    def _judged(result: ShardResult, calibration: Calibration, adjusted: NDArray[np.float32] | None) -> tuple[Any, dict[str, Any]]:
-        """(the cascade's p_clean (N,), NaN where not judged; {judge_score column: llr (N,)}).
-
-        Calibration-phase shards were judged everywhere: pairs outside the frozen band are
-        dropped here, so they read exactly as if scored after the calibration."""
-        from pairclean.judge.posterior import in_band
-
-        assert result.judge_llr is not None
-        band = judge_band(calibration)
-        assert band is not None
-        llr = np.where(in_band(result.similarity, band) & result.ok_mask, result.judge_llr, np.nan).astype(np.float32)
-        osa_p = osa_p_clean(result.similarity if adjusted is None else adjusted, calibration)
-        return judged_p_clean(llr, osa_p, calibration.extra["judge"]), {schema.COL_JUDGE_SCORE: llr}

@@ -39,6 +39,8 @@ from pairclean.errors import ShardReadError
 from pairclean.uris import open_shard
 
 __all__ = [
+    "caption_text",
+    "decode_caption",
     "IMAGE_EXTS",
     "RawSample",
     "PairSample",
@@ -300,11 +302,11 @@ def _caption(sample: RawSample, meta: dict[str, Any], caption_field: str | None)
         return _caption_value(meta.get(caption_field))
     raw = sample.files.get("txt")
     if raw is not None:
-        return _decode_text(raw[: 4 * MAX_CAPTION_CHARS], cut=len(raw) > 4 * MAX_CAPTION_CHARS)  # 4: bytes per UTF-8 character at most
+        return decode_caption(raw[: 4 * MAX_CAPTION_CHARS], cut=len(raw) > 4 * MAX_CAPTION_CHARS)  # 4: bytes per UTF-8 character at most
     return _caption_value(meta.get("caption"))
 
 
-def _decode_text(raw: bytes, cut: bool = False) -> str:
+def decode_caption(raw: bytes, cut: bool = False) -> str:
     """A ``.txt`` caption's bytes as text: UTF-8 (a leading byte-order mark dropped); bytes
     that are not UTF-8 are read as Windows-1252. ``cut``: ``raw`` was cut at the caption
     bound, so a UTF-8 character it split at its end is dropped rather than taken for such bytes.
@@ -332,6 +334,13 @@ def _caption_value(value: Any) -> str | None:
     if isinstance(value, (list, dict, bool)):
         raise ValueError(f"json caption is a{'n object' if isinstance(value, dict) else ' ' + type(value).__name__}, not text")
     return str(value)
+
+
+def caption_text(caption: str) -> str:
+    """A caption given as text (the notebook API's) as a shard's is read: cut to
+    ``MAX_CAPTION_CHARS``; "" when it has no visible character (the ``empty_text`` status)."""
+    text = _bounded(caption)
+    return "" if _blank(text) else text
 
 
 def _bounded(text: str) -> str:

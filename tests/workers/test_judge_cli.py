@@ -310,3 +310,53 @@ def test_train_judge_refuses_out_of_range_options_in_one_line_before_any_work(tm
     assert main(["train-judge", "--out", str(tmp_path / "j.safetensors"), option, value]) == 1
     err = capsys.readouterr().err.strip()
     assert err == f"error: {message}" and not (tmp_path / "j.safetensors").exists()
+
+
+def test_the_notebook_api_and_ray_data_apply_a_job_s_judge_as_its_workers_do(make_shards, tmp_path: Path, judge_file: Path,
+                                                                            tiny_judge) -> None:
+    import pairclean
+    from pairclean.errors import InputError
+    from pairclean.ray_data import ScorePairs
+    from pairclean.read.shards import iter_raw_samples
+
+    shards = make_shards(n_shards=1, per_shard=16)
+    out = tmp_path / "judged"
+    assert _score(shards, out, "--judge", "all", "--judge-checkpoint", str(judge_file)) == 0
+    job = _table(out, "part-00000").to_pydict()
+    samples = list(iter_raw_samples(str(shards[0])))
+    images, captions = [s.files["jpg"] for s in samples], [s.files["txt"].decode() for s in samples]
+    est = pairclean.load_estimator("pairclean-tiny-test")
+    scored = pairclean.score_pairs(images, captions, estimator=est, calibration=out, judge_checkpoint=str(judge_file))
+    assert scored.judge_score is not None
+    assert scored.judge_score.tolist() == pytest.approx(job[schema.COL_JUDGE_SCORE], abs=1e-5)
+    # the judge replaces OSA's p_clean here (a judge without a near-miss map): the job's weights, not OSA's
+    assert scored.weight.tolist() == pytest.approx(job["weight"], abs=1e-5)
+    assert scored.p_clean.tolist() == pytest.approx(job["p_clean"], abs=1e-5)
+    assert list(scored.to_pandas().columns[:5]) == ["similarity", "weight", "noisy", "p_clean", "judge_score"]
+    # Ray Data's callable (plain Python here) gives the same column, batch by batch
+    actor = ScorePairs(str(out), model="pairclean-tiny-test", image_column="jpg", caption_column="txt", judge_checkpoint=str(judge_file))
+    half = actor({"jpg": np.array(images[:5], dtype=object), "txt": np.array([c.encode() for c in captions[:5]], dtype=object)})
+    assert half["judge_score"].tolist() == pytest.approx(job[schema.COL_JUDGE_SCORE][:5], abs=1e-5)
+    assert half["weight"].tolist() == pytest.approx(job["weight"][:5], abs=1e-5)
+    # another judge file (or the shipped one) is not the job's: refused, naming what to pass
+    with pytest.raises(InputError, match="pass judge_checkpoint= the job's judge file"):
+        pairclean.score_pairs(images, captions, estimator=est, calibration=out,
+                              judge_checkpoint=str(tiny_judge(tmp_path / "other.safetensors", seed=1)))
+    # a job without a judge gives no judge_score
+    plain = tmp_path / "plain"
+    assert _score(shards, plain) == 0
+    assert pairclean.score_pairs(images, captions, estimator=est, calibration=plain).judge_score is None
+
+
+def test_the_notebook_api_reads_captions_as_a_shard_does() -> None:
+    import io
+
+    from PIL import Image
+
+    import pairclean
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(buf, format="PNG")
+    captions = ["   \u200b", "\u200b\u200b", "   ", "a red square"]
+    scored = pairclean.score_pairs([buf.getvalue()] * 4, captions, estimator="pairclean-tiny-test", allow_small_calibration=True)
+    assert scored.status == ["empty_text", "empty_text", "empty_text", "ok"]
