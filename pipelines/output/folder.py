@@ -183,6 +183,7 @@ class OutputDir:
         self._pending: dict[str, ShardRecord] = {}
         self._failed_stems: set[str] | None = None
         self._last_compaction = time.monotonic()
+        self._derived_checked = False  # whether a commit here has marked exports and pseudo-pairs stale
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Workers get a fresh handle on the same folder (no cached records).
@@ -339,10 +340,17 @@ class OutputDir:
         if exports is not None:
             names += list(json.loads(exports).get("written", [])) + [schema.EXPORTS_FILE]
         names += [f"{schema.MANIFEST_DIR}/{n}" for n in self.store.list(schema.MANIFEST_DIR)]
+        names += self._pseudo_outputs()
         names += [schema.CALIBRATION_FILE, schema.CONTRAST_BANK_FILE, schema.JOB_FILE]
         removed = [n for n in names if self.store.rm(n)]
         self._compacted, self._pending, self._failed_stems = {}, {}, set()
         return removed
+
+    def _pseudo_outputs(self) -> list[str]:
+        """A pseudo-pair run's files (its tables, recognised by their metadata, and its
+        records): made from this job's weights, so ``--overwrite`` removes them with it."""
+        tables = [f"{schema.PSEUDO_DIR}/{n}" for n in self.store.list(schema.PSEUDO_DIR) if n.endswith(".parquet")]
+        return [n for n in tables if self.written_by(n)] + [schema.PSEUDO_RECORD_FILE, schema.PSEUDO_STALE_FILE]
 
     def _stray_outputs(self, digest: str | None, known: set[str]) -> list[str]:
         """Data files of this job with no completion record, recognised by their metadata."""
@@ -481,6 +489,9 @@ class OutputDir:
         every ``COMPACT_EVERY`` records or ``COMPACT_SECONDS`` seconds."""
         self.store.put(f"{schema.COMPLETIONS_DIR}/{record.stem}.json", json.dumps(record.to_json(), sort_keys=True).encode())
         self._pending[record.stem] = record
+        if not self._derived_checked:  # a shard joins the dataset (a resumed or retried job): once per run
+            self._derived_checked = True
+            self._mark_derived_stale("a shard was committed after this run")
         if self._failed_stems is None:
             self._failed_stems = set(self.quarantined())
         if record.stem in self._failed_stems:
@@ -532,10 +543,10 @@ class OutputDir:
         self._segments = [name]
         self._compacted, self._pending = {r.stem: r for r in records}, {}
 
-    def _mark_derived_stale(self) -> None:
+    def _mark_derived_stale(self, reason: str = "the job's tables were rewritten after this run") -> None:
+        """Mark a pseudo-pair run stale and warn about exports: the tables they were made from changed."""
         if self.store.exists(schema.PSEUDO_RECORD_FILE):
-            self.store.put(schema.PSEUDO_STALE_FILE, json.dumps({"reason": "the job's tables were rewritten after this run",
-                                                                 "at": time.time()}).encode())
+            self.store.put(schema.PSEUDO_STALE_FILE, json.dumps({"reason": reason, "at": time.time()}).encode())
             log.warning("the pseudo-pairs in %s were made from the earlier weights: run `pairclean pseudo-pair %s` again "
                         "before training with them", self.side_uri, self.uri)
         if self.store.exists(schema.EXPORTS_FILE):

@@ -158,6 +158,38 @@ def test_a_rescore_makes_trainers_refuse_the_earlier_pseudo_pairs_until_they_are
     PseudoCaptions(out)  # made from today's tables
 
 
+def test_a_shard_committed_later_or_overwrite_leaves_no_pseudo_pairs_that_look_current(job, tmp_path: Path, caplog) -> None:
+    import shutil
+
+    from pairclean.pseudo.pairing import PseudoCaptions
+
+    _, shards, _ = job
+    # a job whose second shard is cut short: quarantined, then repaired and committed by a rerun
+    broken = tmp_path / "shards"
+    broken.mkdir()
+    good = [broken / s.name for s in shards]
+    shutil.copy(shards[0], good[0])
+    good[1].write_bytes(shards[1].read_bytes()[:3000])
+    out = tmp_path / "out"
+    command = ["score", *map(str, good), "--out", str(out), *TINY, "--calibration-pairs", "12"]
+    assert main(command) != 0
+    assert main(["pseudo-pair", str(out), "--pool", "all"]) == 0 and main(["export", str(out)]) == 0
+    PseudoCaptions(out)
+    shutil.copy(shards[1], good[1])
+    caplog.clear()
+    assert main(command) == 0
+    assert "made from the earlier weights" in caplog.text and "hold the earlier weights" in caplog.text
+    with pytest.raises(FileNotFoundError, match="made from weights the job has replaced since"):
+        PseudoCaptions(out)
+    # --overwrite starts over: no pseudo-pairs of the old job stay to be read
+    assert any(_pseudo(out).glob("*.parquet"))
+    (_pseudo(out) / "mine.txt").write_text("a file pairclean did not write")
+    assert main([*command, "--overwrite"]) == 0
+    assert sorted(p.name for p in _pseudo(out).iterdir()) == ["mine.txt"]
+    with pytest.raises(FileNotFoundError):
+        PseudoCaptions(out)
+
+
 def test_clear_errors(job, tmp_path: Path, dev_images: list, capsys) -> None:
     from pairclean.lite.evaldata import write_shard
 
