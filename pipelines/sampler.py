@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
 from pairclean.errors import InputError
-from pairclean.schema import STATUS_DUPLICATE_KEY, checked_weights
+from pairclean.schema import IMAGE_EXTS, STATUS_DUPLICATE_KEY, checked_weights
 from pairclean.uris import shard_stem
 
 __all__ = [
@@ -67,30 +67,32 @@ class WeightStore:
         if not self.root.is_dir():
             raise FileNotFoundError(f"pairclean output folder not found: {self.root}")
         self.max_cached = max_cached_shards
-        self._cache: dict[str, dict[str, tuple[float, bool]]] = {}
+        self._cache: dict[str, tuple[dict[str, tuple[float, bool]], dict[str, int]]] = {}
 
-    def _load(self, stem: str) -> dict[str, tuple[float, bool]]:
+    def _load(self, stem: str) -> tuple[dict[str, tuple[float, bool]], dict[str, int]]:
         if stem in self._cache:
             return self._cache[stem]
         path = self.root / f"{stem}.parquet"
-        rows = self._read(path, stem) if path.exists() else {}
+        rows = self._read(path, stem) if path.exists() else ({}, {})
         if len(self._cache) >= self.max_cached:
             self._cache.pop(next(iter(self._cache)))  # shards stream in order: drop the oldest
         self._cache[stem] = rows
         return rows
 
     @staticmethod
-    def _read(path: Path, stem: str) -> dict[str, tuple[float, bool]]:
-        """One shard's weights, checked (``InputError`` naming the file): readable Parquet
-        with key, weight and noisy; weights per ``checked_weights``; no key twice (which
-        row would win?); and a ``shard`` column, where present, naming this shard (a table
-        copied under another shard's name would join the wrong pairs)."""
+    def _read(path: Path, stem: str) -> tuple[dict[str, tuple[float, bool]], dict[str, int]]:
+        """One shard's weights by key, checked (``InputError`` naming the file): readable
+        Parquet with key, weight and noisy; weights per ``checked_weights``; no key twice
+        (which row would win?); and a ``shard`` column, where present, naming this shard (a
+        table copied under another shard's name would join the wrong pairs). Also the byte
+        size of each key's image member as scored, where the table has it (``image_size``)."""
         import pyarrow as pa
 
         where = str(path)
         try:
             names = pq.read_schema(path).names
-            table = pq.read_table(path, columns=["key", "weight", "noisy"] + [c for c in ("shard", "status") if c in names])
+            optional = [c for c in ("shard", "status", "image_size") if c in names]
+            table = pq.read_table(path, columns=["key", "weight", "noisy"] + optional)
         except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise InputError(f"{where} is not a readable pairclean table with key, weight and noisy ({first})", uri=where) from None
@@ -112,10 +114,36 @@ class WeightStore:
         # A key the shard holds twice names two samples the trainer cannot tell apart:
         # neither is weighted up (weight 0, noisy).
         rows.update({k: (0.0, True) for k in repeated})
-        return rows
+        sizes: dict[str, int] = {}
+        if "image_size" in table.column_names:
+            sizes = {k: int(n) for k, n in zip(keys, table.column("image_size").to_pylist()) if n is not None and k not in repeated}
+        return rows, sizes
 
     def get(self, url: str, key: str) -> tuple[float, bool] | None:
-        return self._load(shard_stem(url)).get(key)
+        return self._load(shard_stem(url))[0].get(key)
+
+    def image_size(self, url: str, key: str) -> int | None:
+        """The byte size of the image member scored for ``key`` of ``url``'s shard (None: not recorded)."""
+        return self._load(shard_stem(url))[1].get(key)
+
+    def check_image(self, sample: dict[str, Any], url: str, key: str) -> None:
+        """``InputError`` when ``sample``'s undecoded image member (``jpg``, ``png``, ...) has
+        another byte size than the one scored for its key: these weights belong to another
+        shard of the same name (img2dataset names every folder's shards 00000.tar, ... and
+        their keys 000000000, ...), or the shard changed since it was scored. Decoded
+        images (the stage placed after ``decode``) are not checked."""
+        expected = self.image_size(url, key)
+        if expected is None:
+            return
+        for ext in IMAGE_EXTS:
+            value = sample.get(ext)
+            if isinstance(value, (bytes, bytearray, memoryview)):
+                if len(value) != expected:
+                    raise InputError(
+                        f"sample {key!r} of {url!r}: its {ext} member has {len(value)} bytes, the image scored for this key "
+                        f"in {self.root / (shard_stem(url) + '.parquet')} had {expected}: these are the weights of another "
+                        "shard of the same name, or the shard changed since it was scored (score it again)", uri=url)
+                return
 
     def __getstate__(self) -> dict[str, Any]:
         # Workers get the configuration, not the parent's cache: pickles stay small under
@@ -217,6 +245,8 @@ class WeightStage:
             )
         url, key = str(sample.get("__url__", "")), str(sample["__key__"])
         found = self.store.get(url, key)
+        if found is not None:
+            self.store.check_image(sample, url, key)
         if found is None:
             if self.missing == "error":
                 raise KeyError(

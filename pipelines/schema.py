@@ -10,6 +10,7 @@ import pyarrow as pa
 from numpy.typing import NDArray
 
 __all__ = [
+    "IMAGE_EXTS",
     "WEIGHT_TOLERANCE",
     "checked_weights",
     "ok_mask",
@@ -92,6 +93,8 @@ STATUS_EMPTY_TEXT: Final = "empty_text"
 STATUS_TOO_LARGE: Final = "too_large"
 #: A key seen earlier in the shard, or a field written twice for one sample.
 STATUS_DUPLICATE_KEY: Final = "duplicate_key"
+#: Member extensions read as the image, in order of preference (WebDataset field names).
+IMAGE_EXTS: Final = ("jpg", "jpeg", "png", "webp")
 #: A sample with a symlink or hard-link member (links are never followed).
 STATUS_LINK_MEMBER: Final = "link_member"
 #: The judge (``--judge``) failed on this pair (its error says why); the shard goes on.

@@ -55,7 +55,7 @@ __all__ = [
     "iter_pairs",
 ]
 
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+IMAGE_EXTS = schema.IMAGE_EXTS
 # WebDataset's base_plus_ext rule: key = dirname + basename up to the first dot.
 _KEY_RE = re.compile(r"^((?:.*/|)[^.]+)\.([^/]*)$")
 # Tar members like __index__.json are WebDataset metadata, not samples.

@@ -190,6 +190,27 @@ def test_training_guide_example_runs() -> None:
     assert len(losses) == 3 and all(np.isfinite(losses))
 
 
+def test_weights_of_another_shard_of_the_same_name_are_refused_not_joined(scored, tmp_path: Path, dev_images: list) -> None:
+    """img2dataset names every folder's shards 00000.tar, ... and their keys 000000000, ...:
+    the same name and keys with other photos must not take this job's weights."""
+    wds = pytest.importorskip("webdataset")
+    from pairclean.errors import InputError
+    from pairclean.lite.evaldata import write_shard
+
+    out, shards = scored
+    other = write_shard(tmp_path / "other" / shards[0].name, [
+        {"__key__": f"k0-{i:03d}", "jpg": dev_images[100 + i].path.read_bytes(), "txt": dev_images[100 + i].captions[0]} for i in range(10)])
+
+    def pipeline(shard: Path, *stages: object) -> list:
+        return list(wds.DataPipeline(wds.SimpleShardList([str(shard)]), wds.tarfile_to_samples(), *stages))
+
+    with pytest.raises(InputError, match="weights of another shard of the same name"):
+        pipeline(other, weight_stage(out, "loss"))
+    assert len(pipeline(shards[0], weight_stage(out, "loss"))) == 10  # its own shard joins
+    # after decode the bytes are gone: nothing to compare, the join stands as before
+    assert len(pipeline(other, wds.decode("pil"), weight_stage(out, "loss"))) == 10
+
+
 def test_export_sizes_where_open_clip_looks_and_never_over_foreign_files(scored, tmp_path: Path, capsys) -> None:
     """open_clip reads sizes.json from the first shard's folder: written there only when asked."""
     import pyarrow.parquet as pq
