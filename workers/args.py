@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +22,8 @@ __all__ = [
     "add_threads_arg",
     "add_lock_ttl_arg",
     "add_seed_arg",
+    "fraction",
+    "positive_seconds",
 ]
 
 _Adder = argparse.ArgumentParser | argparse._ArgumentGroup
@@ -59,9 +62,35 @@ def add_threads_arg(p: _Adder, what: str) -> None:
     p.add_argument("--threads", type=int, default=None, help=what)
 
 
+def fraction(text: str) -> float:
+    """An argparse type: a number in [0, 1] (a usage error, one line, otherwise)."""
+    value = _number(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], not {text}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above 0."""
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds above 0, not {text}")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, not {text}")
+    return value
+
+
 def add_lock_ttl_arg(p: _Adder) -> None:
     """``--lock-ttl S``: when a crashed run's lock on the output folder is taken over."""
-    p.add_argument("--lock-ttl", type=float, default=None,
+    p.add_argument("--lock-ttl", type=positive_seconds, default=None,
                    help="seconds without a heartbeat after which a crashed run's lock on the output folder is taken "
                         "over (default 60, or $PAIRCLEAN_LOCK_TTL_S)")
 

@@ -32,8 +32,9 @@ def add_audit_parser(sub: Any) -> None:
     p.add_argument("--threshold", type=float, default=None, help="with --labels: also report the flag p_clean < T")
     p.add_argument("--target", default=None, metavar="METRIC=VALUE", help="with --labels: the threshold reaching precision=0.9 or recall=0.8")
     p.add_argument("--no-apply", action="store_true", help="with --labels: do not write the recalibrated p_clean into the tables")
-    p.add_argument("--lock-ttl", type=float, default=None)
-    from pairclean_workers.args import add_storage_arg
+    from pairclean_workers.args import add_storage_arg, positive_seconds
+
+    p.add_argument("--lock-ttl", type=positive_seconds, default=None)
 
     add_storage_arg(p)
 

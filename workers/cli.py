@@ -4,7 +4,7 @@ train-judge, pseudo-pair, refine, audit (the console script, ``pairclean_service
 Exit codes (the end states' codes live in ``pairclean.job.lifecycle.EXIT_CODES``): 0 SUCCEEDED
 (every shard committed); 1 a job-level error (bad input, spec mismatch, model that cannot
 load, an output that cannot be written), with a one-line message; 2 a usage error (argparse); 3 FAILED (more shards failed
-than --max-failed-fraction); 4 PARTIAL (some shards failed, within --max-failed-fraction).
+than --max-failed-fraction); 4 PARTIAL (some shards failed, within --max-failed-fraction, and some were scored).
 Failed shards are quarantined in the manifest with their error; rerunning retries just those.
 """
 
@@ -27,6 +27,7 @@ from pairclean.errors import PaircleanError
 from pairclean.job.lifecycle import EXIT_CODES, EXIT_ERROR, FAILED, PARTIAL, SUCCEEDED
 from pairclean_workers.args import (
     add_executor_args,
+    fraction,
     add_lock_ttl_arg,
     add_seed_arg,
     add_storage_arg,
@@ -100,7 +101,7 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
                             "(docs/methods.md, corpus contrast); auto: on for a new folder, as before when resuming one")
     score.add_argument("--embeddings", action=argparse.BooleanOptionalAction, default=True, help="write the embedding sidecars OUT.pairclean/emb/<shard>.parquet")
     score.add_argument("--overwrite", action="store_true", help="delete what this job wrote into --out earlier (only files its records list) and start over")
-    score.add_argument("--max-failed-fraction", type=float, default=0.05, help="a job with at most this fraction of failed shards ends PARTIAL, not FAILED")
+    score.add_argument("--max-failed-fraction", type=fraction, default=0.05, help="a job with at most this fraction of failed shards ends PARTIAL, not FAILED")
     add_storage_arg(score)
     add_lock_ttl_arg(score)
     score.add_argument("--no-progress", action="store_true")

@@ -153,7 +153,8 @@ class JobReport:
     def state(self) -> str:
         if not self.failed:
             return SUCCEEDED
-        if self.total_shards and len(self.failed) / self.total_shards <= self.max_failed_fraction:
+        # PARTIAL needs something scored: a job whose every shard failed is FAILED, whatever the allowance
+        if self.total_shards and len(self.failed) < self.total_shards and len(self.failed) / self.total_shards <= self.max_failed_fraction:
             return PARTIAL
         return FAILED
 

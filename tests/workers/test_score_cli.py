@@ -178,6 +178,14 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
         err = capsys.readouterr().err
         assert f"{flag} must be a whole number of at least 1" in err and err.count("\n") == 1
         assert not (tmp_path / "o4").exists()
+    # A fraction outside [0, 1] and a lock that never expires are usage errors (exit 2, one line)
+    for flag, value in (("--max-failed-fraction", "2"), ("--max-failed-fraction", "-1"), ("--lock-ttl", "-5"), ("--lock-ttl", "nan")):
+        with pytest.raises(SystemExit) as usage:
+            main(["score", *good, "--out", str(tmp_path / "o4"), *TINY, flag, value])
+        assert usage.value.code == 2 and f"argument {flag}: expected" in capsys.readouterr().err
+    # Nothing scored is FAILED even where every shard may fail: PARTIAL says some work is there
+    assert _score([str(junk)], tmp_path / "o5", "--max-failed-fraction", "1") == 3
+    assert "FAILED" in capsys.readouterr().out
 
 
 def test_missing_object_storage_credentials_are_one_line(make_shards, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
