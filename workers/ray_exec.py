@@ -293,7 +293,7 @@ class RaySource:
         for attempt in range(1, self.options.max_retries + 2):
             actor = self.actors[0]
             try:
-                return ray.get(actor.calibrate.remote(list(uris)))
+                return get_result(actor.calibrate.remote(list(uris)))  # a PaircleanError as itself, one line
             except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError) as exc:
                 log.warning("worker lost during calibration (attempt %d): %s", attempt, exc)
                 if self.actors[0] is actor:

@@ -239,6 +239,18 @@ def _finite(x: float) -> float | str:
     return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
 
 
+def _check_caption_field(held: Sequence[ShardResult], field: str | None) -> None:
+    """``InputError`` when ``--caption-field`` found no caption in any sample of the
+    calibration's shards (every row ``missing_text``): a mistyped field name would otherwise
+    score a whole corpus of empty rows and report SUCCEEDED. Raised before anything is
+    written, so the corrected command may claim the folder."""
+    rows = sum(len(r.status) for r in held)
+    if field is None or not rows or any(st != schema.STATUS_MISSING_TEXT for r in held for st in r.status):
+        return
+    raise InputError(f"no sample of the first {len(held)} shard(s) has a caption in json field {field!r} "
+                     f"({rows} rows, all missing_text): check --caption-field")
+
+
 def judged_columns(result: ShardResult, calibration: Calibration, adjusted: NDArray[np.float32] | None) -> tuple[Any, dict[str, Any]]:
     """(the cascade's p_clean (N,), NaN where not judged; {judge_score column: llr (N,)}) of a
     judged ``result`` under ``calibration`` (with a judge record); ``adjusted``: the contrast's
@@ -308,6 +320,7 @@ class ShardWork:
             ok += int(result.ok_mask.sum())
         if not held:
             return CalibrationOutcome(None, [ShardOutcome(u, None, e) for u, _, e in outcomes])
+        _check_caption_field(held, self.spec.caption_field)
         identity = None if self.judge is None else self.judge.judge.identity()
         word_check = identity is not None and has_word_check(identity)
         calibration, contrast = fit_calibration(held, self.spec, self.random_beta, dim, word_check)

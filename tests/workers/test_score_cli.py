@@ -183,6 +183,13 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
         with pytest.raises(SystemExit) as usage:
             main(["score", *good, "--out", str(tmp_path / "o4"), *TINY, flag, value])
         assert usage.value.code == 2 and f"argument {flag}: expected" in capsys.readouterr().err
+    # A mistyped --caption-field: one line before anything is scored, and the corrected command runs there
+    assert _score(good, tmp_path / "o6", "--caption-field", "captoin") == 1
+    err = capsys.readouterr().err
+    assert "has a caption in json field 'captoin'" in err and "check --caption-field" in err and err.count("\n") == 1
+    assert not list((tmp_path / "o6").glob("*.parquet"))
+    assert _score(good, tmp_path / "o6") == 0
+    capsys.readouterr()
     # Nothing scored is FAILED even where every shard may fail: PARTIAL says some work is there
     assert _score([str(junk)], tmp_path / "o5", "--max-failed-fraction", "1") == 3
     assert "FAILED" in capsys.readouterr().out
