@@ -66,6 +66,11 @@ class WeightStore:
         self.root = Path(output_dir)
         if not self.root.is_dir():
             raise FileNotFoundError(f"pairclean output folder not found: {self.root}")
+        from pairclean.schema import REWRITE_FILE, local_side_path
+
+        if Path(local_side_path(self.root, REWRITE_FILE)).exists():  # OutputDir.check_tables_whole, without the store
+            raise InputError(f"{self.root}: a pairclean rescore, refine or audit was interrupted while rewriting the tables "
+                             "(some hold its weights, some the earlier ones): run it again before training", uri=str(self.root))
         self.max_cached = max_cached_shards
         self._cache: dict[str, tuple[dict[str, tuple[float, bool]], dict[str, int]]] = {}
 

@@ -11,6 +11,7 @@ from numpy.typing import NDArray
 
 __all__ = [
     "IMAGE_EXTS",
+    "REWRITE_FILE",
     "WEIGHT_TOLERANCE",
     "checked_weights",
     "ok_mask",
@@ -169,6 +170,9 @@ COMPLETIONS_DIR: Final = f"{STATE_DIR}/completions"
 FAILED_DIR: Final = f"{STATE_DIR}/failed"
 LOCK_FILE: Final = f"{STATE_DIR}/lock.json"
 EXPORTS_FILE: Final = f"{STATE_DIR}/exports.json"
+#: Present while ``rescore``, ``refine`` or ``audit`` rewrites the tables: a run killed midway
+#: leaves it, so readers can tell a half-rewritten job (``OutputDir.check_tables_whole``).
+REWRITE_FILE: Final = f"{STATE_DIR}/rewrite.json"
 #: The corpus-contrast bank (``pairclean.calibrate.contrast``): float16 image embeddings, .npy.
 CONTRAST_BANK_FILE: Final = f"{STATE_DIR}/contrast-bank.npy"
 #: ``pairclean refine``'s heads files and its run records.

@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import io
 import os
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,6 +39,9 @@ __all__ = ["OUTPUT_SCHEMES", "Store", "WriteInfo", "parquet_bytes", "write_file_
 #: Where outputs may go. HTTP has no portable write; pipe: would run a command.
 OUTPUT_SCHEMES = frozenset({"", "file", "s3", "gs", "gcs"})
 _TMP_MARK = ".tmp-"
+#: Exactly the names ``write_file_atomic`` gives its temporaries (".<name>.tmp-<pid>-<8 hex>"):
+#: a user's own hidden file with ".tmp-" in its name is not ours to delete.
+_TEMPORARY = re.compile(r"\..+\.tmp-[0-9]+-[0-9a-f]{8}")
 
 
 @dataclass(frozen=True)
@@ -239,7 +243,7 @@ class Store:
             return 0  # object stores have no temporaries: a PUT is all or nothing
         removed = 0
         for name in self.list(folder):
-            if name.startswith(".") and _TMP_MARK in name:
+            if _TEMPORARY.fullmatch(name):
                 removed += self.rm(f"{folder}/{name}" if folder else name)
         return removed
 

@@ -126,6 +126,7 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     rescore.add_argument("--contrast", choices=["keep", "on", "off"], default="keep",
                          help="corpus contrast (needs the embedding sidecars to turn on); keep: as the job was scored")
     rescore.add_argument("--device", default="auto")
+    add_lock_ttl_arg(rescore)
     add_storage_arg(rescore)
 
     inspect = sub.add_parser("inspect", help="print pairs, status counts, noise-rate estimate, weight histogram")
@@ -364,7 +365,7 @@ def cmd_rescore(args: argparse.Namespace) -> int:
         return random_beta_fn(est, spec.beta_k, spec.seed)()
 
     cal = rescore(OutputDir(args.out, storage_options(args.storage_option)), beta_recipe=args.beta_recipe, weighting=args.weighting, beta_k=args.beta_k, random_beta=random_beta,
-                  contrast=None if args.contrast == "keep" else args.contrast == "on")
+                  contrast=None if args.contrast == "keep" else args.contrast == "on", lock_ttl_s=args.lock_ttl)
     print(f"rescored {args.out}: beta {cal.beta:+.4f} ({cal.recipe}), weighting {cal.weighting}, "
           f"contrast {'on' if 'contrast' in cal.extra else 'off'}")
     return EXIT_OK

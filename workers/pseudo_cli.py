@@ -78,6 +78,7 @@ def cmd_pseudo_pair(args: argparse.Namespace) -> int:
             ray_opts = RayOptions(address=args.ray_address, num_actors=args.num_actors, threads_per_actor=args.threads)
             searcher = stack.enter_context(RaySearcher(out, ray_opts, min_pool=args.ray_min_pool))
         lock = stack.enter_context(RunLock(out.store, ttl_s=args.lock_ttl))
+        out.check_tables_whole()  # pairs from half-rewritten tables would mix two weightings
         report = pseudo_pair(out, opts, storage, before_write=lock.check, searcher=searcher)
         actors = searcher.num_actors if searcher is not None else 0
     if args.json:

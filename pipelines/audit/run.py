@@ -506,7 +506,10 @@ def apply_recalibration(out: OutputDir, knots: dict[str, list[float]], labels: i
     lock = RunLock(out.store, ttl_s=lock_ttl_s)
     lock.acquire()
     try:
+        out.check_tables_whole(resuming="audit")
+        out.remove_temporaries()
         records = list(out.iter_committed())
+        out.begin_rewrite("audit")
         done: dict[str, tuple[str, int]] = {}
         rewritten = 0
         for record in records:
@@ -524,6 +527,7 @@ def apply_recalibration(out: OutputDir, knots: dict[str, list[float]], labels: i
             rewritten += 1
         if any(r.sha256 != done[r.stem][0] for r in records):
             out.replace_records([replace(r, sha256=done[r.stem][0], bytes=done[r.stem][1]) for r in records])
+        out.end_rewrite()
     finally:
         lock.release()
     return {"rewritten": rewritten, "skipped": len(records) - rewritten}

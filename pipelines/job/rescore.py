@@ -21,6 +21,7 @@ from pairclean.calibrate.contrast import fit_contrast, owner_cosine_for, table_c
 from pairclean.errors import InputError
 from pairclean.calibrate.calibration import Calibration
 from pairclean.spec import JobSpec, spec_digest
+from pairclean.output.lock import RunLock
 from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.job.work import has_word_check, judged_p_clean, osa_p_clean, refit_fine_prior, with_judge_record
 from pairclean.output.tables import float_column, output_metadata, read_embeddings, scores_table
@@ -50,6 +51,7 @@ def rescore(
     beta_k: int | None,
     random_beta: Callable[[JobSpec], float] | None = None,
     contrast: bool | None = None,
+    lock_ttl_s: float | None = None,
 ) -> Calibration:
     """Rewrite every committed scores file of ``out`` under a new recipe and weighting.
 
@@ -57,11 +59,28 @@ def rescore(
     passes a cached loader). Updates the job's spec, its calibration and the records'
     checksums; each file is replaced atomically. ``contrast``: turn the corpus contrast on
     or off (None: as the job was scored); on needs the embedding sidecars.
+
+    Holds the folder's run lock (a ``score``, ``refine`` or another ``rescore`` running on it
+    is refused); a run killed midway leaves the rewrite marked (``OutputDir.begin_rewrite``)
+    until a rerun, which recomputes every table, finishes it.
     """
     osa.check_method(beta_recipe, weighting)
     old_spec = out.read_spec()
     if old_spec is None:
         raise InputError(f"{out.uri} is not a pairclean output folder (no {out.store.url(schema.JOB_FILE)})")
+    lock = RunLock(out.store, ttl_s=lock_ttl_s)
+    lock.acquire()
+    try:
+        out.check_tables_whole(resuming="rescore")
+        out.remove_temporaries()
+        return _rescore_locked(out, old_spec, lock, beta_recipe=beta_recipe, weighting=weighting, beta_k=beta_k,
+                               random_beta=random_beta, contrast=contrast)
+    finally:
+        lock.release()
+
+
+def _rescore_locked(out: OutputDir, old_spec: JobSpec, lock: RunLock, *, beta_recipe: str, weighting: str, beta_k: int | None,
+                    random_beta: Callable[[JobSpec], float] | None, contrast: bool | None) -> Calibration:
     old_judge = _old_judge(out, old_spec)
     spec = replace(old_spec, beta_recipe=beta_recipe, weighting=weighting, beta_k=beta_k or old_spec.beta_k,
                    contrast=old_spec.contrast if contrast is None else contrast)
@@ -105,17 +124,18 @@ def rescore(
         scored = sims if fitted is None or img is None or txt is None else fitted.adjust(sims, img, txt)
         calibration = with_judge_record(calibration, lambda cal: _judge_record(cal, judged, tables, scored),
                                         lambda: fit(False))
+    out.begin_rewrite("rescore")
     if fitted is not None:
         out.write_contrast_bank(fitted.bank)
     digest = spec_digest(spec)
     # one shard's sidecar in memory at a time for the adjusted similarities
-    records = [
-        _rewrite(out, record, table, calibration, digest,
-                 (None, None) if fitted is None else table_columns(
-                     fitted, table.column(schema.COL_SIMILARITY).to_numpy(), *_shard_embeddings(out, record, table),
-                     schema.ok_mask(table)))
-        for record, table in tables
-    ]
+    records = []
+    for record, table in tables:
+        lock.check()  # a run that lost its lock must not write on
+        records.append(_rewrite(out, record, table, calibration, digest,
+                                (None, None) if fitted is None else table_columns(
+                                    fitted, table.column(schema.COL_SIMILARITY).to_numpy(), *_shard_embeddings(out, record, table),
+                                    schema.ok_mask(table))))
     out.replace_records(records)
     doc = out.read_job_doc() or {}
     doc["spec"] = spec.to_json()
@@ -124,7 +144,9 @@ def rescore(
         {k: old_spec.to_json()[k] for k in ("beta_recipe", "weighting", "beta_k")} | {"contrast": old_spec.contrast})
     out.write_job_doc(doc)
     out.write_calibration(calibration)
+    out.end_rewrite()
     return calibration
+
 
 
 def _old_judge(out: OutputDir, spec: JobSpec) -> dict[str, Any] | None:

@@ -83,6 +83,19 @@ def export(
     """
     if sizes_of not in ("all", "kept"):
         raise InputError(f"sizes_of must be 'all' or 'kept', not {sizes_of!r}")
+    from pairclean.output.lock import RunLock
+
+    lock = RunLock(out.store)  # a score, rescore or refine rewriting the tables meanwhile is refused
+    lock.acquire()
+    try:
+        out.check_tables_whole()
+        return _export_locked(out, sizes_of, sizes_dirs, sizes_beside_shards, skip_bad_uids)
+    finally:
+        lock.release()
+
+
+def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], sizes_beside_shards: bool,
+                   skip_bad_uids: bool) -> ExportReport:
     report = ExportReport()
     sizes: dict[str, int] = {}
     sums: dict[str, float] = {}
@@ -158,14 +171,20 @@ def export(
         _check_sizes_target(Path(folder), previous)
     names = [f"{schema.EXPORT_DIR}/{name}" for name in files]
     targets = {str(Path(f) / "sizes.json"): hashlib.sha256(files["sizes.json"]).hexdigest() for f in copies}
-    # Record first: a crash after some writes still leaves every written name listed.
-    out.store.put(schema.EXPORTS_FILE, json.dumps({"written": names, "outside": {**previous, **targets}}).encode())
+    # Record first: a crash after some writes still leaves every written name listed, and a
+    # copy outside is recorded with both its old and its new checksum until it is written,
+    # so a rerun after a crash between the two still knows the file as its own.
+    pending = {path: sorted(set(previous.get(path, [])) | {digest}) for path, digest in targets.items()}
+    out.store.put(schema.EXPORTS_FILE, json.dumps({"written": names, "outside": {**previous, **pending}}).encode())
     for name, data in files.items():
         out.store.put(f"{schema.EXPORT_DIR}/{name}", data)
         report.written[name] = out.store.url(f"{schema.EXPORT_DIR}/{name}")
     for path in targets:
         _atomic_write(Path(path), files["sizes.json"])
         report.written[f"sizes.json -> {Path(path).parent}"] = path
+    if targets:
+        done = {path: [digest] for path, digest in targets.items()}
+        out.store.put(schema.EXPORTS_FILE, json.dumps({"written": names, "outside": {**previous, **done}}).encode())
     if not copies:
         where = shard_folders[0] if shard_folders else "the folder of your first training shard"
         report.notes.append(
@@ -206,23 +225,26 @@ def _local_folder(uri: str) -> str | None:
     return os.path.dirname(os.path.abspath(local_path(uri)))
 
 
-def _previous_copies(out: OutputDir) -> dict[str, str]:
+def _previous_copies(out: OutputDir) -> dict[str, list[str]]:
+    """The sizes.json copies outside the job an earlier export wrote: path -> the checksums
+    it may hold (one; two while a write was under way). Older records hold one string."""
     raw = out.store.get(schema.EXPORTS_FILE)
     if raw is None:
         return {}
     try:
-        return {str(k): str(v) for k, v in dict(json.loads(raw).get("outside", {})).items()}
-    except (ValueError, AttributeError):
+        items = dict(json.loads(raw).get("outside", {})).items()
+        return {str(k): [str(d) for d in v] if isinstance(v, list) else [str(v)] for k, v in items}
+    except (ValueError, AttributeError, TypeError):
         return {}
 
 
-def _check_sizes_target(folder: Path, previous: dict[str, str]) -> None:
+def _check_sizes_target(folder: Path, previous: dict[str, list[str]]) -> None:
     if not folder.is_dir():
         raise InputError(f"cannot write sizes.json into {str(folder)!r}: not a local folder")
     target = folder / "sizes.json"
     if target.exists():
         digest = hashlib.sha256(target.read_bytes()).hexdigest()
-        if previous.get(str(target)) != digest:
+        if digest not in previous.get(str(target), []):
             raise InputError(
                 f"{str(target)!r} exists and pairclean did not write it: not replaced (move it away, "
                 "or copy the job's export/sizes.json there yourself)"

@@ -298,9 +298,10 @@ class OutputDir:
         Call with the folder's lock held.
         """
         self.check_owned()
-        self.store.remove_temporaries()
-        self.store.remove_temporaries(schema.EMB_DIR)
+        self.remove_temporaries()
         existing = self.read_spec()
+        if existing is not None and not overwrite:
+            self.check_tables_whole()
         if existing is not None and overwrite:
             self.clear()
             existing = None
@@ -341,10 +342,45 @@ class OutputDir:
             names += list(json.loads(exports).get("written", [])) + [schema.EXPORTS_FILE]
         names += [f"{schema.MANIFEST_DIR}/{n}" for n in self.store.list(schema.MANIFEST_DIR)]
         names += self._pseudo_outputs()
-        names += [schema.CALIBRATION_FILE, schema.CONTRAST_BANK_FILE, schema.JOB_FILE]
+        names += [schema.REWRITE_FILE, schema.CALIBRATION_FILE, schema.CONTRAST_BANK_FILE, schema.JOB_FILE]
         removed = [n for n in names if self.store.rm(n)]
         self._compacted, self._pending, self._failed_stems = {}, {}, set()
         return removed
+
+    def remove_temporaries(self) -> None:
+        """Delete the hidden temporaries a killed write of ours left in ``OUT`` and the
+        sidecar folder (polars refuses a folder holding them). Call with the lock held."""
+        self.store.remove_temporaries()
+        self.store.remove_temporaries(schema.EMB_DIR)
+
+    # -- rewrites of the committed tables (rescore, refine, audit) ------------------------
+    def begin_rewrite(self, verb: str) -> None:
+        """Record that ``verb`` starts rewriting committed tables (call with the lock held)."""
+        self.store.put(schema.REWRITE_FILE, json.dumps({"verb": verb, "started": time.time()}).encode())
+
+    def end_rewrite(self) -> None:
+        """The rewrite is complete: every table, the records and the calibration agree again."""
+        self.store.rm(schema.REWRITE_FILE)
+
+    def interrupted_rewrite(self) -> str | None:
+        """The verb (``rescore``, ``refine``, ``audit``) whose rewrite of the tables is under
+        way or was interrupted; None when the tables are whole."""
+        data = self.store.get(schema.REWRITE_FILE)
+        if data is None:
+            return None
+        try:
+            return str(json.loads(data).get("verb", "rescore"))
+        except (ValueError, AttributeError):
+            return "rescore"
+
+    def check_tables_whole(self, resuming: str | None = None) -> None:
+        """``InputError`` when a rewrite of the tables was interrupted (some tables hold the
+        new weights, some the old, or the spec and calibration are the old ones), unless it
+        was ``resuming``'s own, which its rerun finishes."""
+        verb = self.interrupted_rewrite()
+        if verb is not None and verb != resuming:
+            raise InputError(f"{self.uri}: a `pairclean {verb}` was interrupted while rewriting the tables (some hold "
+                             f"its weights, some the earlier ones): run that `pairclean {verb}` again to finish it first")
 
     def _pseudo_outputs(self) -> list[str]:
         """A pseudo-pair run's files (its tables, recognised by their metadata, and its

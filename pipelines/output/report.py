@@ -49,6 +49,9 @@ class Summary:
     #: Share of ok pairs whose caption has a better owner (``owner_margin > 0``, contrast
     #: version 3); None for tables without the column.
     owned: float | None = None
+    #: The verb whose rewrite of the tables was interrupted (their weights are mixed until
+    #: it is run again); None when the tables are whole.
+    interrupted_rewrite: str | None = None
 
 
 def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> Summary:
@@ -91,6 +94,7 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
         expected_noise=expected_noise(status, table.column(schema.COL_P_CLEAN).to_numpy())
         if schema.COL_P_CLEAN in table.column_names else None,
         owned=_owned_share(table, ok),
+        interrupted_rewrite=out.interrupted_rewrite(),
     )
 
 
@@ -202,7 +206,9 @@ def _contrast_line(doc: dict[str, Any]) -> str:
 
 def format_summary(s: Summary) -> str:
     """Human-readable text of a summary."""
-    lines = [
+    warning = ([f"WARNING: a `pairclean {s.interrupted_rewrite}` was interrupted while rewriting the tables: some hold "
+                f"its weights, some the earlier ones; run it again before using them"] if s.interrupted_rewrite else [])
+    lines = warning + [
         f"shards: {s.shards_committed}/{s.shards_total} committed, pairs: {s.pairs}",
         f"model: {s.model.get('model_id')} ({s.model.get('precision')}, {s.model.get('device')})",
         f"beta: {s.beta:+.4f} ({s.beta_recipe}), weighting: {s.weighting}",

@@ -492,6 +492,8 @@ def refine(
     lock = RunLock(out.store, ttl_s=lock_ttl_s)
     lock.acquire()
     try:
+        out.check_tables_whole(resuming="refine")
+        out.remove_temporaries()
         return _refine_locked(out, view, options, executor, lock, progress)
     finally:
         lock.release()
@@ -515,6 +517,7 @@ def _refine_locked(out: OutputDir, view: JobView, options: RefineOptions, execut
     t0 = time.perf_counter()
     pairs = 0
     if todo:
+        out.begin_rewrite("refine")
         run = executor() if executor is not None else local_executor(out)
         for applied in run(todo, data, doc):
             lock.check()  # a run that lost its lock must not commit
@@ -528,6 +531,7 @@ def _refine_locked(out: OutputDir, view: JobView, options: RefineOptions, execut
     if stale:
         out.replace_records([replace(r, sha256=done[r.stem].sha256, bytes=done[r.stem].bytes) if r.stem in done else r
                              for r in view.records])
+    out.end_rewrite()
     return RefineReport(heads.method, _heads_name(heads.method, sha), sha, fitted, int(heads.doc.get("sample_pairs") or 0),
                         round(fit_seconds, 3), [round(t, 3) for t in heads.epoch_seconds], len(todo),
                         len(view.records) - len(todo), pairs, round(apply_seconds, 3), heads.doc.get("choice"))

@@ -1,0 +1,109 @@
+"""The verbs that rewrite a finished job's tables (rescore, refine, audit) and export, against
+each other and against a crash: the run lock, the interrupted-rewrite marker, temporaries
+(real CLI, tiny real estimator, real Parquet)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pairclean import schema
+from pairclean_workers.cli import main
+
+TINY = ["--model", "pairclean-tiny-test", "--no-progress", "--batch-size", "8", "--executor", "local"]
+
+
+@pytest.fixture
+def scored(make_shards, tmp_path: Path) -> tuple[Path, list[str]]:
+    shards = [str(s) for s in make_shards(n_shards=3, per_shard=8)]
+    out = tmp_path / "out"
+    command = ["score", *shards, "--out", str(out), *TINY]
+    assert main(command) == 0
+    return out, command
+
+
+def test_rescore_and_export_wait_for_no_one_holding_the_folder(scored, capsys) -> None:
+    from pairclean.output.lock import RunLock
+    from pairclean.output.folder import OutputDir
+
+    out, _ = scored
+    with RunLock(OutputDir(str(out)).store, ttl_s=30):  # a score, refine or rescore running on it
+        for command in (["rescore", str(out), "--beta-recipe", "shuffled", "--weighting", "paper"], ["export", str(out)]):
+            assert main(command) == 1
+            err = capsys.readouterr().err
+            assert "is in use by another pairclean" in err and err.count("\n") == 1
+    assert main(["rescore", str(out), "--beta-recipe", "shuffled", "--weighting", "paper"]) == 0
+
+
+def test_an_interrupted_rescore_is_reported_everywhere_until_it_is_run_again(scored, monkeypatch, capsys) -> None:
+    import pairclean.job.rescore as rescore_module
+    from pairclean.errors import InputError
+    from pairclean.sampler import WeightStage
+
+    out, command = scored
+    rewrite = rescore_module._rewrite
+    calls = []
+
+    def dies_after_one(*args, **kwargs):
+        if calls:
+            raise KeyboardInterrupt  # a kill after the first table
+        calls.append(1)
+        return rewrite(*args, **kwargs)
+
+    monkeypatch.setattr(rescore_module, "_rewrite", dies_after_one)
+    rescore = ["rescore", str(out), "--beta-recipe", "shuffled", "--weighting", "paper"]
+    assert main(rescore) == 130  # the CLI's Ctrl-C exit
+    monkeypatch.setattr(rescore_module, "_rewrite", rewrite)
+    capsys.readouterr()
+    # the tables mix two weightings: every reader says so instead of using them
+    assert main(["inspect", str(out)]) == 0
+    assert "WARNING: a `pairclean rescore` was interrupted" in capsys.readouterr().out
+    for other in (command, ["export", str(out)], ["pseudo-pair", str(out), "--executor", "local"]):
+        assert main(other) == 1
+        err = capsys.readouterr().err
+        assert "a `pairclean rescore` was interrupted while rewriting the tables" in err and err.count("\n") == 1
+    with pytest.raises(InputError, match="interrupted while rewriting the tables"):
+        WeightStage(out)
+    # our temporary of a killed write goes; a user's hidden file with ".tmp-" in its name stays
+    (out / ".part-001.parquet.tmp-4242-0123abcd").write_bytes(b"half")
+    (out / ".notes.tmp-keep").write_text("mine")
+    assert main(rescore) == 0
+    assert not (out / ".part-001.parquet.tmp-4242-0123abcd").exists() and (out / ".notes.tmp-keep").read_text() == "mine"
+    assert main(["inspect", str(out)]) == 0 and "WARNING" not in capsys.readouterr().out
+    assert main(["export", str(out)]) == 0
+    WeightStage(out)
+
+
+def test_an_export_killed_between_its_record_and_its_sizes_copy_still_knows_its_own_file(scored, tmp_path: Path,
+                                                                                        monkeypatch) -> None:
+    import pairclean.output.exports as exports
+
+    out, _ = scored
+    sizes_dir = tmp_path / "sizes"
+    sizes_dir.mkdir()
+    export = ["export", str(out), "--sizes-dir", str(sizes_dir), "--sizes-of", "kept"]
+    assert main(export) == 0
+    assert main(["rescore", str(out), "--beta-recipe", "shuffled", "--weighting", "paper"]) == 0  # other kept counts
+
+    def killed(path: Path, data: bytes) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(exports, "_atomic_write", killed)
+    assert main(export) == 130
+    monkeypatch.undo()
+    assert main(export) == 0  # it used to refuse its own earlier sizes.json as someone else's
+    (sizes_dir / "sizes.json").write_text("{}")  # a file of the user's now: refused
+    assert main(export) == 1
+
+
+def test_overwrite_removes_the_rewrite_marker_with_the_job(scored) -> None:
+    from pairclean.output.folder import OutputDir
+
+    out, command = scored
+    folder = OutputDir(str(out))
+    folder.begin_rewrite("refine")
+    assert folder.interrupted_rewrite() == "refine"
+    assert main([*command, "--overwrite"]) == 0
+    assert OutputDir(str(out)).interrupted_rewrite() is None
+    assert not Path(schema.local_side_path(out, schema.REWRITE_FILE)).exists()
