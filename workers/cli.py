@@ -25,6 +25,7 @@ from pairclean import __version__
 from pairclean.embed.cpu_settings import apply_process_env
 from pairclean.errors import PaircleanError
 from pairclean.job.lifecycle import EXIT_CODES, EXIT_ERROR, FAILED, PARTIAL, SUCCEEDED
+from pairclean_workers.signals import raise_if_stopped
 from pairclean_workers.args import (
     add_executor_args,
     fraction,
@@ -184,6 +185,7 @@ class _Bar:
         self.t0 = time.perf_counter()
 
     def start(self, total_shards: int, already_done: int) -> None:
+        raise_if_stopped()
         if already_done:
             print(f"resuming: {already_done} of {total_shards} shards already committed", file=sys.stderr)
         if self.enabled:
@@ -193,6 +195,7 @@ class _Bar:
         self.t0 = time.perf_counter()
 
     def shard_done(self, stem: str, rows: int) -> None:
+        raise_if_stopped()  # a stop that start-up swallowed (signals.py) ends the run here
         self.pairs += rows
         if self.bar is not None:
             rate = self.pairs / max(time.perf_counter() - self.t0, 1e-9)
@@ -200,6 +203,7 @@ class _Bar:
             self.bar.update(1)
 
     def shard_failed(self, uri: str, error: str) -> None:
+        raise_if_stopped()
         if self.bar is not None:
             self.bar.write(f"shard failed: {error}")
             self.bar.update(1)
@@ -495,8 +499,11 @@ def main(argv: Sequence[str] | None = None, extend: Callable[[Any], None] | None
 
     handler = {**COMMANDS, "train-lite": cmd_train_lite, "train-judge": cmd_train_judge, "pseudo-pair": cmd_pseudo_pair,
                "refine": cmd_refine, "audit": cmd_audit, **(handlers or {})}[args.command]
+    from pairclean_workers.signals import Terminated, stop_signals
+
     try:
-        return handler(args)
+        with stop_signals():
+            return handler(args)
     except PaircleanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -508,9 +515,10 @@ def main(argv: Sequence[str] | None = None, extend: Callable[[Any], None] | None
         where = f": {exc.filename}" if exc.filename else ""
         print(f"error: {exc.strerror or exc}{where}", file=sys.stderr)
         return EXIT_ERROR
-    except KeyboardInterrupt:
-        print("interrupted: committed shards are kept; rerun the same command to resume", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        what, code = ("terminated (SIGTERM)", 143) if isinstance(exc, Terminated) else ("interrupted", 130)
+        print(f"{what}: committed shards are kept; rerun the same command to resume", file=sys.stderr)
+        return code
     except Exception as exc:
         if not _from_storage_client(exc):
             raise  # a bug: its traceback is what a report needs

@@ -148,6 +148,9 @@ def init_ray(options: RayOptions) -> None:
     if runtime_env:
         kwargs["runtime_env"] = runtime_env
     ray.init(address=address, **kwargs)
+    from pairclean_workers.signals import reinstall
+
+    reinstall()  # Ray's own SIGTERM handler dumps native stacks: ours stops the run with one line
 
 
 #: Seconds to wait for a TCP connection to a cluster's GCS before saying it cannot be reached.

@@ -366,3 +366,32 @@ def test_a_contrast_job_without_sidecars_cannot_be_rescored_with_it(make_shards,
     assert main(["rescore", str(out), "--beta-recipe", "random-inputs", "--weighting", "p-clean", "--contrast", "off",
                  "--device", "cpu"]) == 0
     assert schema.COL_ADJUSTED not in pq.read_schema(out / "part-00000.parquet").names
+
+
+def test_sigterm_stops_a_run_like_ctrl_c_one_line_lock_released_and_the_rerun_resumes(make_shards, tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    shards = [str(s) for s in make_shards(n_shards=40, per_shard=16)]
+    out = tmp_path / "o"
+    command = [sys.executable, "-m", "pairclean_workers.cli", "score", *shards, "--out", str(out), *TINY, "--batch-size", "1",
+               "--calibration-pairs", "16"]  # a long scoring phase, shard by shard
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:  # until the scoring phase has committed a shard
+        if Path(schema.local_side_path(out, schema.JOB_FILE)).exists() and OutputDir(str(out)).committed():
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143
+    assert err.strip().splitlines()[-1] == "terminated (SIGTERM): committed shards are kept; rerun the same command to resume"
+    assert "Traceback" not in err
+    assert not Path(schema.local_side_path(out, schema.LOCK_FILE)).exists()  # released: the rerun needs no takeover
+    done = len(_manifest(out))
+    rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0 and f"resuming: {done} of 40 shards already committed" in rerun.stderr
+    assert len(list(out.glob("*.parquet"))) == 40 and 0 < done < 40

@@ -1,0 +1,70 @@
+"""Stopping a batch verb cleanly on Ctrl-C (SIGINT) and on SIGTERM (``kill``, Kubernetes,
+Slurm), with the one-line message and exit code of an interrupt and its run lock released.
+
+Why a handler of our own: Python turns SIGINT into a ``KeyboardInterrupt`` wherever the main
+thread is, and one raised inside a finaliser or an import-lock callback during start-up is
+printed as "Exception ignored" and lost, so the job ran on to the end; SIGTERM ended the
+process with no message (a local run) or with Ray's native stack dump (Ray installs its own
+handler when it starts). Here both signals set a flag and raise; the job's progress callbacks
+(``raise_if_stopped``) raise again at the next shard if the first was swallowed; and
+``reinstall`` puts the handler back after ``ray.init``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+
+__all__ = ["Terminated", "stop_signals", "raise_if_stopped", "reinstall"]
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_state: dict[str, int | bool | None] = {"signum": None, "installed": False}
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, stopping the run as Ctrl-C does (committed work is kept)."""
+
+
+def _stop(signum: int) -> None:
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def _handler(signum: int, frame: FrameType | None) -> None:
+    _state["signum"] = signum
+    _stop(signum)
+
+
+def raise_if_stopped() -> None:
+    """Raise the stop a signal asked for, if it has not ended the run yet (a swallowed one)."""
+    signum = _state["signum"]
+    if isinstance(signum, int):
+        _stop(signum)
+
+
+def reinstall() -> None:
+    """Put the handlers back where a library (Ray) replaced them while ``stop_signals`` is active."""
+    if _state["installed"] and threading.current_thread() is threading.main_thread():
+        for sig in _SIGNALS:
+            signal.signal(sig, _handler)
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[None]:
+    """Within: SIGINT and SIGTERM raise ``KeyboardInterrupt`` / ``Terminated`` (main thread
+    only; elsewhere a no-op). The previous handlers come back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+    _state.update(signum=None, installed=True)
+    for sig in _SIGNALS:
+        signal.signal(sig, _handler)
+    try:
+        yield
+    finally:
+        _state.update(installed=False)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
