@@ -5,7 +5,8 @@ Why a handler of our own: Python turns SIGINT into a ``KeyboardInterrupt`` where
 thread is, and one raised inside a finaliser or an import-lock callback during start-up is
 printed as "Exception ignored" and lost, so the job ran on to the end; SIGTERM ended the
 process with no message (a local run) or with Ray's native stack dump (Ray installs its own
-handler when it starts). Here both signals set a flag and raise; the job's progress callbacks
+handler when it starts). Here both signals set a flag and raise (a second one while stopping
+only says so, so the lock's release is not cut short; a third quits at once); the job's progress callbacks
 (``raise_if_stopped``) raise again at the next shard if the first was swallowed; and
 ``reinstall`` puts the handler back after ``ray.init``.
 """
@@ -13,7 +14,9 @@ handler when it starts). Here both signals set a flag and raise; the job's progr
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
@@ -21,7 +24,7 @@ from types import FrameType
 __all__ = ["Terminated", "stop_signals", "raise_if_stopped", "reinstall"]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_state: dict[str, int | bool | None] = {"signum": None, "installed": False}
+_state: dict[str, int | bool | None] = {"signum": None, "installed": False, "repeats": False}
 
 
 class Terminated(KeyboardInterrupt):
@@ -33,6 +36,14 @@ def _stop(signum: int) -> None:
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
+    if _state["signum"] is not None:
+        # Already stopping: a second signal would interrupt the clean-up itself (the lock's
+        # release), so it only says so; a third quits at once, as the user insists.
+        if _state["repeats"]:
+            os._exit(143 if signum == signal.SIGTERM else 130)
+        _state["repeats"] = True
+        print("stopping: committed work is kept and the lock released; signal again to quit at once", file=sys.stderr)
+        return
     _state["signum"] = signum
     _stop(signum)
 
@@ -59,7 +70,7 @@ def stop_signals() -> Iterator[None]:
         yield
         return
     previous = {sig: signal.getsignal(sig) for sig in _SIGNALS}
-    _state.update(signum=None, installed=True)
+    _state.update(signum=None, installed=True, repeats=False)
     for sig in _SIGNALS:
         signal.signal(sig, _handler)
     try:

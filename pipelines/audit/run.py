@@ -157,6 +157,7 @@ def make_queue(out: OutputDir, n: int, seed: int, resample: bool = False) -> lis
     if n < 1:
         raise InputError("--sample must be at least 1")
     out.check_owned()
+    out.check_tables_whole()  # strata drawn from half-rewritten tables would mix two weightings
     if out.read_spec() is None:
         raise InputError(f"{out.uri} is not a pairclean output folder (no {out.store.url(schema.JOB_FILE)})", uri=out.uri)
     doc, queue = queue_rows(population(out), n, seed)

@@ -302,26 +302,71 @@ def _caption(sample: RawSample, meta: dict[str, Any], caption_field: str | None)
         return _caption_value(meta.get(caption_field))
     raw = sample.files.get("txt")
     if raw is not None:
-        return decode_caption(raw[: 4 * MAX_CAPTION_CHARS], cut=len(raw) > 4 * MAX_CAPTION_CHARS)  # 4: bytes per UTF-8 character at most
+        return decode_caption(raw[: 4 * MAX_CAPTION_CHARS])  # 4: bytes per UTF-8 character at most
     return _caption_value(meta.get("caption"))
 
 
-def decode_caption(raw: bytes, cut: bool = False) -> str:
-    """A ``.txt`` caption's bytes as text: UTF-8 (a leading byte-order mark dropped); bytes
-    that are not UTF-8 are read as Windows-1252. ``cut``: ``raw`` was cut at the caption
-    bound, so a UTF-8 character it split at its end is dropped rather than taken for such bytes.
+def decode_caption(raw: bytes) -> str:
+    """A ``.txt`` caption's bytes as text.
 
-    Why the fallback: alt-text scraped from pages that declared a legacy encoding reaches
-    shards as Latin-1/Windows-1252 bytes ("caf\\xe9"), which UTF-8 with replacement turned into
-    "caf\\ufffd", a word the text tower has never seen; a byte sequence that is valid UTF-8 is
-    almost never meant as Windows-1252, so UTF-8 is tried first. Windows-1252's five
-    undefined bytes become U+FFFD.
+    UTF-8 (a leading byte-order mark dropped), where each byte that is not part of a valid
+    UTF-8 sequence is read as Windows-1252 and a sequence cut off at the end is dropped; text
+    with a UTF-16/32 byte-order mark, or UTF-16 without one (every other byte zero), as that.
+
+    Why: alt-text scraped from pages that declared a legacy encoding reaches shards as
+    Windows-1252/Latin-1 bytes ("caf\\xe9"), and captions are cut to byte limits by other
+    tools; UTF-8 with replacement made "caf\\ufffd" of the first (a word the text tower has
+    never seen), and reading the whole caption as Windows-1252 when one byte was not UTF-8
+    made "cafÃ©" of the rest. A valid UTF-8 sequence is almost never meant as Windows-1252, so
+    UTF-8 wins byte by byte. Windows-1252's five undefined bytes become U+FFFD.
     """
+    for bom, codec in ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+                       (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16")):
+        if raw.startswith(bom):
+            return raw[: len(raw) - (len(raw) - len(bom)) % (4 if codec == "utf-32" else 2)].decode(codec, errors="replace")
+    guessed = _utf16_without_bom(raw)
+    if guessed is not None:
+        return raw[: len(raw) - len(raw) % 2].decode(guessed, errors="replace")
+    return raw.decode("utf-8-sig", errors=_LEGACY_BYTES)
+
+
+def _utf16_without_bom(raw: bytes) -> str | None:
+    """"utf-16-le"/"utf-16-be" when ``raw`` looks like UTF-16 text without a byte-order mark
+    (at least 4 bytes, and 9 in 10 of the odd or of the even bytes zero: ASCII-range text); else None."""
+    if len(raw) < 4 or b"\x00" not in raw:
+        return None
+    odd, even = raw[1::2], raw[0::2]
+    if odd.count(0) >= 0.9 * len(odd):
+        return "utf-16-le"
+    if even.count(0) >= 0.9 * len(even):
+        return "utf-16-be"
+    return None
+
+
+def _legacy_bytes(exc: UnicodeError) -> tuple[str, int]:
+    """``decode_caption``'s error handler: a UTF-8 sequence cut off at the end is dropped, any
+    other byte that is not UTF-8 is read as Windows-1252.
+
+    Cut off: two or more bytes of a sequence ("\\xe2\\x82" of "€"), or one lead byte after
+    text that is UTF-8 with non-ASCII characters; a lone last byte after plain ASCII is
+    Windows-1252 ("caf\\xe9" is "café")."""
+    assert isinstance(exc, UnicodeDecodeError)
+    raw = exc.object
+    if exc.reason == "unexpected end of data" and (exc.end - exc.start >= 2 or _utf8_beyond_ascii(raw[: exc.start])):
+        return "", exc.end
+    return bytes(raw[exc.start : exc.end]).decode("cp1252", errors="replace"), exc.end
+
+
+def _utf8_beyond_ascii(prefix: bytes) -> bool:
+    """Whether ``prefix`` is valid UTF-8 holding at least one multi-byte character."""
     try:
-        decoder = codecs.getincrementaldecoder("utf-8-sig")()
-        return decoder.decode(raw, final=not cut)
+        return not prefix.decode("utf-8").isascii()
     except UnicodeDecodeError:
-        return raw.decode("cp1252", errors="replace")
+        return False
+
+
+_LEGACY_BYTES = "pairclean.legacy-bytes"
+codecs.register_error(_LEGACY_BYTES, _legacy_bytes)
 
 
 def _caption_value(value: Any) -> str | None:

@@ -209,7 +209,7 @@ def test_captions_are_bounded_and_blank_or_non_text_captions_are_rows_with_a_sta
     assert dots[0].status == "missing_image" and dots[0].error == "no jpg/jpeg/png/webp member (its fields: v1.jpg, v1.txt)"
 
 
-def test_captions_in_a_legacy_encoding_are_read_as_windows_1252_and_utf_8_stays_utf_8(tmp_path: Path) -> None:
+def test_captions_in_a_legacy_encoding_utf_16_or_with_stray_bytes_are_read_as_meant(tmp_path: Path) -> None:
     from pairclean.read.shards import MAX_CAPTION_CHARS
 
     long_accents = "é" * (4 * MAX_CAPTION_CHARS)  # 2 bytes each: the byte bound cuts it, maybe mid-character
@@ -219,6 +219,10 @@ def test_captions_in_a_legacy_encoding_are_read_as_windows_1252_and_utf_8_stays_
         ("bom.jpg", b"3"), ("bom.txt", "\ufeffa dog on grass".encode()),
         ("long.jpg", b"4"), ("long.txt", ("x" + long_accents).encode()),
         ("undefined.jpg", b"5"), ("undefined.txt", b"a \x81 dog caf\xe9"),
+        ("mixed.jpg", b"6"), ("mixed.txt", b"caf\xc3\xa9 cr\xe8me br\xc3\xbbl\xc3\xa9e"),  # one stray Latin-1 byte
+        ("cutelse.jpg", b"7"), ("cutelse.txt", ("é" * 5).encode()[:-1]),  # cut mid-character by another tool
+        ("utf16.jpg", b"8"), ("utf16.txt", "a dog ü".encode("utf-16")),  # with its byte-order mark
+        ("utf16nobom.jpg", b"9"), ("utf16nobom.txt", "a dog on grass".encode("utf-16-le")),
     ])
     pairs = {p.key: p for p in iter_pairs(str(shard))}
     assert pairs["latin"].text == "un café crème, 5 € à Zürich"
@@ -226,6 +230,8 @@ def test_captions_in_a_legacy_encoding_are_read_as_windows_1252_and_utf_8_stays_
     assert pairs["bom"].text == "a dog on grass"
     assert pairs["long"].text == ("x" + long_accents)[:MAX_CAPTION_CHARS]  # still UTF-8, not mojibake
     assert pairs["undefined"].text == "a \ufffd dog café"
+    assert pairs["mixed"].text == "café crème brûlée" and pairs["cutelse"].text == "éééé"
+    assert pairs["utf16"].text == "a dog ü" and pairs["utf16nobom"].text == "a dog on grass"
     assert {p.status for p in pairs.values()} == {"ok"}
 
 
