@@ -11,6 +11,7 @@ Layout of ``OUT/`` (any fsspec location, see ``pairclean.storage``)::
     _pairclean/failed/<stem>.json     shards that kept failing, with their error
     _pairclean/lock.json              the running job's lock and heartbeat
     _pairclean/exports.json           names written by ``pairclean export``
+    _pairclean/rewrite.json           present while rescore/refine/audit rewrite the tables
 
 The names above are the logical ones the code uses. On disk, everything but the score
 tables lives in the sibling folder ``OUT.pairclean/`` (``_pairclean/`` as ``state/``, ``_emb/``
