@@ -24,7 +24,7 @@ from types import FrameType
 __all__ = ["Terminated", "stop_signals", "raise_if_stopped", "reinstall"]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_state: dict[str, int | bool | None] = {"signum": None, "installed": False, "repeats": False}
+_state: dict[str, object] = {"signum": None, "installed": False, "repeats": False, "ours": ()}
 
 
 class Terminated(KeyboardInterrupt):
@@ -58,20 +58,22 @@ def raise_if_stopped() -> None:
 def reinstall() -> None:
     """Put the handlers back where a library (Ray) replaced them while ``stop_signals`` is active."""
     if _state["installed"] and threading.current_thread() is threading.main_thread():
-        for sig in _SIGNALS:
+        for sig in _state["ours"]:  # type: ignore[union-attr]
             signal.signal(sig, _handler)
 
 
 @contextlib.contextmanager
 def stop_signals() -> Iterator[None]:
     """Within: SIGINT and SIGTERM raise ``KeyboardInterrupt`` / ``Terminated`` (main thread
-    only; elsewhere a no-op). The previous handlers come back after."""
+    only; elsewhere a no-op; a signal the process ignores stays ignored). The previous
+    handlers come back after."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.getsignal(sig) for sig in _SIGNALS}
-    _state.update(signum=None, installed=True, repeats=False)
-    for sig in _SIGNALS:
+    # A signal the caller ignores stays ignored (a background job of a shell ignores SIGINT)
+    previous = {sig: signal.getsignal(sig) for sig in _SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
+    _state.update(signum=None, installed=True, repeats=False, ours=tuple(previous))
+    for sig in previous:
         signal.signal(sig, _handler)
     try:
         yield

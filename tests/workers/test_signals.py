@@ -15,6 +15,8 @@ import pytest
 def test_a_second_signal_while_stopping_does_not_cut_the_clean_up_short(capsys) -> None:
     from pairclean_workers import signals
 
+    # as in a terminal (a shell's background job, CI's included, starts with SIGINT ignored)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     cleaned = []
     with pytest.raises(KeyboardInterrupt):
         with signals.stop_signals():
@@ -28,6 +30,21 @@ def test_a_second_signal_while_stopping_does_not_cut_the_clean_up_short(capsys) 
     assert cleaned == [True]
     assert "signal again to quit at once" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    signal.signal(signal.SIGINT, before)
+
+
+def test_a_signal_the_process_ignores_stays_ignored() -> None:
+    from pairclean_workers import signals
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with signals.stop_signals():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)  # nothing raised
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_a_third_signal_quits_at_once() -> None:
