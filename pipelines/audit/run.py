@@ -507,8 +507,7 @@ def apply_recalibration(out: OutputDir, knots: dict[str, list[float]], labels: i
     lock = RunLock(out.store, ttl_s=lock_ttl_s)
     lock.acquire()
     try:
-        out.check_tables_whole(resuming="audit")
-        out.remove_temporaries()
+        out.start_rewrite_run("audit")
         records = list(out.iter_committed())
         out.begin_rewrite("audit")
         done: dict[str, tuple[str, int]] = {}

@@ -71,8 +71,7 @@ def rescore(
     lock = RunLock(out.store, ttl_s=lock_ttl_s)
     lock.acquire()
     try:
-        out.check_tables_whole(resuming="rescore")
-        out.remove_temporaries()
+        out.start_rewrite_run("rescore")
         return _rescore_locked(out, old_spec, lock, beta_recipe=beta_recipe, weighting=weighting, beta_k=beta_k,
                                random_beta=random_beta, contrast=contrast)
     finally:

@@ -374,6 +374,13 @@ class OutputDir:
         except (ValueError, AttributeError):
             return "rescore"
 
+    def start_rewrite_run(self, verb: str) -> None:
+        """What ``rescore``, ``refine`` and ``audit --labels`` do first, with the lock held:
+        refuse another verb's interrupted rewrite (their own they finish) and clear the
+        temporaries a killed write of ours left."""
+        self.check_tables_whole(resuming=verb)
+        self.remove_temporaries()
+
     def check_tables_whole(self, resuming: str | None = None) -> None:
         """``InputError`` when a rewrite of the tables was interrupted (some tables hold the
         new weights, some the old, or the spec and calibration are the old ones), unless it

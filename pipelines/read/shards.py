@@ -320,10 +320,11 @@ def decode_caption(raw: bytes) -> str:
     made "cafÃ©" of the rest. A valid UTF-8 sequence is almost never meant as Windows-1252, so
     UTF-8 wins byte by byte. Windows-1252's five undefined bytes become U+FFFD.
     """
-    for bom, codec in ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
-                       (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16")):
+    for bom, codec, unit in ((codecs.BOM_UTF32_LE, "utf-32", 4), (codecs.BOM_UTF32_BE, "utf-32", 4),
+                             (codecs.BOM_UTF16_LE, "utf-16", 2), (codecs.BOM_UTF16_BE, "utf-16", 2)):
         if raw.startswith(bom):
-            return raw[: len(raw) - (len(raw) - len(bom)) % (4 if codec == "utf-32" else 2)].decode(codec, errors="replace")
+            cut = (len(raw) - len(bom)) % unit  # a code unit cut off at the end is dropped
+            return raw[: len(raw) - cut].decode(codec, errors="replace")
     guessed = _utf16_without_bom(raw)
     if guessed is not None:
         return raw[: len(raw) - len(raw) % 2].decode(guessed, errors="replace")

@@ -492,8 +492,7 @@ def refine(
     lock = RunLock(out.store, ttl_s=lock_ttl_s)
     lock.acquire()
     try:
-        out.check_tables_whole(resuming="refine")
-        out.remove_temporaries()
+        out.start_rewrite_run("refine")
         return _refine_locked(out, view, options, executor, lock, progress)
     finally:
         lock.release()
