@@ -97,8 +97,9 @@ def region_colours(pixels: torch.Tensor, mean: tuple[float, ...], std: tuple[flo
     Measured: dev colour edits +0.01 AUC, no gain through `pairclean score`; the shipped
     judge does not read them (``JUDGE_MODEL_CARD.md``).
     """
-    m = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
-    sd = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
+    on = pixels.device
+    m = torch.tensor(mean, dtype=torch.float32, device=on).view(1, 3, 1, 1)
+    sd = torch.tensor(std, dtype=torch.float32, device=on).view(1, 3, 1, 1)
     # 8x8 pixel blocks at 224 px (28 x 28 per image), pooled first (the map to RGB is affine):
     # a colour word names areas, not pixels, and the full grid cost about as much as the
     # image tower on a 2-core CPU
@@ -110,13 +111,13 @@ def region_colours(pixels: torch.Tensor, mean: tuple[float, ...], std: tuple[flo
     # hue in [0, 6) (the standard hexcone), where chroma > 0
     c = chroma.clamp_min(1e-6)
     hue = torch.where(hi == r, ((g - b) / c) % 6, torch.where(hi == g, (b - r) / c + 2, (r - g) / c + 4))
-    centres = torch.arange(_HUES, dtype=torch.float32).view(1, _HUES, 1, 1) * (6.0 / _HUES)
+    centres = torch.arange(_HUES, dtype=torch.float32, device=on).view(1, _HUES, 1, 1) * (6.0 / _HUES)
     dist = (hue.unsqueeze(1) - centres).abs()
     dist = torch.minimum(dist, 6.0 - dist) * (_HUES / 6.0)  # in sectors
     sector = (1.0 - dist).clamp_min(0.0)  # triangular: each hue splits between 2 sectors
     bright = hi.unsqueeze(1).clamp(0.25, 0.75).sub(0.25).mul(2.0)  # 0 dark .. 1 bright
     chromatic = chroma.unsqueeze(1) * sector
-    levels = torch.tensor([0.0, 0.5, 1.0]).view(1, 3, 1, 1)
+    levels = torch.tensor([0.0, 0.5, 1.0], device=on).view(1, 3, 1, 1)
     grey = (1.0 - 2.0 * (hi.unsqueeze(1) - levels).abs()).clamp_min(0.0)  # triangular over lightness
     parts = torch.cat([chromatic * (1 - bright), chromatic * bright, (1 - chroma).unsqueeze(1) * grey], dim=1)
     pooled = torch.nn.functional.adaptive_avg_pool2d(parts, grid)
@@ -140,13 +141,16 @@ def estimator_colours(estimator: Any, pixels: torch.Tensor, grid: int) -> torch.
 
 @torch.inference_mode()
 def image_parts_dim(model: Any, image_size: int) -> tuple[int, int]:
-    """(regions R, channels C) of ``image_parts`` for this model (one probe image)."""
-    _, regions = image_parts(model, torch.zeros((1, 3, image_size, image_size)))
+    """(regions R, channels C) of ``image_parts`` for this model (one probe image, on the model's device)."""
+    weight = next(model.visual.parameters())
+    probe = torch.zeros((1, 3, image_size, image_size), device=weight.device, dtype=weight.dtype)
+    _, regions = image_parts(model, probe)
     return int(regions.shape[1]), int(regions.shape[2])
 
 
 @torch.inference_mode()
 def text_parts_dim(model: Any, tokenizer: Any) -> int:
     """Width W of ``text_parts``' token states (``tokenizer``: the estimator's)."""
-    _, tokens, _ = text_parts(model, tokenizer(["a probe"]))
+    device = next(model.parameters()).device
+    _, tokens, _ = text_parts(model, tokenizer(["a probe"]).to(device))
     return int(tokens.shape[2])

@@ -11,6 +11,7 @@ with its error, never the shard.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ from numpy.typing import NDArray
 
 from pairclean.errors import ModelLoadError
 from pairclean.embed.estimators import Estimator
-from pairclean.embed.estimators.base import file_sha256
+from pairclean.embed.estimators.base import exact_fp32, file_sha256
 from pairclean.osa import cosine_rows
 from pairclean.judge.features import COLOUR_BINS, colour_grid, estimator_colours, image_parts, image_parts_dim, text_parts, text_parts_dim
 from pairclean.judge.model import JudgeConfig, JudgeModel, build_judge
@@ -141,6 +142,10 @@ class JudgeRunner:
             raise ModelLoadError(f"judge {judge.path!r} reads {cfg.colour_bins} colour channels; this release computes {COLOUR_BINS}")
         self._colour_grid = colour_grid(regions) if cfg.colour_bins else None
         self._parts = _onnx_parts(estimator)
+        # The judge runs where the towers do (their regions and token states stay there);
+        # a copy, so a LoadedJudge shared with a CPU caller keeps its weights on the CPU.
+        device = torch.device(estimator._device)
+        self._model = judge.model if device.type == "cpu" else copy.deepcopy(judge.model).to(device)
 
     def with_band(self, band: tuple[float, float]) -> JudgeRunner:
         """The same runner judging ``band`` (shares the loaded models)."""
@@ -152,6 +157,10 @@ class JudgeRunner:
     @torch.inference_mode()
     def encode_batch(self, pixels: torch.Tensor, texts: list[str]) -> JudgeBatch:
         """Both towers once on (N, 3, S, S) ``pixels`` and N ``texts``, then the judge on the band."""
+        with exact_fp32(self.estimator._device, self.estimator._dtype):
+            return self._encode_batch(pixels, texts)
+
+    def _encode_batch(self, pixels: torch.Tensor, texts: list[str]) -> JudgeBatch:
         est = self.estimator
         x = pixels.to(est._device, est._dtype).contiguous(memory_format=torch.channels_last)
         if self._parts is not None:
@@ -170,8 +179,8 @@ class JudgeRunner:
         chosen = np.nonzero(in_band(sim, self.band))[0]
         if chosen.size:
             tokens, mask = tokens[:, :_MAX_CAPTION_TOKENS], mask[:, :_MAX_CAPTION_TOKENS]
-            cos = torch.from_numpy(sim)
-            sel = torch.from_numpy(chosen)
+            cos = torch.from_numpy(sim).to(regions.device)
+            sel = torch.from_numpy(chosen).to(regions.device)
             logits, errs = self._judge(tokens[sel].float(), mask[sel], regions[sel].float(), cos[sel])
             llr[chosen] = llr_of(logits, self.judge.platt)
             for pos, err in zip(chosen, errs):
@@ -182,9 +191,9 @@ class JudgeRunner:
 
     def _judge(self, tokens: torch.Tensor, mask: torch.Tensor, regions: torch.Tensor, cos: torch.Tensor) -> tuple[NDArray[np.float32], list[str | None]]:
         """Raw logits (n,) and per-pair errors: the batch at once, pair by pair where it fails."""
-        model = self.judge.model
+        model = self._model
         try:
-            out = model(tokens, mask, regions, cos).float().numpy()
+            out = model(tokens, mask, regions, cos).float().cpu().numpy()
             if np.isfinite(out).all():
                 return out, [None] * len(out)
         except Exception as exc:  # noqa: BLE001 - retried pair by pair below, which names the failure

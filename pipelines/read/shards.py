@@ -146,20 +146,46 @@ class _Counting:
         return data
 
 
+class _FirstRead:
+    """A stream proxy that keeps the bytes of its first ``read`` (a header block)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.block = inner, b""
+        self._seen = False
+
+    def read(self, n: int = -1) -> bytes:
+        data: bytes = self.inner.read(n)
+        if not self._seen:
+            self._seen, self.block = True, bytes(data)
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 def _header_recorder() -> tuple[type[tarfile.TarInfo], list[bytes]]:
-    """A TarInfo class that remembers the last header block tarfile parsed.
+    """A TarInfo class that remembers the block its last header read started with.
 
     ``tarfile`` ends iteration silently on an empty, short or corrupt header after the
     first member; the last block tells a real end-of-archive marker (512 zero bytes) from
-    a truncated or damaged shard.
+    a truncated or damaged shard. Why ``fromtarfile`` and a stream proxy: it is the public
+    hook ``TarFile.next`` calls on every Python; the parser under it moved (``frombuf`` to
+    ``_frombuf`` in the 2025 security releases: 3.9.23, 3.10.18, 3.11.13, 3.12.11, 3.13.4),
+    and a hook on the old name saw no header at all there, so every shard read as truncated.
     """
     last = [b""]
 
     class _Info(tarfile.TarInfo):
         @classmethod
-        def frombuf(cls, buf: bytes, encoding: str, errors: str) -> tarfile.TarInfo:  # type: ignore[override]
-            last[0] = bytes(buf)
-            return super().frombuf(buf, encoding, errors)
+        def fromtarfile(cls, tar: tarfile.TarFile) -> _Info:
+            stream = tar.fileobj
+            probe = _FirstRead(stream)
+            tar.fileobj = probe
+            try:
+                return super().fromtarfile(tar)
+            finally:
+                tar.fileobj = stream
+                last[0] = probe.block
 
     return _Info, last
 

@@ -162,6 +162,47 @@ def test_shard_cut_at_a_member_boundary_is_an_error_not_a_shorter_shard(tmp_path
     assert len(list(iter_pairs(str(good)))) == 4
 
 
+def _parser_of_2025_security_releases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``tarfile`` parse headers as Python 3.9.23 / 3.10.18 / 3.11.13 / 3.12.11 / 3.13.4 and
+    later do: ``fromtarfile`` reads the block and parses it without calling ``frombuf``, so a
+    subclass's ``frombuf`` never sees it."""
+    import tarfile
+
+    parse = tarfile.TarInfo.frombuf.__func__  # type: ignore[attr-defined]
+
+    def fromtarfile(cls: type[tarfile.TarInfo], tar: tarfile.TarFile) -> tarfile.TarInfo:
+        buf = tar.fileobj.read(tarfile.BLOCKSIZE)  # type: ignore[union-attr]
+        obj = parse(cls, buf, tar.encoding, tar.errors)  # the base parser, never a subclass's frombuf
+        obj.offset = tar.fileobj.tell() - tarfile.BLOCKSIZE  # type: ignore[union-attr]
+        return obj._proc_member(tar)  # type: ignore[attr-defined,no-any-return]
+
+    monkeypatch.setattr(tarfile.TarInfo, "fromtarfile", classmethod(fromtarfile))
+
+
+def test_whole_and_broken_shards_are_told_apart_on_pythons_whose_tarfile_parses_headers_privately(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an up-to-date Python every whole shard read as truncated when the end-of-archive
+    check hooked ``TarInfo.frombuf`` (found on a GPU machine's Python 3.12)."""
+    _parser_of_2025_security_releases(monkeypatch)
+    members = [(f"{i}.{ext}", b"x" * 600) for i in range(4) for ext in ("jpg", "txt")]
+    good = _tar(tmp_path / "g.tar", members)
+    data = good.read_bytes()
+    assert [p.key for p in iter_pairs(str(good))] == ["0", "1", "2", "3"]
+    gz = tmp_path / "g.tar.gz"
+    gz.write_bytes(gzip.compress(data))
+    assert len(list(iter_pairs(str(gz)))) == 4
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(data[: 4 * 1536])
+    with pytest.raises(ShardReadError, match="cut.tar.*truncated"):
+        list(iter_pairs(str(cut)))
+    bad = bytearray(data)
+    bad[2 * 1536 + 148 : 2 * 1536 + 156] = b"9999999\0"
+    corrupt = tmp_path / "corrupt.tar"
+    corrupt.write_bytes(bytes(bad))
+    with pytest.raises(ShardReadError, match="corrupt header"):
+        list(iter_pairs(str(corrupt)))
+
+
 @pytest.mark.parametrize("compress", [False, True])
 def test_data_after_the_end_marker_is_an_error_not_a_shorter_shard(tmp_path: Path, compress: bool) -> None:
     members = [(f"{i}.{ext}", b"x" * 600) for i in range(4) for ext in ("jpg", "txt")]
