@@ -173,14 +173,19 @@ def scores_table(
 
 
 def embeddings_table(keys: list[str], image_emb: NDArray[np.float32], text_emb: NDArray[np.float32], ok: NDArray[np.bool_], metadata: dict[bytes, bytes]) -> pa.Table:
-    """The float16 embedding sidecar; rows that are not ok hold nulls."""
+    """The float16 embedding sidecar; rows that are not ok hold zero vectors.
+
+    Zeros, not nulls: pyarrow 14-24 refuses to write a fixed-size list with a null entry
+    ("Lists with non-zero length null components are not supported", so every shard with
+    one corrupt image failed there) and pyarrow 25 cannot read one back (found on a GPU
+    machine's pyarrow 25.0.1). A real embedding has norm 1, so a zero vector is never one.
+    """
     dim = image_emb.shape[1]
+    keep = np.asarray(ok, dtype=bool)[:, None]
 
     def column(emb: NDArray[np.float32]) -> pa.Array:
-        flat = pa.array(emb.astype(np.float16).ravel(), type=pa.float16())
-        arr = pa.FixedSizeListArray.from_arrays(flat, dim)
-        mask = pa.array(~ok)
-        return pa.FixedSizeListArray.from_arrays(flat, dim, mask=mask) if (~ok).any() else arr
+        values = np.where(keep, emb, 0.0).astype(np.float16)
+        return pa.FixedSizeListArray.from_arrays(pa.array(values.ravel(), type=pa.float16()), dim)
 
     return pa.table(
         {schema.COL_KEY: keys, schema.COL_IMAGE_EMB: column(image_emb), schema.COL_TEXT_EMB: column(text_emb)},
@@ -189,14 +194,19 @@ def embeddings_table(keys: list[str], image_emb: NDArray[np.float32], text_emb: 
 
 
 def read_embeddings(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
-    """(image, text) float32 embeddings of the ok rows of one sidecar table: (n, D) each."""
+    """(image, text) float32 embeddings of the ok rows of one sidecar table: (n, D) each.
+
+    A row without embeddings is a zero vector (``embeddings_table``) or, in sidecars of
+    earlier releases, null.
+    """
     valid = pa.array(table.column(schema.COL_IMAGE_EMB).is_valid().to_numpy(zero_copy_only=False))
     out = []
     for name in (schema.COL_IMAGE_EMB, schema.COL_TEXT_EMB):
         col = table.column(name).combine_chunks().filter(valid)
         dim = col.type.list_size
         out.append(col.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, dim))
-    return out[0], out[1]
+    present = np.any(out[0] != 0, axis=1) | np.any(out[1] != 0, axis=1)
+    return out[0][present], out[1][present]
 
 
 def float_column(table: pa.Table, name: str) -> NDArray[np.float32] | None:
