@@ -170,8 +170,8 @@ def _header_recorder() -> tuple[type[tarfile.TarInfo], list[bytes]]:
     first member; the last block tells a real end-of-archive marker (512 zero bytes) from
     a truncated or damaged shard. Why ``fromtarfile`` and a stream proxy: it is the public
     hook ``TarFile.next`` calls on every Python; the parser under it moved (``frombuf`` to
-    ``_frombuf`` in the 2025 security releases: 3.9.23, 3.10.18, 3.11.13, 3.12.11, 3.13.4),
-    and a hook on the old name saw no header at all there, so every shard read as truncated.
+    ``_frombuf`` with the 2025 tarfile security fixes; seen in a Python 3.12.3 build), and
+    a hook on the old name saw no header at all there, so every shard read as truncated.
     """
     last = [b""]
 

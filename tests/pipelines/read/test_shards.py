@@ -163,8 +163,8 @@ def test_shard_cut_at_a_member_boundary_is_an_error_not_a_shorter_shard(tmp_path
 
 
 def _parser_of_2025_security_releases(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make ``tarfile`` parse headers as Python 3.9.23 / 3.10.18 / 3.11.13 / 3.12.11 / 3.13.4 and
-    later do: ``fromtarfile`` reads the block and parses it without calling ``frombuf``, so a
+    """Make ``tarfile`` parse headers as CPython builds with the 2025 tarfile security fixes
+    do: ``fromtarfile`` reads the block and parses it without calling ``frombuf``, so a
     subclass's ``frombuf`` never sees it."""
     import tarfile
 
