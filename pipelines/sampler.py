@@ -173,11 +173,13 @@ def _repeated_keys(keys: list[str], statuses: list[str] | None) -> set[str] | st
     return repeated
 
 
-def _unit_hash(seed: int, rank: int, stem: str, key: str) -> float:
-    """A uniform number in [0, 1) fixed by (seed, rank, shard stem, key): reproducible
+def _unit_hash(seed: int, rank: int, stem: str, key: str, epoch: int = 0) -> float:
+    """A uniform number in [0, 1) fixed by (seed, rank, shard stem, key, epoch): reproducible
     decisions that depend neither on the order, the worker, nor the URL form the shard was
-    read by (``s3://b/x.tar`` and ``pipe:aws s3 cp s3://b/x.tar -`` decide alike)."""
-    digest = hashlib.blake2b(f"{seed}:{rank}:{stem}:{key}".encode(), digest_size=8).digest()
+    read by (``s3://b/x.tar`` and ``pipe:aws s3 cp s3://b/x.tar -`` decide alike). Epoch 0
+    hashes as releases before epochs did, so their first epoch keeps the same pairs."""
+    text = f"{seed}:{rank}:{stem}:{key}" if epoch == 0 else f"{seed}:{rank}:{epoch}:{stem}:{key}"
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") / 2**64
 
 
@@ -193,7 +195,8 @@ class WeightStage:
     ``pipe:`` commands, query strings and every scheme join to the same Parquet file.
 
     Modes: ``loss`` keeps every sample; ``sample`` keeps one with probability
-    ``min(1, w / w_cap)``, decided by a hash of (seed, rank, shard, key); ``keep`` drops
+    ``min(1, w / w_cap)``, decided by a hash of (seed, rank, shard, key, epoch), so over
+    epochs a pair of weight 0.3 is seen in about 30% of them (not in all or none); ``keep`` drops
     pairs flagged noisy; ``pseudo`` is ``loss`` where a noisy pair with a pseudo-pair gets
     the pseudo-caption (its own caption field, e.g. ``txt``) and weight, and
     ``sample[pseudo_key] = True`` (False otherwise). ``pseudo`` is a ``PseudoCaptions``
@@ -202,6 +205,11 @@ class WeightStage:
 
     A plain class of plain attributes: picklable, so DataLoader workers get it under any
     start method (the weight cache is not pickled; each worker loads what it reads).
+
+    Epochs: each pass over the samples in one process is the next epoch (a loop over the
+    pipeline, or ``persistent_workers=True``); ``set_epoch(e)`` sets the first one, as
+    ``DistributedSampler.set_epoch`` does, for DataLoader workers that get a fresh copy of
+    the stage every epoch (the default): call it before each epoch's iteration.
     """
 
     def __init__(
@@ -234,15 +242,23 @@ class WeightStage:
         self.mode, self.w_cap, self.missing, self.default = mode, w_cap, missing, default
         self.seed, self.rank, self.pseudo = seed, rank, pseudo
         self.weight_key, self.pseudo_key = weight_key, pseudo_key
+        self.epoch, self._passes = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Decide ``sample`` mode's pairs for ``epoch`` (and count later passes from it)."""
+        self.epoch, self._passes = int(epoch), 0
 
     def __call__(self, samples: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        epoch = self.epoch + self._passes
+        self._passes += 1
         for sample in samples:
-            out = self.apply(sample)
+            out = self.apply(sample, epoch)
             if out is not None:
                 yield out
 
-    def apply(self, sample: dict[str, Any]) -> dict[str, Any] | None:
-        """One sample: itself with its weight, or None when the mode drops it."""
+    def apply(self, sample: dict[str, Any], epoch: int | None = None) -> dict[str, Any] | None:
+        """One sample: itself with its weight, or None when the mode drops it (``epoch``:
+        the ``sample`` mode's draw; default the stage's current epoch)."""
         if not isinstance(sample, dict) or "__key__" not in sample:
             raise TypeError(
                 "pairclean's WeightStage needs samples with '__key__' (and '__url__'): place it "
@@ -263,7 +279,8 @@ class WeightStage:
         weight, noisy = found
         if self.mode == "keep" and noisy:
             return None
-        if self.mode == "sample" and _unit_hash(self.seed, self.rank, shard_stem(url), key) >= min(1.0, weight / self.w_cap):
+        draw = self.epoch if epoch is None else epoch
+        if self.mode == "sample" and _unit_hash(self.seed, self.rank, shard_stem(url), key, draw) >= min(1.0, weight / self.w_cap):
             return None
         # Modes keep/sample used to add nothing: with the old "weight" key they still add
         # nothing (a float there would break a later decode); a "__" key is always safe.

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pairclean import schema
-from pairclean.sampler import WeightedSampler, weight_stage
+from pairclean.sampler import WeightedSampler, WeightStage, weight_stage
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,28 @@ def test_stage_modes_join_by_key(scored) -> None:
     sampled2 = [s["__key__"] for s in weight_stage(out, "sample", w_cap=0.05, seed=1)(reversed(_samples(shards)))]
     assert sorted(sampled1) == sorted(sampled2)  # order-independent, seeded
     assert all(table[k]["weight"] > 0 for k in sampled1)
+
+
+def test_sample_mode_draws_again_each_epoch_and_set_epoch_reproduces_one(scored) -> None:
+    """A pair of weight 0.3 is seen in about 30% of the epochs, not in all of them or none
+    (each epoch used to keep the same pairs: a fixed random filter, not a weighting)."""
+    import pyarrow.parquet as pq
+
+    out, shards = scored
+    table = {r["key"]: r for p in out.glob("sh-*[0-9].parquet") for r in pq.read_table(p).to_pylist()}
+    samples = _samples(shards)
+    w_cap = 2 * float(np.median([r["weight"] for r in table.values()]))
+    stage = WeightStage(out, "sample", w_cap=w_cap, seed=4)
+    epochs = [{s["__key__"] for s in stage(samples)} for _ in range(60)]  # one pass per epoch
+    assert len({frozenset(e) for e in epochs}) > 1
+    seen = np.array([np.mean([k in e for e in epochs]) for k in sorted(table)])
+    expected = np.array([min(1.0, table[k]["weight"] / w_cap) for k in sorted(table)])
+    assert np.abs(seen - expected).mean() < 0.1
+    # epoch 0 keeps what releases before epochs kept; set_epoch(e) gives the e-th pass again
+    assert epochs[0] == {s["__key__"] for s in weight_stage(out, "sample", w_cap=w_cap, seed=4)(samples)}
+    fresh = WeightStage(out, "sample", w_cap=w_cap, seed=4)
+    fresh.set_epoch(7)
+    assert {s["__key__"] for s in fresh(samples)} == epochs[7]
 
 
 def test_stage_missing_policies(scored) -> None:
