@@ -11,6 +11,7 @@ import numpy as np
 from pairclean import osa, schema
 from pairclean.output.folder import OutputDir
 from pairclean.output.tables import read_embeddings
+from pairclean.uris import shard_stem
 
 __all__ = ["Summary", "summarize", "format_summary", "mixture_noise", "expected_noise", "p_clean_sum"]
 
@@ -68,7 +69,7 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
     noise = _noise_similarities(out, seed)
     gmm = osa.estimate_noise_rate(sims, seed, noise) if sims.size >= 16 else None
     counts, edges = np.histogram(weights, bins=bins, range=(0.0, 1.0))
-    view = table.select([schema.COL_KEY, schema.COL_STATUS, schema.COL_SIMILARITY, schema.COL_WEIGHT, schema.COL_NOISY])
+    view = table.select([schema.COL_SHARD, schema.COL_KEY, schema.COL_STATUS, schema.COL_SIMILARITY, schema.COL_WEIGHT, schema.COL_NOISY])
     ok_view = view.filter(ok)
     order = np.argsort(ok_view.column(schema.COL_WEIGHT).to_numpy(), kind="stable")[:rows]
     values, occurrences = np.unique(status, return_counts=True)
@@ -183,7 +184,9 @@ def _row(r: dict[str, Any]) -> str:
     sim = r[schema.COL_SIMILARITY]
     sim_s = "   nan" if sim is None or np.isnan(sim) else f"{sim:+.3f}"
     flag = "NOISY" if r[schema.COL_NOISY] else "clean"
-    return f"  {_printable(r[schema.COL_KEY]):<32} {r[schema.COL_STATUS]:<13} sim {sim_s}  weight {r[schema.COL_WEIGHT]:.3f}  {flag}"
+    # shard/key: keys repeat across shards in many corpora (00000.tar ... each from key 0)
+    where = f"{shard_stem(r[schema.COL_SHARD])}/{r[schema.COL_KEY]}" if r.get(schema.COL_SHARD) else str(r[schema.COL_KEY])
+    return f"  {_printable(where):<40} {r[schema.COL_STATUS]:<13} sim {sim_s}  weight {r[schema.COL_WEIGHT]:.3f}  {flag}"
 
 
 def _printable(text: str) -> str:

@@ -130,6 +130,9 @@ def test_inspect_prints_counts_noise_rate_and_histogram(make_shards, tmp_path: P
     assert main(["inspect", str(tmp_path / "o")]) == 0
     text = capsys.readouterr().out
     assert "ok=19" in text and "decode_error=1" in text and "weight histogram" in text
+    # listed pairs name their shard as well as their key (keys repeat across shards in many corpora)
+    lowest = text.split("lowest-weight pairs:\n")[1].splitlines()
+    assert lowest and all(line.split()[0].startswith(Path(shards[0]).stem.split(".")[0] + "/") for line in lowest)
     # the noise-rate estimate is the wrong captions p_clean expects; the random-mismatch share
     # (a lower bound) is its own line
     table = pq.read_table(tmp_path / "o")
