@@ -44,6 +44,9 @@ TINY_TEST_MODEL = "pairclean-tiny-test"
 #: at 0.57x (images) and 0.65x (texts) of fp32 (benchmarks/precision.py, torch 2.14.1,
 #: 2 threads), so ``auto`` takes bf16 on CPU only where ``cpu_has_amx()``.
 BF16_FASTER_ON_CPU = frozenset({"ViT-B-32", "ViT-B-16", "ViT-L-14"})
+#: Architectures whose bf16 embeddings were measured to disagree with fp32 (cosine < 0.999),
+#: so ``precision="auto"`` keeps fp32 on any device without trying: pairclean-lite (0.995).
+BF16_DISAGREES = frozenset({DEFAULT_MODEL})
 
 
 def cpu_has_amx() -> bool:
@@ -216,6 +219,8 @@ def _choose_precision(fp32: Estimator, requested: str) -> Estimator:
     cpu = fp32.info.device == "cpu"
     if requested == "auto" and cpu and (fp32.info.arch not in BF16_FASTER_ON_CPU or not cpu_has_amx()):
         return fp32
+    if requested == "auto" and fp32.info.arch in BF16_DISAGREES:
+        return fp32  # measured: the probe below would copy the model only to refuse bf16
     bf16 = _to_bf16(fp32)
     agreement = _agreement(fp32, bf16)
     if agreement >= BF16_MIN_COSINE:

@@ -81,3 +81,19 @@ def test_auto_takes_bf16_on_cpu_only_where_amx_makes_it_faster(monkeypatch) -> N
     assert load_estimator(EstimatorSpec(TINY, precision="auto", device="cpu")).info.precision == "fp32"
     monkeypatch.setattr(estimators, "cpu_has_amx", lambda: True)
     assert load_estimator(EstimatorSpec(TINY, precision="auto", device="cpu")).info.precision == "bf16"
+
+
+def test_auto_keeps_fp32_without_a_probe_where_bf16_was_measured_to_disagree(monkeypatch) -> None:
+    """pairclean-lite's bf16 agrees only to cosine 0.995: on a GPU every job copied the model
+    and ran the probe to learn that again."""
+    import pairclean.embed.estimators as estimators
+
+    monkeypatch.setattr(estimators, "BF16_FASTER_ON_CPU", frozenset({TINY}))
+    monkeypatch.setattr(estimators, "cpu_has_amx", lambda: True)
+    monkeypatch.setattr(estimators, "BF16_DISAGREES", frozenset({TINY}))
+
+    def no_probe(*_: object) -> float:
+        raise AssertionError("the bf16 probe ran")
+
+    monkeypatch.setattr(estimators, "_agreement", no_probe)
+    assert load_estimator(EstimatorSpec(TINY, precision="auto", device="cpu")).info.precision == "fp32"
