@@ -33,13 +33,9 @@ def _work(estimator: Estimator, spec: JobSpec, out: Path) -> ShardWork:
 
 def _sidecar(path: Path) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
     """The ok rows' (image, text) embeddings of a sidecar, as stored (float16 -> float32)."""
-    table = pq.read_table(path)
-    out = []
-    for name in (schema.COL_IMAGE_EMB, schema.COL_TEXT_EMB):
-        column = table.column(name).combine_chunks()
-        valid = column.filter(column.is_valid())
-        out.append(valid.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(len(valid), -1))
-    return out[0], out[1]
+    from pairclean.output.tables import read_embeddings
+
+    return read_embeddings(pq.read_table(path))
 
 
 def _meta(path: Path) -> dict[str, Any]:
