@@ -264,7 +264,7 @@ def embeddings_schema(dim: int) -> pa.Schema:
     """The schema of the sidecar ``OUT/_emb/<stem>.parquet``: float16 L2-normalised embeddings.
 
     Rows whose status is not ``ok`` carry zero vectors (earlier sidecars: nulls, which
-    pyarrow 14-25 cannot round-trip; ``output.tables.embeddings_table``).
+    pyarrow 18-25 cannot round-trip; ``output.tables.embeddings_table``).
     """
     return pa.schema(
         [

@@ -61,7 +61,7 @@ def test_score_writes_one_keyed_parquet_per_shard_with_metadata(make_shards, tmp
     assert all(r["weight"] == r["p_clean"] == (0.0 if r["noisy"] else 1.0) for r in first)
     emb = pq.read_table(schema.local_side_path(out, "_emb/part-00000.parquet"))
     assert emb.column("key").to_pylist() == [r["key"] for r in first]
-    # rows that are not ok hold zero vectors, never nulls (pyarrow 14-25 cannot write or read those)
+    # rows that are not ok hold zero vectors, never nulls (pyarrow 18-25 cannot write or read those back)
     assert emb.column("image_emb").null_count == 0
     vectors = np.array(emb.column("image_emb").to_pylist(), dtype=np.float32)
     assert [bool(np.any(v != 0)) for v in vectors] == [r["status"] == "ok" for r in first]

@@ -20,7 +20,7 @@ def test_rows_that_are_not_ok_are_zero_vectors_not_nulls_and_read_back_as_absent
     img, txt = _unit(5, 8, 0), _unit(5, 8, 1)
     ok = np.array([True, False, True, False, True])
     table = embeddings_table(list("abcde"), img, txt, ok, {})
-    # nulls in a fixed-size list: pyarrow 14-24 refuses to write them, pyarrow 25 to read them back
+    # nulls in a fixed-size list: pyarrow 18-24 refuses to write them, pyarrow 25 to read them back
     assert table.column("image_emb").null_count == 0 and table.column("text_emb").null_count == 0
     pq.write_table(table, tmp_path / "emb.parquet")
     got_img, got_txt = read_embeddings(pq.read_table(tmp_path / "emb.parquet"))
