@@ -178,7 +178,8 @@ def embeddings_table(keys: list[str], image_emb: NDArray[np.float32], text_emb: 
     Zeros, not nulls: pyarrow 18-24 refuses to write a fixed-size list with a null entry
     ("Lists with non-zero length null components are not supported": the sidecar of a
     shard with one corrupt image could not be written there) and pyarrow 25 cannot read
-    one back (found on a GPU machine's pyarrow 25.0.1). A real embedding has norm 1, so a zero vector is never one.
+    one back (found on a GPU machine's pyarrow 25.0.1). A real embedding has norm 1, so a
+    zero vector is never one.
     """
     dim = image_emb.shape[1]
     keep = np.asarray(ok, dtype=bool)[:, None]
