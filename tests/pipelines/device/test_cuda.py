@@ -42,8 +42,10 @@ def test_lite_and_its_judge_on_cuda_match_the_cpu() -> None:
     cpu, gpu = out["cpu"], out["cuda"]
     sim_cpu = (cpu.image_emb * cpu.text_emb).sum(1)
     sim_gpu = (gpu.image_emb * gpu.text_emb).sum(1)
-    assert np.abs(sim_cpu - sim_gpu).max() < 5e-3
-    assert np.isfinite(gpu.llr).all() and np.abs(cpu.llr - gpu.llr).max() < 0.1
+    # float32 stays float32 on the GPU (no TF32: that moved similarities by up to 7e-4 and
+    # the judge's score by 6e-3 on an H100; without it 1e-6 and 5e-6)
+    assert np.abs(sim_cpu - sim_gpu).max() < 1e-4
+    assert np.isfinite(gpu.llr).all() and np.abs(cpu.llr - gpu.llr).max() < 1e-3
 
 
 def test_batched_jpeg_decoding_on_cuda_matches_the_cpu_path() -> None:
