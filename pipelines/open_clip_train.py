@@ -232,7 +232,7 @@ def _check(options: argparse.Namespace, args: argparse.Namespace) -> None:
 def patched(oc_main: Any, weights: str, mode: str, missing: str, holder: WeightHolder) -> Iterator[WeightHolder]:
     """``open_clip_train.main``'s ``get_data`` and ``create_loss`` replaced for the block
     (see the module docstring), restored after it."""
-    from pairclean.openclip import weigh_pipeline
+    from pairclean.openclip import follow_training_epoch, weigh_pipeline
     from pairclean.sampler import WeightStage
 
     original_get_data, original_create_loss = oc_main.get_data, oc_main.create_loss
@@ -242,6 +242,7 @@ def patched(oc_main: Any, weights: str, mode: str, missing: str, holder: WeightH
         info = data.get("train")
         if info is not None:
             stage = WeightStage(weights, MODES[mode], missing=missing, rank=int(getattr(args, "rank", 0) or 0))
+            follow_training_epoch(stage, info, epoch)
             weigh_pipeline(info, stage, tokenizer=tokenizer)
             info.dataloader = WeightedLoader(info.dataloader, holder)
         return data

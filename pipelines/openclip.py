@@ -28,7 +28,7 @@ from typing import Any
 
 from pairclean.sampler import WeightStage
 
-__all__ = ["TokenizeText", "weigh_pipeline", "get_wds_dataset"]
+__all__ = ["TokenizeText", "weigh_pipeline", "get_wds_dataset", "follow_training_epoch"]
 
 
 class TokenizeText:
@@ -128,10 +128,21 @@ def get_wds_dataset(
     stage_options.setdefault("rank", int(getattr(args, "rank", 0) or 0))
     stage = WeightStage(weights, mode, **stage_options)
     info = open_clip_get_wds_dataset(args, preprocess_img, is_train, epoch=epoch, floor=floor, tokenizer=tokenizer)
+    follow_training_epoch(stage, info, epoch)
     weigh_pipeline(info, stage, tokenizer=tokenizer, with_keys=with_keys)
     if multiprocessing_context is not None:
         _use_start_method(info, multiprocessing_context, epoch)
     return info
+
+
+def follow_training_epoch(stage: WeightStage, info: Any, epoch: int) -> None:
+    """Make ``stage``'s ``sample`` draws follow open_clip's training epoch: its
+    ``SharedEpoch`` (which ``DataInfo.set_epoch`` updates and every worker reads) where the
+    ``DataInfo`` has one, else ``epoch`` (the one open_clip_train resumes at)."""
+    stage.set_epoch(epoch)
+    shared = getattr(info, "shared_epoch", None)
+    if shared is not None and hasattr(shared, "get_value"):
+        stage.epoch_source = shared
 
 
 def _use_start_method(info: Any, method: Any, epoch: int) -> None:

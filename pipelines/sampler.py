@@ -183,6 +183,12 @@ def _unit_hash(seed: int, rank: int, stem: str, key: str, epoch: int = 0) -> flo
     return int.from_bytes(digest, "little") / 2**64
 
 
+def _read_epoch(source: Any) -> int:
+    """The epoch a trainer shares: ``source.get_value()`` (open_clip's ``SharedEpoch``) or ``source()``."""
+    getter = getattr(source, "get_value", None)
+    return int(getter() if getter is not None else source())
+
+
 class WeightStage:
     """A WebDataset stage joining pairclean weights by ``__key__`` within ``__url__``'s shard.
 
@@ -210,6 +216,12 @@ class WeightStage:
     pipeline, or ``persistent_workers=True``); ``set_epoch(e)`` sets the first one, as
     ``DistributedSampler.set_epoch`` does, for DataLoader workers that get a fresh copy of
     the stage every epoch (the default): call it before each epoch's iteration.
+    ``epoch_source``: where a trainer already shares its epoch with the workers (open_clip's
+    ``SharedEpoch``: anything with ``get_value()``, or a callable), each sample is drawn
+    with the epoch it reads there instead, so a run resumed at epoch k draws what an
+    uninterrupted one does, and passes that a loader restarts or cuts short inside an epoch
+    (open_clip's ``with_epoch``) keep that epoch's draw. ``pairclean.openclip`` and
+    ``pairclean.open_clip_train`` pass open_clip's.
     """
 
     def __init__(
@@ -225,6 +237,7 @@ class WeightStage:
         pseudo: Any = None,
         weight_key: str = WEIGHT_KEY,
         pseudo_key: str = PSEUDO_KEY,
+        epoch_source: Any = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -243,16 +256,18 @@ class WeightStage:
         self.seed, self.rank, self.pseudo = seed, rank, pseudo
         self.weight_key, self.pseudo_key = weight_key, pseudo_key
         self.epoch, self._passes = 0, 0
+        self.epoch_source = epoch_source
 
     def set_epoch(self, epoch: int) -> None:
         """Decide ``sample`` mode's pairs for ``epoch`` (and count later passes from it)."""
         self.epoch, self._passes = int(epoch), 0
 
     def __call__(self, samples: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        source = self.epoch_source
         epoch = self.epoch + self._passes
         self._passes += 1
         for sample in samples:
-            out = self.apply(sample, epoch)
+            out = self.apply(sample, epoch if source is None else _read_epoch(source))
             if out is not None:
                 yield out
 

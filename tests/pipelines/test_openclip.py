@@ -190,6 +190,43 @@ def test_open_clip_get_wds_dataset_with_weights(weighted, method: str, resampled
         assert sorted(k for k, _, _ in got) == sorted(k for _, k in rows)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_open_clip_sample_mode_draws_with_the_training_epoch(weighted, workers: int) -> None:
+    """open_clip_train resumes with get_data(..., epoch=start_epoch) and sets the epoch on
+    its SharedEpoch: a run resumed at epoch 2 must draw epoch 2's pairs (it drew epoch 0's),
+    and open_clip's with_epoch restarting passes inside an epoch must not move the draw."""
+    reason = _open_clip_ready()
+    if reason:
+        pytest.skip(reason)
+    import open_clip
+
+    from pairclean.openclip import get_wds_dataset
+
+    urls, out, rows = weighted
+    samples = [{"__key__": k, "__url__": u} for u in urls for (stem, k) in rows if stem == shard_stem(u)]
+
+    def draw(epoch: int) -> set[tuple[str, str]]:
+        stage = WeightStage(out, "sample", seed=0, rank=0)
+        stage.set_epoch(epoch)
+        return {(shard_stem(x["__url__"]), x["__key__"]) for x in stage(samples)}
+
+    def one_epoch(start: int, epoch: int) -> set[tuple[str, str]]:
+        args = Namespace(train_data=str(Path(urls[0]).parent / "sh-{00000..00003}.tar"), val_data=None,
+                         train_num_samples=N_SHARDS * PER_SHARD // 2, dataset_resampled=False,
+                         train_data_upsampling_factors=None, seed=0, batch_size=4, world_size=1, rank=0, workers=workers)
+        info = get_wds_dataset(args, open_clip.image_transform(32, is_train=True), True, epoch=start,
+                               tokenizer=open_clip.get_tokenizer("ViT-B-32"), weights=out, mode="sample", with_keys=True)
+        got: set[tuple[str, str]] = set()
+        for e in range(start, epoch + 1):
+            info.set_epoch(e)  # what open_clip_train's loop does at each epoch
+            got = {(shard_stem(u), k) for *_, keys, batch_urls in info.dataloader for k, u in zip(keys, batch_urls)}
+        return got
+
+    assert draw(0) != draw(2)
+    assert one_epoch(2, 2) <= draw(2)  # resumed at 2
+    assert one_epoch(0, 2) <= draw(2)  # the uninterrupted run's epoch 2
+
+
 def test_open_clip_test_skips_with_a_reason_here() -> None:
     """Documents the environment rule: in the main venv the reason names the webdataset pin."""
     reason = _open_clip_ready()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -44,12 +45,25 @@ def exact_fp32(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
         yield
         return
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    saved = (cudnn.allow_tf32, matmul.allow_tf32)
-    cudnn.allow_tf32 = matmul.allow_tf32 = False
+    with _TF32_LOCK:  # passes in several threads: off while any is inside, back when the last leaves
+        if not _TF32_SAVED:
+            _TF32_SAVED.append((cudnn.allow_tf32, matmul.allow_tf32))
+            cudnn.allow_tf32 = matmul.allow_tf32 = False
+        _TF32_SAVED.append(None)
     try:
         yield
     finally:
-        cudnn.allow_tf32, matmul.allow_tf32 = saved
+        with _TF32_LOCK:
+            _TF32_SAVED.pop()
+            if len(_TF32_SAVED) == 1:
+                saved = _TF32_SAVED.pop()
+                assert saved is not None
+                cudnn.allow_tf32, matmul.allow_tf32 = saved
+
+
+_TF32_LOCK = threading.Lock()
+#: [the process's (cudnn, matmul) TF32 flags, then one None per pass inside exact_fp32]
+_TF32_SAVED: list[tuple[bool, bool] | None] = []
 
 
 @dataclass(frozen=True)

@@ -97,3 +97,27 @@ def test_auto_keeps_fp32_without_a_probe_where_bf16_was_measured_to_disagree(mon
 
     monkeypatch.setattr(estimators, "_agreement", no_probe)
     assert load_estimator(EstimatorSpec(TINY, precision="auto", device="cpu")).info.precision == "fp32"
+
+
+def test_exact_fp32_turns_tf32_off_while_any_pass_is_inside_and_restores_the_process_setting() -> None:
+    """Passes overlapping in two threads (A in, B in, A out, B out) once left B running
+    with TF32 and the process's setting lost. Only flags are touched: no GPU needed."""
+    import torch
+
+    from pairclean.embed.estimators.base import exact_fp32
+
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = (cudnn.allow_tf32, matmul.allow_tf32)
+    try:
+        cudnn.allow_tf32, matmul.allow_tf32 = True, True
+        a, b = exact_fp32(torch.device("cuda"), torch.float32), exact_fp32(torch.device("cuda"), torch.float32)
+        a.__enter__()
+        b.__enter__()
+        a.__exit__(None, None, None)
+        assert (cudnn.allow_tf32, matmul.allow_tf32) == (False, False)
+        b.__exit__(None, None, None)
+        assert (cudnn.allow_tf32, matmul.allow_tf32) == (True, True)
+        with exact_fp32(torch.device("cpu"), torch.float32), exact_fp32(torch.device("cuda"), torch.bfloat16):
+            assert cudnn.allow_tf32  # only float32 work on a GPU is affected
+    finally:
+        cudnn.allow_tf32, matmul.allow_tf32 = saved
