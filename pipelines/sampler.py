@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
 from pairclean.errors import InputError
-from pairclean.schema import IMAGE_EXTS, STATUS_DUPLICATE_KEY, checked_weights
+from pairclean.schema import IMAGE_EXTS, REWRITE_FILE, STATUS_DUPLICATE_KEY, checked_weights, local_side_path
 from pairclean.uris import shard_stem
 
 __all__ = [
@@ -66,8 +66,6 @@ class WeightStore:
         self.root = Path(output_dir)
         if not self.root.is_dir():
             raise FileNotFoundError(f"pairclean output folder not found: {self.root}")
-        from pairclean.schema import REWRITE_FILE, local_side_path
-
         if Path(local_side_path(self.root, REWRITE_FILE)).exists():  # OutputDir.check_tables_whole, without the store
             raise InputError(f"{self.root}: a pairclean rescore, refine or audit was interrupted while rewriting the tables "
                              "(some hold its weights, some the earlier ones): run it again before training", uri=str(self.root))
@@ -283,7 +281,7 @@ class WeightStage:
         found = self.store.get(url, key)
         if found is not None:
             self.store.check_image(sample, url, key)
-        if found is None:
+        else:
             if self.missing == "error":
                 raise KeyError(
                     f"no pairclean weight for key {key!r} of shard {url!r} (stem {shard_stem(url)!r}) in {self.store.root}"

@@ -147,7 +147,6 @@ def _rescore_locked(out: OutputDir, old_spec: JobSpec, lock: RunLock, *, beta_re
     return calibration
 
 
-
 def _old_judge(out: OutputDir, spec: JobSpec) -> dict[str, Any] | None:
     """The judge record of a judged job (None: not judged). The judge's ratios are kept from
     the tables (``judge_score``: the sidecars hold no regions or tokens to judge again); the

@@ -144,7 +144,7 @@ class JudgeRunner:
         self._parts = _onnx_parts(estimator)
         # The judge runs where the towers do (their regions and token states stay there);
         # a copy, so a LoadedJudge shared with a CPU caller keeps its weights on the CPU.
-        device = torch.device(estimator._device)
+        device = estimator._device
         self._model = judge.model if device.type == "cpu" else copy.deepcopy(judge.model).to(device)
 
     def with_band(self, band: tuple[float, float]) -> JudgeRunner:

@@ -44,26 +44,36 @@ def exact_fp32(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
     if device.type != "cuda" or dtype != torch.float32:
         yield
         return
-    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    with _TF32_LOCK:  # passes in several threads: off while any is inside, back when the last leaves
-        if not _TF32_SAVED:
-            _TF32_SAVED.append((cudnn.allow_tf32, matmul.allow_tf32))
-            cudnn.allow_tf32 = matmul.allow_tf32 = False
-        _TF32_SAVED.append(None)
+    _NO_TF32.enter()
     try:
         yield
     finally:
-        with _TF32_LOCK:
-            _TF32_SAVED.pop()
-            if len(_TF32_SAVED) == 1:
-                saved = _TF32_SAVED.pop()
-                assert saved is not None
-                cudnn.allow_tf32, matmul.allow_tf32 = saved
+        _NO_TF32.exit()
 
 
-_TF32_LOCK = threading.Lock()
-#: [the process's (cudnn, matmul) TF32 flags, then one None per pass inside exact_fp32]
-_TF32_SAVED: list[tuple[bool, bool] | None] = []
+class _NoTf32:
+    """TF32 off for the process while at least one pass is inside ``exact_fp32`` (passes may
+    overlap in threads); the process's flags put back when the last one leaves."""
+
+    def __init__(self) -> None:
+        self.lock, self.depth, self.saved = threading.Lock(), 0, (True, False)
+
+    def enter(self) -> None:
+        cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+        with self.lock:
+            if self.depth == 0:
+                self.saved = (cudnn.allow_tf32, matmul.allow_tf32)
+                cudnn.allow_tf32 = matmul.allow_tf32 = False
+            self.depth += 1
+
+    def exit(self) -> None:
+        with self.lock:
+            self.depth -= 1
+            if self.depth == 0:
+                torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = self.saved
+
+
+_NO_TF32 = _NoTf32()
 
 
 @dataclass(frozen=True)
