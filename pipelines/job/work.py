@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -239,16 +240,28 @@ def _finite(x: float) -> float | str:
     return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
 
 
-def _check_caption_field(held: Sequence[ShardResult], field: str | None) -> None:
-    """``InputError`` when ``--caption-field`` found no caption in any sample of the
-    calibration's shards (every row ``missing_text``): a mistyped field name would otherwise
-    score a whole corpus of empty rows and report SUCCEEDED. Raised before anything is
-    written, so the corrected command may claim the folder."""
-    rows = sum(len(r.status) for r in held)
-    if field is None or not rows or any(st != schema.STATUS_MISSING_TEXT for r in held for st in r.status):
+def _check_some_pair_readable(held: Sequence[ShardResult], field: str | None) -> None:
+    """``InputError`` when no row of the calibration's shards is ``ok`` and every row lacks
+    its caption or its image (``missing_text`` / ``missing_image``): the shards name their
+    fields otherwise than the job reads them (a mistyped ``--caption-field``, captions in a
+    json field without one, images in a member that is no jpg/jpeg/png/webp). The calibration
+    reads shards until it has enough ok pairs, so such a job has no ok pair in any shard it
+    read; it would otherwise write a corpus of empty rows and report SUCCEEDED. Raised before
+    anything is written, so the corrected command may claim the folder. Corrupt images and
+    the like stay rows with a status: that is the data, not how it is read."""
+    counts: Counter[str] = Counter(st for r in held for st in r.status)
+    rows = sum(counts.values())
+    if not rows or set(counts) - {schema.STATUS_MISSING_TEXT, schema.STATUS_MISSING_IMAGE}:
         return
-    raise InputError(f"no sample of the first {len(held)} shard(s) has a caption in json field {field!r} "
-                     f"({rows} rows, all missing_text): check --caption-field")
+    first = next(e for r in held for e in r.error if e)
+    told = ", ".join(f"{status}={n}" for status, n in sorted(counts.items()))
+    hints = []
+    if counts[schema.STATUS_MISSING_TEXT]:
+        hints.append("check --caption-field" if field else "captions are read from a txt member, or from the json field that --caption-field names")
+    if counts[schema.STATUS_MISSING_IMAGE]:
+        hints.append("images are read from jpg/jpeg/png/webp members")
+    raise InputError(f"no pair could be read from the first {len(held)} shard(s) ({rows} rows: {told}; "
+                     f"e.g. {first}): {'; '.join(hints)}")
 
 
 def judged_columns(result: ShardResult, calibration: Calibration, adjusted: NDArray[np.float32] | None) -> tuple[Any, dict[str, Any]]:
@@ -320,7 +333,7 @@ class ShardWork:
             ok += int(result.ok_mask.sum())
         if not held:
             return CalibrationOutcome(None, [ShardOutcome(u, None, e) for u, _, e in outcomes])
-        _check_caption_field(held, self.spec.caption_field)
+        _check_some_pair_readable(held, self.spec.caption_field)
         identity = None if self.judge is None else self.judge.judge.identity()
         word_check = identity is not None and has_word_check(identity)
         calibration, contrast = fit_calibration(held, self.spec, self.random_beta, dim, word_check)

@@ -452,13 +452,13 @@ def to_pair(sample: RawSample, caption_field: str | None = None) -> PairSample:
 
     if sample.issue is not None:
         return row(*sample.issue)
+    # The fields found say why: "a.v1.jpg" is field "v1.jpg" of key "a" (WebDataset's key rule).
+    found = ", ".join(sorted(sample.files)[:5]) or "none"
     if image is None:
-        # The fields found say why: "a.v1.jpg" is field "v1.jpg" of key "a" (WebDataset's key rule).
-        found = ", ".join(sorted(sample.files)[:5]) or "none"
         return row(schema.STATUS_MISSING_IMAGE, f"no jpg/jpeg/png/webp member (its fields: {found})")
     if text is None:
         where = f"json field {caption_field!r}" if caption_field else "txt member or json caption"
-        return row(schema.STATUS_MISSING_TEXT, json_error or f"no {where}")
+        return row(schema.STATUS_MISSING_TEXT, json_error or f"no {where} (its fields: {found})")
     if _blank(text):
         return row(schema.STATUS_EMPTY_TEXT, "caption is empty (no visible character)")
     return row(schema.STATUS_OK, None)

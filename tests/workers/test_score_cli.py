@@ -192,9 +192,25 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
     # A mistyped --caption-field: one line before anything is scored, and the corrected command runs there
     assert _score(good, tmp_path / "o6", "--caption-field", "captoin") == 1
     err = capsys.readouterr().err
-    assert "has a caption in json field 'captoin'" in err and "check --caption-field" in err and err.count("\n") == 1
+    assert "no json field 'captoin'" in err and "check --caption-field" in err and err.count("\n") == 1
     assert not list((tmp_path / "o6").glob("*.parquet"))
     assert _score(good, tmp_path / "o6") == 0
+    capsys.readouterr()
+    # Captions in a member pairclean does not read, images in one it does not either, and no
+    # --caption-field: one line naming the fields the samples carry, nothing written (this
+    # used to write a corpus of empty rows and report SUCCEEDED)
+    for moved, status, hint in (("txt", "missing_text", "--caption-field"), ("jpg", "missing_image", "jpg/jpeg/png/webp")):
+        renamed = {i: {moved: None, "caption" if moved == "txt" else "image": b"moved"} for i in range(6)}
+        shards = [str(s) for s in make_shards(n_shards=2, per_shard=3, prefix=f"moved-{moved}", extra=renamed)]
+        assert _score(shards, tmp_path / f"o7-{moved}") == 1
+        err = capsys.readouterr().err
+        assert f"(6 rows: {status}=6;" in err and hint in err and err.count("\n") == 1 and "Traceback" not in err
+        assert "its fields: caption, jpg, json" in err if moved == "txt" else "its fields: image, json, txt" in err
+        assert not list((tmp_path / f"o7-{moved}").glob("*.parquet"))
+    # ... while shards whose pairs all fail on their data (images that do not decode) stay rows with a status
+    broken = [str(s) for s in make_shards(n_shards=1, per_shard=3, prefix="broken", extra={i: {"jpg": b"not an image"} for i in range(3)})]
+    assert _score(broken, tmp_path / "o8") == 0
+    assert [r["status"] for r in _rows(tmp_path / "o8", "broken-00000")] == ["decode_error"] * 3
     capsys.readouterr()
     # Nothing scored is FAILED even where every shard may fail: PARTIAL says some work is there
     assert _score([str(junk)], tmp_path / "o5", "--max-failed-fraction", "1") == 3
