@@ -139,7 +139,8 @@ COL_URL: Final = "url"
 #: Where the pair's members lie in its (uncompressed) tar: the byte offset of the member's
 #: data and its size (wids-style random access: a viewer reads just these bytes). The
 #: caption member is the ``txt`` member, or the ``json`` member when the job reads a
-#: ``caption_field`` (recipe in the metadata). Null where unknown: compressed tars, members
+#: ``caption_field`` (recipe in the metadata), or the member a ``caption_field`` with a
+#: leading dot names (``.caption``). Null where unknown: compressed tars, members
 #: not read (too large, links), captions from the json fallback.
 COL_IMAGE_OFFSET: Final = "image_offset"
 COL_IMAGE_SIZE: Final = "image_size"

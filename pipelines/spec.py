@@ -53,11 +53,15 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         """``InputError`` (one line) for counts that cannot run: a job of them did nothing and
-        reported success (``--calibration-pairs 0``), or refused every image (``--max-pixels -5``)."""
+        reported success (``--calibration-pairs 0``), or refused every image (``--max-pixels -5``);
+        and for a ``caption_field`` naming a member that cannot hold a caption (``.jpg``)."""
         for name in ("batch_size", "max_pixels", "calibration_pairs", "beta_k"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"--{name.replace('_', '-')} must be a whole number of at least 1, got {value!r}")
+        from pairclean.read.shards import caption_member
+
+        caption_member(self.caption_field)  # a member name that cannot hold the caption: one line
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict (``shards`` as a list). The judge's fields only when it

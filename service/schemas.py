@@ -37,6 +37,9 @@ class JobOptions(BaseModel):
     #: the judge (``pairclean score --judge``): auto (default) is on for pairclean-lite
     judge: Literal["auto", "off", "band", "all"] | None = None
     judge_budget: float | None = Field(None, gt=0, le=1)
+    #: where the caption is (``pairclean score --caption-field``): a json field, or with a
+    #: leading dot a member (``.caption``); letters, digits, ``_ . -`` only, never a flag
+    caption_field: str | None = Field(None, pattern=r"^\.?[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 
 
 class JobRequest(BaseModel):

@@ -94,7 +94,7 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     add_seed_arg(score, 0, "seed of the calibration (random inputs, K x K samples)")
     score.add_argument("--batch-size", type=int, default=64)
     score.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS)
-    score.add_argument("--caption-field", default=None, help="take the caption from this json field")
+    score.add_argument("--caption-field", default=None, help="take the caption from this json field, or, with a leading dot (.caption), from the member of that extension")
     score.add_argument("--decode-device", default="cpu", help="cpu (PIL, on --cpus-per-actor threads) or cuda (batched nvJPEG on the GPU, CPU fallback for PNG/WebP/corrupt images)")
     score.add_argument("--calibration-pairs", type=int, default=4096, help="ok pairs that corpus recipes calibrate on")
     score.add_argument("--contrast", choices=["auto", "on", "off"], default="auto",

@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from pairclean import schema
-from pairclean.errors import ShardReadError
+from pairclean.errors import InputError, ShardReadError
 from pairclean.uris import open_shard
 
 __all__ = [
+    "caption_member",
     "caption_text",
     "decode_caption",
     "IMAGE_EXTS",
@@ -86,8 +87,10 @@ class RawSample:
 class ReadOptions:
     """How a sample becomes a pair.
 
-    ``caption_field``: when set, the caption is this field of the ``json`` member;
-    otherwise the ``txt`` member is used, falling back to ``json["caption"]``.
+    ``caption_field``: when set, the caption is this field of the ``json`` member, or,
+    written with a leading dot (``".caption"``), the sample's member of that extension read
+    as text (``caption_member``); otherwise the ``txt`` member is used, falling back to
+    ``json["caption"]``.
     ``max_member_bytes``: members larger than this are skipped unread (``too_large``);
     None reads members of any size.
     """
@@ -95,6 +98,9 @@ class ReadOptions:
     caption_field: str | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     max_member_bytes: int | None = DEFAULT_MAX_MEMBER_BYTES
+
+    def __post_init__(self) -> None:
+        caption_member(self.caption_field)  # a dot alone or an image member: InputError here, not per sample
 
 
 @dataclass(frozen=True)
@@ -322,8 +328,29 @@ def _parse_json(sample: RawSample) -> tuple[dict[str, Any], str | None]:
     return meta, None
 
 
+def caption_member(caption_field: str | None) -> str | None:
+    """The member extension a ``caption_field`` names (``".caption"`` -> ``"caption"``), or
+    None where it names a json field (or is None).
+
+    Why a leading dot rather than another option: WebDataset writers name caption members
+    otherwise than ``txt`` (``caption``, ``text``, ``en.txt``), and a field of the json and
+    a member are both "where the caption is"; the dot is how member names end (``KEY.caption``),
+    and a json field name never needed one. ``InputError`` for a dot alone or an image member."""
+    if caption_field is None or not caption_field.startswith("."):
+        return None
+    ext = caption_field[1:].lower()
+    if not ext or ext in IMAGE_EXTS or ext == "json":
+        raise InputError(f"--caption-field {caption_field!r}: a leading dot names a text member (e.g. '.caption'); "
+                         "'.json' and image members cannot hold the caption")
+    return ext
+
+
 def _caption(sample: RawSample, meta: dict[str, Any], caption_field: str | None) -> str | None:
     """The caption as read (not yet bounded: see ``_bounded``); None when there is none."""
+    member = caption_member(caption_field)
+    if member is not None:
+        raw = sample.files.get(member)
+        return None if raw is None else decode_caption(raw[: 4 * MAX_CAPTION_CHARS])
     if caption_field is not None:
         return _caption_value(meta.get(caption_field))
     raw = sample.files.get("txt")
@@ -444,7 +471,7 @@ def to_pair(sample: RawSample, caption_field: str | None = None) -> PairSample:
     text = None if text is None else _bounded(text)
     # The caption's member as _caption picks it; a json-fallback caption (no caption_field,
     # no txt) gets no span, so a viewer never has to guess which member it reads.
-    caption_ext = "json" if caption_field is not None else "txt"
+    caption_ext = caption_member(caption_field) or ("json" if caption_field is not None else "txt")
     spans = (sample.spans.get(image_ext) if image_ext else None, sample.spans.get(caption_ext))
 
     def row(status: str, error: str | None) -> PairSample:
@@ -457,7 +484,8 @@ def to_pair(sample: RawSample, caption_field: str | None = None) -> PairSample:
     if image is None:
         return row(schema.STATUS_MISSING_IMAGE, f"no jpg/jpeg/png/webp member (its fields: {found})")
     if text is None:
-        where = f"json field {caption_field!r}" if caption_field else "txt member or json caption"
+        member = caption_member(caption_field)
+        where = (f"{member} member" if member else f"json field {caption_field!r}") if caption_field else "txt member or json caption"
         return row(schema.STATUS_MISSING_TEXT, json_error or f"no {where} (its fields: {found})")
     if _blank(text):
         return row(schema.STATUS_EMPTY_TEXT, "caption is empty (no visible character)")

@@ -108,3 +108,20 @@ def test_the_judge_options_reach_the_score_command_and_are_checked() -> None:
     for bad in ({"judge": "sometimes"}, {"judge_budget": 0}, {"judge_budget": 1.5}):
         with pytest.raises(pydantic.ValidationError):
             JobRequest(shards=["/data/a.tar"], output="/data/out", options=bad)
+
+
+def test_the_caption_field_reaches_the_score_command_and_is_checked() -> None:
+    import pydantic
+
+    from pairclean_service.runner import score_command
+    from pairclean_service.schemas import JobRequest
+    from pairclean_service.settings import ServiceSettings
+
+    for field in ("alt_text", ".caption", ".en.txt"):
+        request = JobRequest(shards=["/data/a.tar"], output="/data/out", options={"caption_field": field})
+        cmd = score_command(request.model_dump(), ServiceSettings())
+        assert cmd[cmd.index("--caption-field") + 1] == field
+    assert "--caption-field" not in score_command(JobRequest(shards=["/data/a.tar"], output="/data/out").model_dump(), ServiceSettings())
+    for bad in ("--overwrite", "-x", ".", "", "a b", "a/b", "x" * 70):
+        with pytest.raises(pydantic.ValidationError):
+            JobRequest(shards=["/data/a.tar"], output="/data/out", options={"caption_field": bad})

@@ -199,14 +199,20 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
     # Captions in a member pairclean does not read, images in one it does not either, and no
     # --caption-field: one line naming the fields the samples carry, nothing written (this
     # used to write a corpus of empty rows and report SUCCEEDED)
+    shards_txt: list[str] = []
     for moved, status, hint in (("txt", "missing_text", "--caption-field"), ("jpg", "missing_image", "jpg/jpeg/png/webp")):
-        renamed = {i: {moved: None, "caption" if moved == "txt" else "image": b"moved"} for i in range(6)}
+        renamed = {i: {moved: None, "caption" if moved == "txt" else "image": b"a dog runs" if moved == "txt" else b"moved"} for i in range(6)}
         shards = [str(s) for s in make_shards(n_shards=2, per_shard=3, prefix=f"moved-{moved}", extra=renamed)]
+        shards_txt = shards if moved == "txt" else shards_txt
         assert _score(shards, tmp_path / f"o7-{moved}") == 1
         err = capsys.readouterr().err
         assert f"(6 rows: {status}=6;" in err and hint in err and err.count("\n") == 1 and "Traceback" not in err
         assert "its fields: caption, jpg, json" in err if moved == "txt" else "its fields: image, json, txt" in err
         assert not list((tmp_path / f"o7-{moved}").glob("*.parquet"))
+    # the corrected command reads the caption member (a leading dot names a member) in the same folder
+    assert _score(shards_txt, tmp_path / "o7-txt", "--caption-field", ".caption") == 0
+    assert {r["status"] for r in _rows(tmp_path / "o7-txt", "moved-txt-00000")} == {"ok"}
+    capsys.readouterr()
     # ... while shards whose pairs all fail on their data (images that do not decode) stay rows with a status
     broken = [str(s) for s in make_shards(n_shards=1, per_shard=3, prefix="broken", extra={i: {"jpg": b"not an image"} for i in range(3)})]
     assert _score(broken, tmp_path / "o8") == 0

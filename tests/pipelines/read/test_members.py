@@ -59,6 +59,29 @@ def test_spans_point_at_the_member_bytes(tmp_path: Path) -> None:
     assert json.loads(raw[offset : offset + size])["alt"] == "json caption 0"
 
 
+def test_a_caption_field_with_a_leading_dot_reads_that_member(tmp_path: Path) -> None:
+    """Writers that keep captions in ``KEY.caption`` (or ``KEY.en.txt``) members: ``--caption-field
+    .caption`` reads the member as text, its span points at it; a sample without it is
+    ``missing_text`` naming its fields; a dot alone or an image member is refused up front."""
+    samples = [
+        {"__key__": "a/0", "jpg": IMAGE_0, "caption": "caf\xe9 caption".encode("latin-1"), "txt": "not this one"},
+        {"__key__": "a/1", "jpg": IMAGE_0, "en.txt": "english", "txt": "nor this"},
+        {"__key__": "a/2", "jpg": IMAGE_0, "txt": "no caption member"},
+    ]
+    shard = write_shard(tmp_path / "s.tar", samples)
+    raw = shard.read_bytes()
+    pairs = list(iter_pairs(str(shard), ReadOptions(caption_field=".caption")))
+    assert [p.status for p in pairs] == ["ok", schema.STATUS_MISSING_TEXT, schema.STATUS_MISSING_TEXT]
+    assert pairs[0].text == "caf\xe9 caption"  # decoded as a txt member is (Windows-1252 byte kept)
+    offset, size = pairs[0].caption_span
+    assert raw[offset : offset + size] == "caf\xe9 caption".encode("latin-1")
+    assert pairs[2].error == "no caption member (its fields: jpg, txt)"
+    assert [p.text for p in iter_pairs(str(shard), ReadOptions(caption_field=".EN.txt"))][1] == "english"
+    for bad in (".", ".jpg", ".json"):
+        with pytest.raises(InputError, match="a leading dot names a text member"):
+            ReadOptions(caption_field=bad)
+
+
 def test_compressed_tars_have_no_spans(tmp_path: Path) -> None:
     plain = write_shard(tmp_path / "s.tar", _samples())
     packed = tmp_path / "s.tar.gz"

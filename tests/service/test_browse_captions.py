@@ -1,0 +1,27 @@
+"""The pages read a pair's caption from the member its job read it from: the txt member, a
+json field (``--caption-field alt``) or another text member (``--caption-field .caption``)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from pairclean.lite.evaldata import write_shard
+from pairclean.read.shards import ReadOptions, iter_pairs
+from pairclean_service.browse import Browser
+from pairclean_service.settings import ServiceSettings
+
+
+def test_captions_are_read_where_the_job_read_them(tmp_path: Path) -> None:
+    sample = {"__key__": "a/0", "jpg": b"\xff\xd8 not decoded here", "txt": "the txt caption", "caption": '{"not": "json"} a member',
+              "json": {"alt": "the json field"}}
+    shard = str(write_shard(tmp_path / "s.tar", [sample]))
+    browser = Browser(ServiceSettings(allowed_inputs=[str(tmp_path)]))
+    record = SimpleNamespace(shard=shard)
+    for field, expected in ((None, "the txt caption"), ("alt", "the json field"), (".caption", '{"not": "json"} a member')):
+        pair = next(iter_pairs(shard, ReadOptions(caption_field=field)))
+        assert pair.text == expected
+        offset, size = pair.caption_span
+        shown = browser._caption(record, offset, size, field, time.monotonic() + 10)  # type: ignore[arg-type]
+        assert shown == expected
