@@ -9,10 +9,13 @@ import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
+from pairclean.errors import InputError
+
 __all__ = [
     "IMAGE_EXTS",
     "REWRITE_FILE",
     "WEIGHT_TOLERANCE",
+    "caption_member",
     "checked_weights",
     "ok_mask",
     "SHARD_COMMITTED",
@@ -295,7 +298,6 @@ def checked_weights(weights: Any, where: str) -> NDArray[np.float64]:
     NaN, infinite, negative or larger weight comes from a damaged or foreign table and
     would reach a training loss as is: ``InputError`` naming ``where``, how many and the
     first row, rather than any silent repair."""
-    from pairclean.errors import InputError
 
     column = weights.combine_chunks() if isinstance(weights, pa.ChunkedArray) else weights
     nulls = column.null_count if isinstance(column, pa.Array) else 0
@@ -307,3 +309,20 @@ def checked_weights(weights: Any, where: str) -> NDArray[np.float64]:
         raise InputError(f"{where}: {int(bad.sum())} weights are NaN, null, infinite or outside [0, 1] ({shown}); "
                          "the table is damaged or not pairclean's: rescore or re-export it", uri=where)
     return np.clip(values, 0.0, 1.0)
+
+
+def caption_member(caption_field: str | None) -> str | None:
+    """The member extension a ``caption_field`` names (``".caption"`` -> ``"caption"``), or
+    None where it names a json field (or is None).
+
+    Why a leading dot rather than another option: WebDataset writers name caption members
+    otherwise than ``txt`` (``caption``, ``text``, ``en.txt``), and a field of the json and
+    a member are both "where the caption is"; the dot is how member names end (``KEY.caption``),
+    and a json field name never needed one. ``InputError`` for a dot alone or an image member."""
+    if caption_field is None or not caption_field.startswith("."):
+        return None
+    ext = caption_field[1:].lower()
+    if not ext or ext in IMAGE_EXTS or ext == "json":
+        raise InputError(f"--caption-field {caption_field!r}: a leading dot names a text member (e.g. '.caption'); "
+                         "'.json' and image members cannot hold the caption")
+    return ext

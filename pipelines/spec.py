@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pairclean.errors import InputError
+from pairclean.schema import caption_member
 from pairclean.uris import shard_stem
 
 __all__ = ["JobSpec", "spec_digest", "spec_diff"]
@@ -59,8 +60,6 @@ class JobSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"--{name.replace('_', '-')} must be a whole number of at least 1, got {value!r}")
-        from pairclean.read.shards import caption_member
-
         caption_member(self.caption_field)  # a member name that cannot hold the caption: one line
 
     def to_json(self) -> dict[str, Any]:

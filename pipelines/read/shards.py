@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from pairclean import schema
-from pairclean.errors import InputError, ShardReadError
+from pairclean.errors import ShardReadError
 from pairclean.uris import open_shard
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
 ]
 
 IMAGE_EXTS = schema.IMAGE_EXTS
+caption_member = schema.caption_member  # here too: where the reader's options are
 # WebDataset's base_plus_ext rule: key = dirname + basename up to the first dot.
 _KEY_RE = re.compile(r"^((?:.*/|)[^.]+)\.([^/]*)$")
 # Tar members like __index__.json are WebDataset metadata, not samples.
@@ -326,23 +327,6 @@ def _parse_json(sample: RawSample) -> tuple[dict[str, Any], str | None]:
     if not isinstance(meta, dict):
         return {}, "json member is not an object"
     return meta, None
-
-
-def caption_member(caption_field: str | None) -> str | None:
-    """The member extension a ``caption_field`` names (``".caption"`` -> ``"caption"``), or
-    None where it names a json field (or is None).
-
-    Why a leading dot rather than another option: WebDataset writers name caption members
-    otherwise than ``txt`` (``caption``, ``text``, ``en.txt``), and a field of the json and
-    a member are both "where the caption is"; the dot is how member names end (``KEY.caption``),
-    and a json field name never needed one. ``InputError`` for a dot alone or an image member."""
-    if caption_field is None or not caption_field.startswith("."):
-        return None
-    ext = caption_field[1:].lower()
-    if not ext or ext in IMAGE_EXTS or ext == "json":
-        raise InputError(f"--caption-field {caption_field!r}: a leading dot names a text member (e.g. '.caption'); "
-                         "'.json' and image members cannot hold the caption")
-    return ext
 
 
 def _caption(sample: RawSample, meta: dict[str, Any], caption_field: str | None) -> str | None:
