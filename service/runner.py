@@ -94,6 +94,9 @@ class JobRunner:
         self.runner_id = f"{socket.gethostname()}:{state_dir.resolve()}"
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        #: Other runners' RUNNING jobs whose process looked gone: job id -> (their launch, when first seen so)
+        self._gone_since: dict[str, tuple[tuple[str | None, str | None], float]] = {}
+        self._next_orphan_look = 0.0
         self._thread = threading.Thread(target=self._loop, name="pairclean-runner", daemon=True)
 
     def start(self) -> None:
@@ -142,11 +145,39 @@ class JobRunner:
             try:
                 self._reap()
                 self._follow()
+                self._adopt_orphans()
                 self._launch()
                 self.metrics.jobs_by_state(self.store.counts_by_state())
             except Exception:  # noqa: BLE001 - the runner must outlive one bad iteration
                 log.exception("runner iteration failed")
             self._stop.wait(self.settings.poll_interval_s)
+
+    def _adopt_orphans(self) -> None:
+        """Queue again the RUNNING jobs of other runners whose job process is gone (see
+        ``ServiceSettings.orphan_grace_s``): a replica lost with its host leaves them RUNNING,
+        and no restart of it will ever resume them. The job's own run lock tells: its
+        process renews the lock's heartbeat while it lives, wherever it runs. The move is
+        conditional on the launch seen (runner and start time), so a job another replica
+        has queued and launched again in between is left alone."""
+        now = time.monotonic()
+        if now < self._next_orphan_look:
+            return
+        self._next_orphan_look = now + self.settings.orphan_check_s
+        running = {job.id: job for job in self.store.in_states([RUNNING]) if job.id not in self.running and job.runner != self.runner_id}
+        for job_id in set(self._gone_since) - set(running):
+            del self._gone_since[job_id]
+        for job in running.values():
+            launch = (job.runner, job.started_at)
+            if _job_process_alive(job):
+                self._gone_since.pop(job.id, None)
+                continue
+            seen = self._gone_since.get(job.id)
+            if seen is None or seen[0] != launch:
+                self._gone_since[job.id] = (launch, now)
+            elif now - seen[1] >= self.settings.orphan_grace_s and self.store.transition(
+                    job.id, [RUNNING], expect={"runner": job.runner, "started_at": job.started_at}, state=QUEUED, pid=None):
+                del self._gone_since[job.id]
+                log.warning("job %s: its process (runner %s) is gone; queued again to resume", job.id, job.runner)
 
     def _launch(self) -> None:
         while len(self.running) < self.settings.max_running_jobs:
@@ -230,6 +261,18 @@ class JobRunner:
             pairs=sum(e.rows for e in committed.values()),
             noise_rate=_noise_rate(run, calibration),
         )
+
+
+def _job_process_alive(job: JobRow) -> bool:
+    """Whether ``job``'s process still holds its output folder's run lock (heartbeat within
+    its TTL; on this host, its pid alive). A folder that cannot be read counts as alive:
+    never queue a job twice on a guess."""
+    from pairclean.output.lock import RunLock, holder_alive
+
+    try:
+        return holder_alive(RunLock(OutputDir(job.request["output"]).store).read())
+    except Exception:  # noqa: BLE001 - an unreachable store says nothing about the process
+        return True
 
 
 def _folder_state(output: str) -> tuple[set[str], dict[str, Any]]:

@@ -28,6 +28,11 @@ class ServiceSettings(BaseSettings):
     header declares at most ``ui_thumbnail_max_pixels`` pixels at the decode scale.
     ``audit_sample`` / ``audit_seed``: the size and seed of each job's labelling queue (the
     audit loop, ``audit.py``; ``pairclean audit OUT --sample N --seed S`` draws the same one).
+    ``orphan_grace_s`` / ``orphan_check_s``: a RUNNING job launched by another replica whose
+    job process is gone (its output folder's run lock absent or past its TTL at two looks at
+    least ``orphan_grace_s`` apart, the launch unchanged) is queued again, so a replica lost
+    with its host does not leave its jobs RUNNING for ever; every ``orphan_check_s`` seconds.
+    Keep the grace above the run lock's TTL (60 s) and a job process's start-up.
     """
 
     model_config = SettingsConfigDict(env_prefix="PAIRCLEAN_", extra="ignore")
@@ -58,3 +63,5 @@ class ServiceSettings(BaseSettings):
     ui_poll_ms: int = 2000
     audit_sample: int = Field(400, ge=1, le=5000)
     audit_seed: int = 0
+    orphan_grace_s: float = Field(180.0, gt=0)
+    orphan_check_s: float = Field(30.0, gt=0)

@@ -243,8 +243,9 @@ class JobStore:
         with self.engine.begin() as conn:
             conn.execute(statement)
 
-    def transition(self, job_id: str, from_states: Sequence[str], **fields: Any) -> bool:
-        """Update only if the job is in one of ``from_states``; returns whether it was.
+    def transition(self, job_id: str, from_states: Sequence[str], *, expect: dict[str, Any] | None = None, **fields: Any) -> bool:
+        """Update only if the job is in one of ``from_states`` (and its fields equal ``expect``,
+        e.g. the launch a caller saw: ``{"runner": ..., "started_at": ...}``); returns whether it was.
 
         Raises ``IllegalTransition`` when ``state`` is not a move the lifecycle
         (``pairclean.job.lifecycle``) allows from every one of ``from_states``.
@@ -254,7 +255,9 @@ class JobStore:
             illegal = [s for s in from_states if not can_move(s, target)]
             if illegal or target not in STATES:
                 raise IllegalTransition(f"a job cannot go from {illegal or list(from_states)} to {target!r}")
-        statement = (update(jobs).where(jobs.c.id == job_id, jobs.c.state.in_(_states(from_states)))
+        same = [jobs.c[column].is_(None) if value is None else jobs.c[column] == value
+                for column, value in (_values(expect).items() if expect else ())]
+        statement = (update(jobs).where(jobs.c.id == job_id, jobs.c.state.in_(_states(from_states)), *same)
                      .values(_values(fields)))
         with self.engine.begin() as conn:
             result = conn.execute(statement)

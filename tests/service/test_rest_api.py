@@ -220,6 +220,61 @@ def test_starting_a_second_replica_leaves_the_first_ones_running_job_alone(tmp_p
 
 
 
+def test_a_replica_lost_with_its_host_leaves_no_job_running_for_ever(tmp_path: Path, live_server_cls) -> None:
+    """A RUNNING job launched by a replica on another host stayed RUNNING for good when that
+    host was lost: only a restart of the same replica resumed it. Another replica now queues
+    it again once its output's run lock has been dead (absent, or no heartbeat within its
+    TTL) at two looks ``orphan_grace_s`` apart; a job whose process still beats stays."""
+
+
+    from pairclean import schema
+    from pairclean.output.folder import OutputDir
+    from pairclean_service.store import JobStore, now_iso
+
+    url = f"sqlite:///{tmp_path / 'jobs.db'}"
+    store = JobStore(url)
+    gone = "gone-host.invalid:/srv/state"
+
+    def running_job(name: str) -> tuple[str, OutputDir]:
+        job, _ = store.create({"shards": [f"/x/{name}.tar"], "output": str(tmp_path / name)}, "tester", None, 1)
+        assert store.transition(job.id, ["QUEUED"], state="RUNNING", pid=4242, started_at=now_iso(), runner=gone)
+        return job.id, OutputDir(str(tmp_path / name))
+
+    def lock(out: OutputDir, age_s: float) -> None:
+        doc = {"run_id": "r", "host": "gone-host.invalid", "pid": 4242, "heartbeat": time.time() - age_s, "ttl_s": 60.0}
+        out.store.put(schema.LOCK_FILE, json.dumps(doc).encode())
+
+    stale, stale_out = running_job("stale")  # its process stopped beating an hour ago
+    lock(stale_out, 3600)
+    unlocked, _ = running_job("unlocked")  # no lock at all (its process had ended, or never began)
+    beating, beating_out = running_job("beating")  # its process lives on the other host
+    lock(beating_out, 0)
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(0.2):
+            lock(beating_out, 0)
+
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
+    # the same job, launched again by a third replica after it was seen gone: not queued on the old sighting
+    assert not store.transition(stale, ["RUNNING"], expect={"runner": "another:/x", "started_at": None}, state="QUEUED")
+    try:
+        (tmp_path / "b").mkdir()
+        with live_server_cls(tmp_path / "b", url, max_running_jobs=0, orphan_grace_s=3.0, orphan_check_s=0.2):
+            time.sleep(0.5)
+            assert store.get(stale).state == "RUNNING"  # one look is not enough: the grace runs from the first
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and {store.get(j).state for j in (stale, unlocked)} != {"QUEUED"}:
+                time.sleep(0.2)
+            assert store.get(stale).state == "QUEUED" and store.get(stale).pid is None
+            assert store.get(unlocked).state == "QUEUED"
+            assert store.get(beating).state == "RUNNING"  # more than the grace has passed: its heartbeat keeps it
+    finally:
+        stop.set()
+        beater.join()
+
+
 def test_readiness_fails_when_the_job_store_file_is_deleted_under_the_service(tmp_path: Path, live_server_cls) -> None:
     """The open connections kept answering from the unlinked file: /readyz stayed green while
     every job written since was bound to vanish at the next start."""
