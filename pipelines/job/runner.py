@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from pairclean.errors import InputError
@@ -172,7 +172,7 @@ class _Recorder:
         if outcome.record is None:
             self._fail(outcome)
         else:
-            self._commit(outcome.record)
+            self._commit(replace(outcome.record, attempts=outcome.attempts))
 
     def _commit(self, record: ShardRecord) -> None:
         self.out.record_completion(record)

@@ -114,6 +114,9 @@ class ShardRecord:
     emb_output: str | None = None
     emb_bytes: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    #: How many tries the shard took (a worker lost or a transient error retried it; set by
+    #: the driver at commit). 1 in records written before it was kept.
+    attempts: int = 1
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
@@ -130,7 +133,7 @@ _MANIFEST_SCHEMA = pa.schema(
     [
         ("stem", pa.string()), ("shard", pa.string()), ("size", pa.int64()), ("rows", pa.int64()),
         ("output", pa.string()), ("sha256", pa.string()), ("bytes", pa.int64()), ("statuses", pa.string()),
-        ("emb_output", pa.string()), ("emb_bytes", pa.int64()), ("timings", pa.string()),
+        ("emb_output", pa.string()), ("emb_bytes", pa.int64()), ("timings", pa.string()), ("attempts", pa.int64()),
     ]
 )
 
@@ -148,6 +151,8 @@ def _table_records(table: pa.Table) -> Iterator[ShardRecord]:
     for row in table.to_pylist():
         row["statuses"] = json.loads(row["statuses"])
         row["timings"] = json.loads(row["timings"])
+        if row.get("attempts") is None:  # a manifest written before attempts were kept
+            row["attempts"] = 1
         yield ShardRecord(**row)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -53,6 +53,10 @@ class Summary:
     #: The verb whose rewrite of the tables was interrupted (their weights are mixed until
     #: it is run again); None when the tables are whole.
     interrupted_rewrite: str | None = None
+    #: Committed shards that took more than one try (stem -> attempts: a worker was lost or
+    #: a transient error retried them), and quarantined ones (stem -> their error).
+    retried: dict[str, int] = field(default_factory=dict)
+    quarantined: dict[str, str] = field(default_factory=dict)
 
 
 def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> Summary:
@@ -73,9 +77,10 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
     ok_view = view.filter(ok)
     order = np.argsort(ok_view.column(schema.COL_WEIGHT).to_numpy(), kind="stable")[:rows]
     values, occurrences = np.unique(status, return_counts=True)
+    committed = out.committed()
     return Summary(
         shards_total=len(spec.shards) if spec else 0,
-        shards_committed=len(out.committed()),
+        shards_committed=len(committed),
         pairs=table.num_rows,
         statuses={str(k): int(v) for k, v in zip(values, occurrences)},
         beta=meta["beta"]["value"],
@@ -96,6 +101,8 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
         if schema.COL_P_CLEAN in table.column_names else None,
         owned=_owned_share(table, ok),
         interrupted_rewrite=out.interrupted_rewrite(),
+        retried={stem: r.attempts for stem, r in sorted(committed.items()) if r.attempts > 1},
+        quarantined={stem: _clip(str(q.get("error"))) for stem, q in sorted(out.quarantined().items()) if stem not in committed},
     )
 
 
@@ -207,12 +214,25 @@ def _contrast_line(doc: dict[str, Any]) -> str:
             f"bank of {doc['bank_rows']} calibration pairs; weights read adjusted_similarity)")
 
 
+def _clip(text: str, limit: int = 160) -> str:
+    """``text`` cut to ``limit`` characters (an error as a summary line shows it)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _few(items: dict[str, Any], shown: int = 3) -> str:
+    """The first ``shown`` entries of ``items`` as ``stem (value)``, and how many more."""
+    text = ", ".join(f"{stem} ({value})" for stem, value in list(items.items())[:shown])
+    return text + (f" and {len(items) - shown} more" if len(items) > shown else "")
+
+
 def format_summary(s: Summary) -> str:
     """Human-readable text of a summary."""
     warning = ([f"WARNING: a `pairclean {s.interrupted_rewrite}` was interrupted while rewriting the tables: some hold "
                 f"its weights, some the earlier ones; run it again before using them"] if s.interrupted_rewrite else [])
     lines = warning + [
-        f"shards: {s.shards_committed}/{s.shards_total} committed, pairs: {s.pairs}",
+        f"shards: {s.shards_committed}/{s.shards_total} committed, pairs: {s.pairs}"
+        + (f"; {len(s.quarantined)} failed (a rerun retries them): " + _few(s.quarantined) if s.quarantined else "")
+        + (f"; {len(s.retried)} took more than one try (up to {max(s.retried.values())}): " + _few(s.retried) if s.retried else ""),
         f"model: {s.model.get('model_id')} ({s.model.get('precision')}, {s.model.get('device')})",
         f"beta: {s.beta:+.4f} ({s.beta_recipe}), weighting: {s.weighting}",
         "status: " + ", ".join(f"{k}={v}" for k, v in s.statuses.items()),

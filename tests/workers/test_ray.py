@@ -99,6 +99,13 @@ def test_a_killed_worker_is_replaced_and_every_shard_committed_once(ray_local, m
     assert sorted(stems) == [f"part-{i:05d}" for i in range(4)] and len(stems) == 4
     for stem in stems:
         assert pq.read_table(tmp_path / "out" / f"{stem}.parquet").num_rows == 24
+    # the shards the lost workers held say they took more than one try (after compaction too)
+    attempts = {r.stem: r.attempts for r in OutputDir(str(tmp_path / "out")).iter_committed()}
+    assert set(attempts.values()) <= {1, 2} and sum(a > 1 for a in attempts.values()) == source.retries
+    from pairclean.output.report import format_summary, summarize
+
+    shown = format_summary(summarize(OutputDir(str(tmp_path / "out")))).splitlines()[0]
+    assert f"; {source.retries} took more than one try (up to 2): " in shown
 
 
 def _actor_cpu_settings(actor: object) -> dict[str, object]:

@@ -171,6 +171,11 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
     # rescoring keeps the quarantine record
     assert main(["rescore", str(tmp_path / "o3"), "--beta-recipe", "gmm", "--weighting", "paper"]) == 0
     assert sorted(OutputDir(str(tmp_path / "o3")).quarantined()) == ["junk"]
+    # ... and inspect names it beside the committed count
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "o3")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("shards: 1/2 committed") and "; 1 failed (a rerun retries them): junk (" in first and "junk.tar" in first
     # An output that is an existing file: one line naming it, exit 1, no traceback (issue 10, item 6).
     (tmp_path / "a-file").write_text("x")
     assert _score(good, tmp_path / "a-file") == 1
