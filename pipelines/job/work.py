@@ -257,7 +257,7 @@ def _check_some_pair_readable(held: Sequence[ShardResult], field: str | None) ->
     told = ", ".join(f"{status}={n}" for status, n in sorted(counts.items()))
     hints = []
     if counts[schema.STATUS_MISSING_TEXT]:
-        hints.append("check --caption-field" if field else "captions are read from a txt member, or from the json field that --caption-field names")
+        hints.append("check --caption-field" if field else "captions are read from a txt member; name another member (--caption-field .caption) or a json field (--caption-field NAME)")
     if counts[schema.STATUS_MISSING_IMAGE]:
         hints.append("images are read from jpg/jpeg/png/webp members")
     raise InputError(f"no pair could be read from the first {len(held)} shard(s) ({rows} rows: {told}; "

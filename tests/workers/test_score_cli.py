@@ -205,7 +205,7 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
     # --caption-field: one line naming the fields the samples carry, nothing written (this
     # used to write a corpus of empty rows and report SUCCEEDED)
     shards_txt: list[str] = []
-    for moved, status, hint in (("txt", "missing_text", "--caption-field"), ("jpg", "missing_image", "jpg/jpeg/png/webp")):
+    for moved, status, hint in (("txt", "missing_text", "(--caption-field .caption)"), ("jpg", "missing_image", "jpg/jpeg/png/webp")):
         renamed = {i: {moved: None, "caption" if moved == "txt" else "image": b"a dog runs" if moved == "txt" else b"moved"} for i in range(6)}
         shards = [str(s) for s in make_shards(n_shards=2, per_shard=3, prefix=f"moved-{moved}", extra=renamed)]
         shards_txt = shards if moved == "txt" else shards_txt
