@@ -33,6 +33,7 @@ import pyarrow as pa
 from pairclean import schema
 from pairclean.errors import InputError
 from pairclean.output.folder import OutputDir, ShardRecord
+from pairclean.output.exports import refresh_exports
 from pairclean.output.lock import RunLock
 
 from . import stats
@@ -525,9 +526,12 @@ def apply_recalibration(out: OutputDir, knots: dict[str, list[float]], labels: i
             out.store.put(_applied_name(doc, record.stem), json.dumps({"sha256": info.sha256, "bytes": info.bytes}).encode())
             done[record.stem] = (info.sha256, info.bytes)
             rewritten += 1
-        if any(r.sha256 != done[r.stem][0] for r in records):
+        changed = any(r.sha256 != done[r.stem][0] for r in records)
+        if changed:
             out.replace_records([replace(r, sha256=done[r.stem][0], bytes=done[r.stem][1]) for r in records])
         out.end_rewrite()
+        if changed:
+            refresh_exports(out)  # trainers read them without asking: never leave them on the earlier weights
     finally:
         lock.release()
     return {"rewritten": rewritten, "skipped": len(records) - rewritten}

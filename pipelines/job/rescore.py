@@ -21,6 +21,7 @@ from pairclean.calibrate.contrast import fit_contrast, owner_cosine_for, table_c
 from pairclean.errors import InputError
 from pairclean.calibrate.calibration import Calibration
 from pairclean.spec import JobSpec, spec_digest
+from pairclean.output.exports import refresh_exports
 from pairclean.output.lock import RunLock
 from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.job.work import has_word_check, judged_p_clean, osa_p_clean, refit_fine_prior, with_judge_record
@@ -72,8 +73,10 @@ def rescore(
     lock.acquire()
     try:
         out.start_rewrite_run("rescore")
-        return _rescore_locked(out, old_spec, lock, beta_recipe=beta_recipe, weighting=weighting, beta_k=beta_k,
-                               random_beta=random_beta, contrast=contrast)
+        calibration = _rescore_locked(out, old_spec, lock, beta_recipe=beta_recipe, weighting=weighting, beta_k=beta_k,
+                                      random_beta=random_beta, contrast=contrast)
+        refresh_exports(out)  # trainers read them without asking: never leave them on the earlier weights
+        return calibration
     finally:
         lock.release()
 

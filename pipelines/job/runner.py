@@ -32,6 +32,7 @@ from pairclean.calibrate.calibration import Calibration
 from pairclean.spec import JobSpec
 from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.job.lifecycle import FAILED, PARTIAL, SUCCEEDED
+from pairclean.output.exports import refresh_exports
 from pairclean.output.lock import RunLock
 from pairclean.embed.shard import ScoreOptions
 from pairclean.job.work import CalibrationOutcome, ShardOutcome, ShardWork
@@ -218,6 +219,8 @@ def run_job(
         out.prepare(spec, overwrite)
         report = _run(spec, out, stems, make_source, lock, progress, max_failed_fraction)
         out.compact()
+        if report.committed:
+            refresh_exports(out)  # shards committed after an export: trainers read it without asking
     finally:
         lock.release()
     report.seconds = time.perf_counter() - started

@@ -17,11 +17,13 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +31,9 @@ from pairclean import schema
 from pairclean.errors import InputError
 from pairclean.output.folder import OutputDir
 
-__all__ = ["UID_DTYPE", "ExportReport", "export", "uid_records", "write_exports"]
+log = logging.getLogger(__name__)
+
+__all__ = ["UID_DTYPE", "ExportReport", "export", "export_options", "refresh_exports", "uid_records", "write_exports"]
 
 UID_DTYPE = np.dtype("u8,u8")
 
@@ -175,7 +179,11 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
     # copy outside is recorded with both its old and its new checksum until it is written,
     # so a rerun after a crash between the two still knows the file as its own.
     pending = {path: sorted(set(previous.get(path, [])) | {digest}) for path, digest in targets.items()}
-    out.store.put(schema.EXPORTS_FILE, json.dumps({"written": names, "outside": {**previous, **pending}}).encode())
+    # The options too: a rewrite of the tables (rescore, refine, audit, more shards) writes
+    # the exports again with them (``refresh_exports``).
+    options = {"sizes_of": sizes_of, "sizes_dirs": list(sizes_dirs), "sizes_beside_shards": sizes_beside_shards,
+               "skip_bad_uids": skip_bad_uids}
+    out.store.put(schema.EXPORTS_FILE, json.dumps({"written": names, "outside": {**previous, **pending}, "options": options}).encode())
     for name, data in files.items():
         out.store.put(f"{schema.EXPORT_DIR}/{name}", data)
         report.written[name] = out.store.url(f"{schema.EXPORT_DIR}/{name}")
@@ -184,7 +192,7 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
         report.written[f"sizes.json -> {Path(path).parent}"] = path
     if targets:
         done = {path: [digest] for path, digest in targets.items()}
-        out.store.put(schema.EXPORTS_FILE, json.dumps({"written": names, "outside": {**previous, **done}}).encode())
+        out.store.put(schema.EXPORTS_FILE, json.dumps({"written": names, "outside": {**previous, **done}, "options": options}).encode())
     if not copies:
         where = shard_folders[0] if shard_folders else "the folder of your first training shard"
         report.notes.append(
@@ -206,6 +214,42 @@ def _refuse_kept_beside_shards(copies: Sequence[str], shard_folders: Sequence[st
             f"give open_clip --train-num-samples {kept} for the kept pairs (python -m pairclean.open_clip_train "
             f"--pairclean-mode keep sets it itself)"
         )
+
+
+def export_options(out: OutputDir) -> dict[str, Any] | None:
+    """The options the job's last ``export`` ran with (None: never exported, or by a release
+    that did not record them)."""
+    raw = out.store.get(schema.EXPORTS_FILE)
+    if raw is None:
+        return None
+    try:
+        options = json.loads(raw).get("options")
+    except (ValueError, AttributeError):
+        return None
+    return dict(options) if isinstance(options, dict) else None
+
+
+def refresh_exports(out: OutputDir) -> tuple[ExportReport | None, str | None]:
+    """Write the job's exports again with the options they were written with, after its
+    tables changed (trainers read them without asking, so stale ones would train on the
+    earlier weights). The caller holds the folder's ``RunLock``: the verbs that rewrite the
+    tables (score, rescore, refine, audit) call it before they let go of the folder.
+
+    Returns (the report, None); (None, None) where the job has no exports to refresh; or
+    (None, why they could not be: an ``InputError``'s message, e.g. a ``sizes.json`` copy
+    someone else has replaced since), logged as a warning that names the command to run."""
+    options = export_options(out)
+    if options is None:
+        return None, None
+    try:
+        report = _export_locked(out, str(options.get("sizes_of", "all")), [str(d) for d in options.get("sizes_dirs", [])],
+                                bool(options.get("sizes_beside_shards")), bool(options.get("skip_bad_uids")))
+    except InputError as exc:
+        log.warning("the exports of %s still hold the earlier weights: %s; run `pairclean export %s` once that is settled",
+                    out.uri, exc, out.uri)
+        return None, str(exc)
+    log.info("the exports of %s were written again with the new weights (%s)", out.uri, ", ".join(report.written))
+    return report, None
 
 
 def write_exports(out: OutputDir, **options: object) -> dict[str, str]:

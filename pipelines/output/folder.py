@@ -593,12 +593,16 @@ class OutputDir:
         self._compacted, self._pending = {r.stem: r for r in records}, {}
 
     def _mark_derived_stale(self, reason: str = "the job's tables were rewritten after this run") -> None:
-        """Mark a pseudo-pair run stale and warn about exports: the tables they were made from changed."""
+        """Mark a pseudo-pair run stale and warn about exports that cannot be refreshed (written
+        by a release that did not record their options): the tables they were made from changed."""
         if self.store.exists(schema.PSEUDO_RECORD_FILE):
             self.store.put(schema.PSEUDO_STALE_FILE, json.dumps({"reason": reason, "at": time.time()}).encode())
             log.warning("the pseudo-pairs in %s were made from the earlier weights: run `pairclean pseudo-pair %s` again "
                         "before training with them", self.side_uri, self.uri)
-        if self.store.exists(schema.EXPORTS_FILE):
+        exports = self.store.get(schema.EXPORTS_FILE)
+        if exports is not None and "options" not in json.loads(exports):
+            # Exports written with their options are written again by the verb that changes
+            # the tables (``exports.refresh_exports``); older ones cannot be.
             log.warning("the exports of %s (sizes.json, shard_weights.json, datacomp_keep.npy) hold the earlier weights: "
                         "run `pairclean export %s` again", self.uri, self.uri)
 

@@ -64,6 +64,7 @@ import pyarrow as pa
 from pairclean import schema
 from pairclean.errors import InputError
 from pairclean.output.folder import OutputDir, ShardRecord
+from pairclean.output.exports import refresh_exports
 from pairclean.output.lock import RunLock
 from pairclean.output.tables import float_column, read_embeddings
 from pairclean.calibrate.calibration import Calibration
@@ -493,7 +494,9 @@ def refine(
     lock.acquire()
     try:
         out.start_rewrite_run("refine")
-        return _refine_locked(out, view, options, executor, lock, progress)
+        result = _refine_locked(out, view, options, executor, lock, progress)
+        refresh_exports(out)  # trainers read them without asking: never leave them on the earlier weights
+        return result
     finally:
         lock.release()
 

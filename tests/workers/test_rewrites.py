@@ -107,3 +107,47 @@ def test_overwrite_removes_the_rewrite_marker_with_the_job(scored) -> None:
     assert main([*command, "--overwrite"]) == 0
     assert OutputDir(str(out)).interrupted_rewrite() is None
     assert not Path(schema.local_side_path(out, schema.REWRITE_FILE)).exists()
+
+
+def _exports(out: Path) -> dict[str, bytes]:
+    side = Path(f"{out}{schema.SIDE_SUFFIX}") / "export"
+    return {p.name: p.read_bytes() for p in sorted(side.iterdir())}
+
+
+def test_exports_follow_every_rewrite_of_the_tables(scored, make_shards, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Trainers read the exports without asking (open_clip sizes.json, DataComp's keep list,
+    shard weights): a rescore, an audit or more shards used to leave them on the earlier
+    weights with a warning. Each now writes them again with the options of the last export,
+    as a fresh export would; where that cannot be done (a copy someone replaced), it says so
+    and leaves the tables' rewrite done."""
+    import json
+    import logging
+
+    out, command = scored
+    copy_dir = tmp_path / "copy"
+    copy_dir.mkdir()
+    assert main(["export", str(out), "--sizes-of", "kept", "--sizes-dir", str(copy_dir)]) == 0
+    before = _exports(out)
+    # a rescore with another weighting changes the flags, so the kept counts and weight sums
+    assert main(["rescore", str(out), "--beta-recipe", "shuffled", "--weighting", "paper"]) == 0
+    after = _exports(out)
+    assert after != before and (copy_dir / "sizes.json").read_bytes() == after["sizes.json"]
+    assert main(["export", str(out), "--sizes-of", "kept", "--sizes-dir", str(copy_dir)]) == 0
+    assert _exports(out) == after  # what a fresh export writes
+    # a shard that failed, exported without it, then retried: the rerun that commits it counts it in
+    good = make_shards(n_shards=1, per_shard=8, prefix="late", offset=24)[0]
+    late = tmp_path / "late-00000.tar"
+    late.write_bytes(b"not yet downloaded" * 100)
+    job = ["score", command[1], str(late), "--out", str(tmp_path / "partial"), *TINY, "--max-failed-fraction", "0.5"]
+    assert main(job) == 4  # PARTIAL
+    assert main(["export", str(tmp_path / "partial")]) == 0
+    assert "late-00000.tar" not in json.loads(_exports(tmp_path / "partial")["sizes.json"])
+    late.write_bytes(good.read_bytes())
+    assert main(job) == 0
+    assert json.loads(_exports(tmp_path / "partial")["sizes.json"])["late-00000.tar"] == 8
+    # a copy outside that someone else replaced: the tables are rescored, the exports refused with a warning
+    (copy_dir / "sizes.json").write_text('{"theirs": 1}')
+    with caplog.at_level(logging.WARNING):
+        assert main(["rescore", str(out), "--beta-recipe", "shuffled", "--weighting", "p-clean"]) == 0
+    assert "still hold the earlier weights" in caplog.text and "pairclean export" in caplog.text
+    assert (copy_dir / "sizes.json").read_text() == '{"theirs": 1}'
