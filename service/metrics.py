@@ -32,6 +32,7 @@ class Metrics:
         self.weights = Histogram("pairclean_pair_weight", "Cleanliness weights of scored pairs", buckets=_UNIT_BUCKETS, registry=r)
         self.similarities = Histogram("pairclean_pair_similarity", "Cosine similarities of scored pairs", buckets=_SIM_BUCKETS, registry=r)
         self.retries = Counter("pairclean_shard_attempts_failed_total", "Shard attempts that failed and were retried or quarantined", registry=r)
+        self.requeued = Counter("pairclean_jobs_requeued_total", "RUNNING jobs of a lost replica queued again to resume", registry=r)
         self.requests = Counter("pairclean_http_requests_total", "HTTP requests, by route group and status class", ["route", "code"], registry=r)
         self.latency = Histogram("pairclean_http_request_seconds", "HTTP request latency", ["route"], registry=r)
         # The audit loop (issue 22): labels stored, and the latest audit estimate this replica
@@ -49,6 +50,7 @@ class Metrics:
     def shard_committed(self, record: dict[str, Any], read_scores: Callable[[list[str]], Any]) -> None:
         """Account for one committed shard: statuses, stage times, weight/similarity histograms."""
         self.shards.labels(state=schema.SHARD_COMMITTED).inc()
+        self.retries.inc(max(0, int(record.get("attempts", 1)) - 1))  # tries that failed before this one
         for status, count in record.get("statuses", {}).items():
             self.pairs.labels(status=status).inc(count)
         for stage, seconds in record.get("timings", {}).items():

@@ -177,6 +177,7 @@ class JobRunner:
             elif now - seen[1] >= self.settings.orphan_grace_s and self.store.transition(
                     job.id, [RUNNING], expect={"runner": job.runner, "started_at": job.started_at}, state=QUEUED, pid=None):
                 del self._gone_since[job.id]
+                self.metrics.requeued.inc()
                 log.warning("job %s: its process (runner %s) is gone; queued again to resume", job.id, job.runner)
 
     def _launch(self) -> None:

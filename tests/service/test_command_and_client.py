@@ -125,3 +125,20 @@ def test_the_caption_field_reaches_the_score_command_and_is_checked() -> None:
     for bad in ("--overwrite", "-x", ".", "", "a b", "a/b", "x" * 70):
         with pytest.raises(pydantic.ValidationError):
             JobRequest(shards=["/data/a.tar"], output="/data/out", options={"caption_field": bad})
+
+
+def test_failed_tries_of_a_shard_that_was_committed_in_the_end_are_counted() -> None:
+    """``pairclean_shard_attempts_failed_total`` counted only quarantined shards' tries: a
+    shard committed on its third try (workers lost twice) left no trace. Its record now says
+    how many tries it took."""
+    from pairclean_service.metrics import Metrics
+
+    def no_table(columns: list[str]) -> None:
+        raise FileNotFoundError
+
+    metrics = Metrics()
+    metrics.shard_committed({"attempts": 3, "statuses": {"ok": 4}}, no_table)
+    metrics.shard_committed({"statuses": {"ok": 4}}, no_table)  # a record of an earlier release: one try
+    metrics.shard_quarantined(2)
+    text = metrics.render().decode()
+    assert "pairclean_shard_attempts_failed_total 4.0" in text and 'pairclean_pairs_scored_total{status="ok"} 8.0' in text

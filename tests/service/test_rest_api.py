@@ -261,7 +261,7 @@ def test_a_replica_lost_with_its_host_leaves_no_job_running_for_ever(tmp_path: P
     assert not store.transition(stale, ["RUNNING"], expect={"runner": "another:/x", "started_at": None}, state="QUEUED")
     try:
         (tmp_path / "b").mkdir()
-        with live_server_cls(tmp_path / "b", url, max_running_jobs=0, orphan_grace_s=3.0, orphan_check_s=0.2):
+        with live_server_cls(tmp_path / "b", url, max_running_jobs=0, orphan_grace_s=3.0, orphan_check_s=0.2) as srv:
             time.sleep(0.5)
             assert store.get(stale).state == "RUNNING"  # one look is not enough: the grace runs from the first
             deadline = time.monotonic() + 30
@@ -270,6 +270,8 @@ def test_a_replica_lost_with_its_host_leaves_no_job_running_for_ever(tmp_path: P
             assert store.get(stale).state == "QUEUED" and store.get(stale).pid is None
             assert store.get(unlocked).state == "QUEUED"
             assert store.get(beating).state == "RUNNING"  # more than the grace has passed: its heartbeat keeps it
+            metrics = httpx.get(f"{srv.url}/metrics").text
+            assert "pairclean_jobs_requeued_total 2.0" in metrics
     finally:
         stop.set()
         beater.join()
