@@ -32,7 +32,7 @@ class Metrics:
         self.weights = Histogram("pairclean_pair_weight", "Cleanliness weights of scored pairs", buckets=_UNIT_BUCKETS, registry=r)
         self.similarities = Histogram("pairclean_pair_similarity", "Cosine similarities of scored pairs", buckets=_SIM_BUCKETS, registry=r)
         self.retries = Counter("pairclean_shard_attempts_failed_total", "Shard attempts that failed and were retried or quarantined", registry=r)
-        self.requeued = Counter("pairclean_jobs_requeued_total", "RUNNING jobs of a lost replica queued again to resume", registry=r)
+        self.requeued = Counter("pairclean_jobs_requeued_total", "RUNNING jobs of a lost replica taken over: queued again to resume, or cancelled as asked", registry=r)
         self.requests = Counter("pairclean_http_requests_total", "HTTP requests, by route group and status class", ["route", "code"], registry=r)
         self.latency = Histogram("pairclean_http_request_seconds", "HTTP request latency", ["route"], registry=r)
         # The audit loop (issue 22): labels stored, and the latest audit estimate this replica

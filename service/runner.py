@@ -95,7 +95,7 @@ class JobRunner:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         #: Other runners' RUNNING jobs whose process looked gone: job id -> (their launch, when first seen so)
-        self._gone_since: dict[str, tuple[tuple[str | None, str | None], float]] = {}
+        self._gone_since: dict[str, tuple[Any, float]] = {}
         self._next_orphan_look = 0.0
         self._thread = threading.Thread(target=self._loop, name="pairclean-runner", daemon=True)
 
@@ -109,8 +109,8 @@ class JobRunner:
                 continue
             if _is_score_process(job.pid):  # never signal a pid the system reused
                 _end_group(job.pid)
-            self.store.transition(job.id, [RUNNING], state=QUEUED, pid=None)
-            log.info("resuming job %s after a restart", job.id)
+            if self.store.transition(job.id, [RUNNING], expect={"runner": job.runner, "pid": job.pid}, state=QUEUED, pid=None):
+                log.info("resuming job %s after a restart", job.id)
         self._thread.start()
 
     def _resumes(self, job: JobRow) -> bool:
@@ -153,32 +153,44 @@ class JobRunner:
             self._stop.wait(self.settings.poll_interval_s)
 
     def _adopt_orphans(self) -> None:
-        """Queue again the RUNNING jobs of other runners whose job process is gone (see
-        ``ServiceSettings.orphan_grace_s``): a replica lost with its host leaves them RUNNING,
-        and no restart of it will ever resume them. The job's own run lock tells: its
-        process renews the lock's heartbeat while it lives, wherever it runs. The move is
-        conditional on the launch seen (runner and start time), so a job another replica
-        has queued and launched again in between is left alone."""
+        """Beat for this runner's RUNNING jobs, and queue again the RUNNING jobs of other
+        runners that show no sign of life (see ``ServiceSettings.orphan_grace_s``): a replica
+        lost with its host leaves them RUNNING, and no restart of it will ever resume them.
+
+        Signs of life, compared between looks and never against this host's clock (hosts'
+        clocks differ): the launching runner's heartbeat in the store, the heartbeat in the
+        job's run lock (its process renews it wherever it runs), and on this host the job's
+        process itself. Only a job whose signs stood still for ``orphan_grace_s`` is moved,
+        conditional on the launch seen (runner, start time, pid): a job another replica
+        has queued and launched again in between is left alone. A job whose cancellation
+        was asked is CANCELLED instead of run again."""
         now = time.monotonic()
         if now < self._next_orphan_look:
             return
         self._next_orphan_look = now + self.settings.orphan_check_s
+        self.store.beat(self.runner_id, f"{time.time():.6f}")
         running = {job.id: job for job in self.store.in_states([RUNNING]) if job.id not in self.running and job.runner != self.runner_id}
         for job_id in set(self._gone_since) - set(running):
             del self._gone_since[job_id]
         for job in running.values():
-            launch = (job.runner, job.started_at)
-            if _job_process_alive(job):
-                self._gone_since.pop(job.id, None)
-                continue
+            launch = (job.runner, job.started_at, job.pid)
+            signs = _signs_of_life(job)
             seen = self._gone_since.get(job.id)
-            if seen is None or seen[0] != launch:
-                self._gone_since[job.id] = (launch, now)
-            elif now - seen[1] >= self.settings.orphan_grace_s and self.store.transition(
-                    job.id, [RUNNING], expect={"runner": job.runner, "started_at": job.started_at}, state=QUEUED, pid=None):
+            if signs is None or seen is None or seen[0] != (launch, signs):
+                self._gone_since[job.id] = ((launch, signs), now)  # alive, or first seen so: the grace starts now
+                continue
+            if now - seen[1] < self.settings.orphan_grace_s:
+                continue
+            expect = {"runner": job.runner, "started_at": job.started_at, "pid": job.pid}
+            if job.cancel_requested:
+                moved = self.store.transition(job.id, [RUNNING], expect=expect, state=CANCELLED, pid=None, finished_at=now_iso())
+            else:
+                moved = self.store.transition(job.id, [RUNNING], expect=expect, state=QUEUED, pid=None)
+            if moved:
                 del self._gone_since[job.id]
                 self.metrics.requeued.inc()
-                log.warning("job %s: its process (runner %s) is gone; queued again to resume", job.id, job.runner)
+                log.warning("job %s: its runner %s and its process show no sign of life for %.0f s; %s", job.id, job.runner,
+                            self.settings.orphan_grace_s, "cancelled as asked" if job.cancel_requested else "queued again to resume")
 
     def _launch(self) -> None:
         while len(self.running) < self.settings.max_running_jobs:
@@ -226,7 +238,9 @@ class JobRunner:
             else:
                 state = state_for_exit(code)
                 error = None if state == SUCCEEDED else _tail(run.log_path)
-            self.store.transition(job_id, [RUNNING], state=state, error=error, pid=None, finished_at=now_iso())
+            # only this runner's launch: a replica that took the job over meanwhile owns it now
+            self.store.transition(job_id, [RUNNING], expect={"runner": self.runner_id, "pid": run.proc.pid},
+                                  state=state, error=error, pid=None, finished_at=now_iso())
             with self._lock:
                 del self.running[job_id]
 
@@ -264,16 +278,21 @@ class JobRunner:
         )
 
 
-def _job_process_alive(job: JobRow) -> bool:
-    """Whether ``job``'s process still holds its output folder's run lock (heartbeat within
-    its TTL; on this host, its pid alive). A folder that cannot be read counts as alive:
-    never queue a job twice on a guess."""
-    from pairclean.output.lock import RunLock, holder_alive
+def _signs_of_life(job: JobRow) -> tuple[Any, ...] | None:
+    """What changes while ``job`` (RUNNING, another runner's) lives: its runner's heartbeat
+    and its run lock's (holder and heartbeat; None where there is no lock yet or any more).
+    None (alive, whatever the values) where its process runs on this host, or where its
+    output folder cannot be read: never queue a job twice on a guess."""
+    from pairclean.output.lock import RunLock
 
+    if job.runner is not None and job.runner.split(":", 1)[0] == socket.gethostname() and _is_score_process(job.pid):
+        return None
     try:
-        return holder_alive(RunLock(OutputDir(job.request["output"]).store).read())
+        doc = RunLock(OutputDir(job.request["output"]).store).read()
     except Exception:  # noqa: BLE001 - an unreachable store says nothing about the process
-        return True
+        return None
+    lock = None if doc is None else (str(doc.get("run_id")), str(doc.get("heartbeat")))
+    return job.heartbeat, lock
 
 
 def _folder_state(output: str) -> tuple[set[str], dict[str, Any]]:

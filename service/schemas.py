@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field, field_validator
 
 from pairclean import osa, schema
 from pairclean.job.lifecycle import State
@@ -40,6 +40,20 @@ class JobOptions(BaseModel):
     #: where the caption is (``pairclean score --caption-field``): a json field, or with a
     #: leading dot a member (``.caption``); letters, digits, ``_ . -`` only, never a flag
     caption_field: str | None = Field(None, pattern=r"^\.?[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+
+    @field_validator("caption_field")
+    @classmethod
+    def _a_member_that_can_hold_a_caption(cls, value: str | None) -> str | None:
+        """A leading dot must name a text member (not ``.json`` or an image): refused here,
+        not after the job was queued."""
+        from pairclean.errors import InputError
+        from pairclean.schema import caption_member
+
+        try:
+            caption_member(value)
+        except InputError as exc:
+            raise ValueError(str(exc)) from None
+        return value
 
 
 class JobRequest(BaseModel):

@@ -27,7 +27,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Engine, Row, Select, create_engine, delete, event, func, insert, literal, select, update
 from sqlalchemy.exc import IntegrityError
 
-from pairclean.job.lifecycle import ACTIVE, QUEUED, STATES, TERMINAL, IllegalTransition, can_move
+from pairclean.job.lifecycle import ACTIVE, QUEUED, RUNNING, STATES, TERMINAL, IllegalTransition, can_move
 
 from . import migrations
 from .tables import AUDIT_LABELS, api_keys, audit_labels, audit_queues, jobs
@@ -61,6 +61,9 @@ class JobRow:
     finished_at: str | None
     #: "host:state folder" of the runner that launched it (None: before migration 0005, or never launched)
     runner: str | None = None
+    #: The launching runner's last heartbeat (``JobStore.beat``; None: before migration 0006,
+    #: or a replica of a release without it)
+    heartbeat: str | None = None
 
 
 # JobRow field -> column: the same name except the idempotency key (``idem_key`` since keys
@@ -231,6 +234,12 @@ class JobStore:
         with self.engine.connect() as conn:
             rows = conn.execute(query).all()
         return [_row(r) for r in rows]
+
+    def beat(self, runner: str, value: str) -> int:
+        """Set ``heartbeat`` of every RUNNING job launched by ``runner``; returns how many."""
+        statement = update(jobs).where(jobs.c.runner == runner, jobs.c.state == RUNNING).values(heartbeat=value)
+        with self.engine.begin() as conn:
+            return int(conn.execute(statement).rowcount)
 
     def update(self, job_id: str, **fields: Any) -> None:
         """Set fields of one job (names are this package's own, never user input).

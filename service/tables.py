@@ -45,6 +45,9 @@ jobs = Table(
     Column("output_key", String(64)),
     # the runner that launched a RUNNING job: "host:state folder" (migration 0005)
     Column("runner", String(300)),
+    # the launching runner's heartbeat while the job runs (migration 0006): compared between
+    # looks by other replicas, never against their clocks
+    Column("heartbeat", String(32)),
 )
 
 Index("jobs_state", jobs.c.state)

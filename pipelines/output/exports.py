@@ -167,7 +167,8 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
             f"datacomp_keep.npy not written: it needs DataComp uids (32 hex digits in each sample's json 'uid'), "
             f"and these shards have none{example}"
         )
-    copies = list(dict.fromkeys([*sizes_dirs, *(shard_folders if sizes_beside_shards else [])]))
+    # absolute: the record (and a refresh run from another folder) must name the same files
+    copies = list(dict.fromkeys([os.path.abspath(d) for d in (*sizes_dirs, *(shard_folders if sizes_beside_shards else []))]))
     if sizes_of == "kept":
         _refuse_kept_beside_shards(copies, shard_folders, report.kept)
     previous = _previous_copies(out)
@@ -181,7 +182,7 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
     pending = {path: sorted(set(previous.get(path, [])) | {digest}) for path, digest in targets.items()}
     # The options too: a rewrite of the tables (rescore, refine, audit, more shards) writes
     # the exports again with them (``refresh_exports``).
-    options = {"sizes_of": sizes_of, "sizes_dirs": list(sizes_dirs), "sizes_beside_shards": sizes_beside_shards,
+    options = {"sizes_of": sizes_of, "sizes_dirs": [os.path.abspath(d) for d in sizes_dirs], "sizes_beside_shards": sizes_beside_shards,
                "skip_bad_uids": skip_bad_uids}
     out.store.put(schema.EXPORTS_FILE, json.dumps({"written": names, "outside": {**previous, **pending}, "options": options}).encode())
     for name, data in files.items():
@@ -244,10 +245,11 @@ def refresh_exports(out: OutputDir) -> tuple[ExportReport | None, str | None]:
     try:
         report = _export_locked(out, str(options.get("sizes_of", "all")), [str(d) for d in options.get("sizes_dirs", [])],
                                 bool(options.get("sizes_beside_shards")), bool(options.get("skip_bad_uids")))
-    except InputError as exc:
+    except Exception as exc:  # noqa: BLE001 - the tables are rewritten already; a failed refresh must not fail the verb
+        why = str(exc) if isinstance(exc, InputError) else f"{type(exc).__name__}: {exc}"
         log.warning("the exports of %s still hold the earlier weights: %s; run `pairclean export %s` once that is settled",
-                    out.uri, exc, out.uri)
-        return None, str(exc)
+                    out.uri, why, out.uri)
+        return None, why
     log.info("the exports of %s were written again with the new weights (%s)", out.uri, ", ".join(report.written))
     return report, None
 

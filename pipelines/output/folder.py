@@ -124,8 +124,10 @@ class ShardRecord:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ShardRecord:
-        """Inverse of ``to_json``."""
-        return cls(**data)
+        """Inverse of ``to_json``. Keys a later release added are ignored: a folder written
+        by it stays readable here (a rolling upgrade, a trainer with an older install)."""
+        known = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 # The compacted manifest's columns; dicts are stored as JSON text.
@@ -153,7 +155,7 @@ def _table_records(table: pa.Table) -> Iterator[ShardRecord]:
         row["timings"] = json.loads(row["timings"])
         if row.get("attempts") is None:  # a manifest written before attempts were kept
             row["attempts"] = 1
-        yield ShardRecord(**row)
+        yield ShardRecord.from_json(row)
 
 
 # Columns every score table / embedding sidecar has (what the readers use).
@@ -599,8 +601,9 @@ class OutputDir:
             self.store.put(schema.PSEUDO_STALE_FILE, json.dumps({"reason": reason, "at": time.time()}).encode())
             log.warning("the pseudo-pairs in %s were made from the earlier weights: run `pairclean pseudo-pair %s` again "
                         "before training with them", self.side_uri, self.uri)
-        exports = self.store.get(schema.EXPORTS_FILE)
-        if exports is not None and "options" not in json.loads(exports):
+        from pairclean.output.exports import export_options  # the module that writes them (imports this one)
+
+        if self.store.exists(schema.EXPORTS_FILE) and export_options(self) is None:
             # Exports written with their options are written again by the verb that changes
             # the tables (``exports.refresh_exports``); older ones cannot be.
             log.warning("the exports of %s (sizes.json, shard_weights.json, datacomp_keep.npy) hold the earlier weights: "

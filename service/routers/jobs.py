@@ -197,7 +197,8 @@ def validate_blocking(request: JobRequest, settings: ServiceSettings) -> Validat
     statuses: dict[str, int] = {}
     problems: list[str] = []
     samples = 0
-    options = ReadOptions(max_member_bytes=min(DEFAULT_MAX_MEMBER_BYTES, settings.validate_max_bytes))
+    options = ReadOptions(caption_field=request.options.caption_field,  # where the job will read its captions
+                          max_member_bytes=min(DEFAULT_MAX_MEMBER_BYTES, settings.validate_max_bytes))
     reader: BoundedReader | None = None
     try:
         # The opener cuts the connection at the deadline: a stalled upstream frees the

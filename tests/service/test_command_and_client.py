@@ -122,7 +122,7 @@ def test_the_caption_field_reaches_the_score_command_and_is_checked() -> None:
         cmd = score_command(request.model_dump(), ServiceSettings())
         assert cmd[cmd.index("--caption-field") + 1] == field
     assert "--caption-field" not in score_command(JobRequest(shards=["/data/a.tar"], output="/data/out").model_dump(), ServiceSettings())
-    for bad in ("--overwrite", "-x", ".", "", "a b", "a/b", "x" * 70):
+    for bad in ("--overwrite", "-x", ".", "", "a b", "a/b", "x" * 70, ".json", ".jpg", ".PNG"):
         with pytest.raises(pydantic.ValidationError):
             JobRequest(shards=["/data/a.tar"], output="/data/out", options={"caption_field": bad})
 

@@ -222,42 +222,48 @@ def test_starting_a_second_replica_leaves_the_first_ones_running_job_alone(tmp_p
 
 def test_a_replica_lost_with_its_host_leaves_no_job_running_for_ever(tmp_path: Path, live_server_cls) -> None:
     """A RUNNING job launched by a replica on another host stayed RUNNING for good when that
-    host was lost: only a restart of the same replica resumed it. Another replica now queues
-    it again once its output's run lock has been dead (absent, or no heartbeat within its
-    TTL) at two looks ``orphan_grace_s`` apart; a job whose process still beats stays."""
-
-
+    host was lost: only a restart of the same replica resumed it. Another replica now takes
+    it over once its signs of life (its runner's heartbeat in the store, its run lock's
+    heartbeat) have stood still for ``orphan_grace_s``: queued again, or CANCELLED where its
+    cancellation was asked. Values are compared between looks, never against this host's
+    clock, so a job whose lock or runner still beats stays, however far the clocks differ."""
     from pairclean import schema
     from pairclean.output.folder import OutputDir
     from pairclean_service.store import JobStore, now_iso
 
     url = f"sqlite:///{tmp_path / 'jobs.db'}"
     store = JobStore(url)
-    gone = "gone-host.invalid:/srv/state"
+    gone, elsewhere = "gone-host.invalid:/srv/state", "live-host.invalid:/srv/state"
 
-    def running_job(name: str) -> tuple[str, OutputDir]:
+    def running_job(name: str, runner: str = gone) -> tuple[str, OutputDir]:
         job, _ = store.create({"shards": [f"/x/{name}.tar"], "output": str(tmp_path / name)}, "tester", None, 1)
-        assert store.transition(job.id, ["QUEUED"], state="RUNNING", pid=4242, started_at=now_iso(), runner=gone)
+        assert store.transition(job.id, ["QUEUED"], state="RUNNING", pid=4242, started_at=now_iso(), runner=runner)
         return job.id, OutputDir(str(tmp_path / name))
 
-    def lock(out: OutputDir, age_s: float) -> None:
-        doc = {"run_id": "r", "host": "gone-host.invalid", "pid": 4242, "heartbeat": time.time() - age_s, "ttl_s": 60.0}
+    def lock(out: OutputDir, heartbeat: float) -> None:
+        doc = {"run_id": "r", "host": "other-host.invalid", "pid": 4242, "heartbeat": heartbeat, "ttl_s": 60.0}
         out.store.put(schema.LOCK_FILE, json.dumps(doc).encode())
 
     stale, stale_out = running_job("stale")  # its process stopped beating an hour ago
-    lock(stale_out, 3600)
+    lock(stale_out, time.time() - 3600)
     unlocked, _ = running_job("unlocked")  # no lock at all (its process had ended, or never began)
-    beating, beating_out = running_job("beating")  # its process lives on the other host
-    lock(beating_out, 0)
+    cancelled, _ = running_job("cancelled")  # its owner asked to cancel it while its replica was gone
+    store.update(cancelled, cancel_requested=1)
+    beating, beating_out = running_job("beating")  # its process lives on a host whose clock is a day behind
+    lock(beating_out, time.time() - 86_400)
+    expanding, _ = running_job("expanding", elsewhere)  # no lock yet (its shards are being listed); its runner beats
     stop = threading.Event()
 
     def beat() -> None:
+        n = 0
         while not stop.wait(0.2):
-            lock(beating_out, 0)
+            n += 1
+            lock(beating_out, time.time() - 86_400 + n)
+            store.beat(elsewhere, f"beat {n}")
 
     beater = threading.Thread(target=beat, daemon=True)
     beater.start()
-    # the same job, launched again by a third replica after it was seen gone: not queued on the old sighting
+    # the same job, launched again by a third replica after it was seen gone: not moved on the old sighting
     assert not store.transition(stale, ["RUNNING"], expect={"runner": "another:/x", "started_at": None}, state="QUEUED")
     try:
         (tmp_path / "b").mkdir()
@@ -265,13 +271,13 @@ def test_a_replica_lost_with_its_host_leaves_no_job_running_for_ever(tmp_path: P
             time.sleep(0.5)
             assert store.get(stale).state == "RUNNING"  # one look is not enough: the grace runs from the first
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and {store.get(j).state for j in (stale, unlocked)} != {"QUEUED"}:
+            while time.monotonic() < deadline and {store.get(j).state for j in (stale, unlocked, cancelled)} != {"QUEUED", "CANCELLED"}:
                 time.sleep(0.2)
             assert store.get(stale).state == "QUEUED" and store.get(stale).pid is None
-            assert store.get(unlocked).state == "QUEUED"
-            assert store.get(beating).state == "RUNNING"  # more than the grace has passed: its heartbeat keeps it
-            metrics = httpx.get(f"{srv.url}/metrics").text
-            assert "pairclean_jobs_requeued_total 2.0" in metrics
+            assert store.get(unlocked).state == "QUEUED" and store.get(cancelled).state == "CANCELLED"
+            # more than the grace has passed: what still beats stays
+            assert store.get(beating).state == "RUNNING" and store.get(expanding).state == "RUNNING"
+            assert "pairclean_jobs_requeued_total 3.0" in httpx.get(f"{srv.url}/metrics").text
     finally:
         stop.set()
         beater.join()

@@ -114,7 +114,8 @@ def _exports(out: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(side.iterdir())}
 
 
-def test_exports_follow_every_rewrite_of_the_tables(scored, make_shards, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_exports_follow_every_rewrite_of_the_tables(scored, make_shards, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Trainers read the exports without asking (open_clip sizes.json, DataComp's keep list,
     shard weights): a rescore, an audit or more shards used to leave them on the earlier
     weights with a warning. Each now writes them again with the options of the last export,
@@ -126,10 +127,14 @@ def test_exports_follow_every_rewrite_of_the_tables(scored, make_shards, tmp_pat
     out, command = scored
     copy_dir = tmp_path / "copy"
     copy_dir.mkdir()
-    assert main(["export", str(out), "--sizes-of", "kept", "--sizes-dir", str(copy_dir)]) == 0
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", str(out), "--sizes-of", "kept", "--sizes-dir", "copy"]) == 0  # a folder relative to here
     before = _exports(out)
     # a rescore with another weighting changes the flags, so the kept counts and weight sums
+    # (run from elsewhere: the copy's folder was recorded as an absolute path)
+    monkeypatch.chdir(copy_dir)
     assert main(["rescore", str(out), "--beta-recipe", "shuffled", "--weighting", "paper"]) == 0
+    assert not (copy_dir / "copy").exists()
     after = _exports(out)
     assert after != before and (copy_dir / "sizes.json").read_bytes() == after["sizes.json"]
     assert main(["export", str(out), "--sizes-of", "kept", "--sizes-dir", str(copy_dir)]) == 0

@@ -83,3 +83,14 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_or_stale_one(tmp_path:
     time.sleep(1.2)
     with RunLock(store, ttl_s=30) as taken:
         assert json.loads((tmp_path / schema.LOCK_FILE).read_text())["run_id"] == taken.run_id
+
+
+def test_records_with_keys_of_a_later_release_still_read() -> None:
+    """A completion record or manifest row written by a later release (a rolling upgrade, a
+    trainer on an older install) carries fields this one does not know: they are ignored."""
+    from pairclean.output.folder import ShardRecord
+
+    data = {"shard": "/d/a.tar", "stem": "a", "size": 10, "rows": 2, "output": "a.parquet", "sha256": "0" * 64, "bytes": 5,
+            "statuses": {"ok": 2}, "attempts": 2, "a_field_from_the_future": [1, 2]}
+    record = ShardRecord.from_json(data)
+    assert record.attempts == 2 and record.rows == 2 and "a_field_from_the_future" not in record.to_json()
