@@ -94,7 +94,7 @@ class JobRunner:
         self.runner_id = f"{socket.gethostname()}:{state_dir.resolve()}"
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        #: Other runners' RUNNING jobs whose process looked gone: job id -> (their launch, when first seen so)
+        #: Other runners' RUNNING jobs: job id -> ((launch, signs of life) last seen, since when unchanged)
         self._gone_since: dict[str, tuple[Any, float]] = {}
         self._next_orphan_look = 0.0
         self._thread = threading.Thread(target=self._loop, name="pairclean-runner", daemon=True)
@@ -167,7 +167,8 @@ class JobRunner:
         now = time.monotonic()
         if now < self._next_orphan_look:
             return
-        self._next_orphan_look = now + self.settings.orphan_check_s
+        # at least four beats a grace, whatever the settings: a live runner must show its beat between two looks
+        self._next_orphan_look = now + min(self.settings.orphan_check_s, self.settings.orphan_grace_s / 4)
         self.store.beat(self.runner_id, f"{time.time():.6f}")
         running = {job.id: job for job in self.store.in_states([RUNNING]) if job.id not in self.running and job.runner != self.runner_id}
         for job_id in set(self._gone_since) - set(running):
