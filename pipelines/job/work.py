@@ -39,6 +39,7 @@ from pairclean.spec import JobSpec, spec_digest
 from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.embed.shard import ScoreOptions, ShardResult, score_shard
 from pairclean.output.tables import embeddings_table, output_metadata, scores_table
+from pairclean.read.shards import ReadOptions, iter_pairs
 from pairclean.uris import shard_size, shard_stem
 
 __all__ = ["ShardOutcome", "CalibrationOutcome", "ShardWork", "random_beta_fn", "calibrate_on", "fit_calibration"]
@@ -249,18 +250,45 @@ def _check_some_pair_readable(held: Sequence[ShardResult], field: str | None) ->
     read; it would otherwise write a corpus of empty rows and report SUCCEEDED. Raised before
     anything is written, so the corrected command may claim the folder. Corrupt images and
     the like stay rows with a status: that is the data, not how it is read."""
-    counts: Counter[str] = Counter(st for r in held for st in r.status)
-    rows = sum(counts.values())
-    if not rows or set(counts) - {schema.STATUS_MISSING_TEXT, schema.STATUS_MISSING_IMAGE}:
+    _refuse_unreadable([st for r in held for st in r.status], [e for r in held for e in r.error], len(held), field)
+
+
+def _check_first_shard_readable(uris: Sequence[str], options: ReadOptions, field: str | None) -> None:
+    """``_check_some_pair_readable`` for jobs whose calibration reads no shard (no corpus
+    needed, no judge): the first shard's samples, read without the model. A shard that
+    cannot be read says nothing here (the scoring reports it)."""
+    if not uris:
         return
-    first = next(e for r in held for e in r.error if e)
+    statuses: list[str] = []
+    errors: list[str | None] = []
+    try:
+        for pair in iter_pairs(uris[0], options):  # streamed: stops at the first pair that is not a missing field
+            if pair.status not in _MISSING:
+                return
+            statuses.append(pair.status)
+            errors.append(pair.error)
+    except InputError:
+        return
+    _refuse_unreadable(statuses, errors, 1, field)
+
+
+_MISSING = frozenset({schema.STATUS_MISSING_TEXT, schema.STATUS_MISSING_IMAGE})
+
+
+def _refuse_unreadable(statuses: Sequence[str], errors: Sequence[str | None], shards: int, field: str | None) -> None:
+    counts: Counter[str] = Counter(statuses)
+    rows = sum(counts.values())
+    if not rows or set(counts) - _MISSING:
+        return
+    first = next(e for e in errors if e)
     told = ", ".join(f"{status}={n}" for status, n in sorted(counts.items()))
     hints = []
     if counts[schema.STATUS_MISSING_TEXT]:
-        hints.append("check --caption-field" if field else "captions are read from a txt member; name another member (--caption-field .caption) or a json field (--caption-field NAME)")
+        hints.append("check --caption-field" if field else
+                     "captions are read from a txt member; name another member (--caption-field .caption) or a json field (--caption-field NAME)")
     if counts[schema.STATUS_MISSING_IMAGE]:
         hints.append("images are read from jpg/jpeg/png/webp members")
-    raise InputError(f"no pair could be read from the first {len(held)} shard(s) ({rows} rows: {told}; "
+    raise InputError(f"no pair could be read from the first {shards} shard(s) ({rows} rows: {told}; "
                      f"e.g. {first}): {'; '.join(hints)}")
 
 
@@ -316,6 +344,7 @@ class ShardWork:
         """
         dim = int(self.model_info["embed_dim"])
         if not needs_corpus(self.spec.beta_recipe, self.spec.weighting) and self.judge is None:
+            _check_first_shard_readable(uris, self.options.read, self.spec.caption_field)
             return CalibrationOutcome(calibrate_on([], self.spec, self.random_beta, dim))
         held: list[ShardResult] = []
         outcomes: list[tuple[str, ShardResult | None, str | None]] = []

@@ -214,6 +214,10 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
         assert f"(6 rows: {status}=6;" in err and hint in err and err.count("\n") == 1 and "Traceback" not in err
         assert "its fields: caption, jpg, json" in err if moved == "txt" else "its fields: image, json, txt" in err
         assert not list((tmp_path / f"o7-{moved}").glob("*.parquet"))
+        # ... also where the calibration needs no corpus (and reads no shard with the model)
+        assert _score(shards, tmp_path / f"o9-{moved}", "--beta-recipe", "random-inputs", "--weighting", "paper", "--judge", "off") == 1
+        assert f"(3 rows: {status}=3;" in capsys.readouterr().err
+        assert not list((tmp_path / f"o9-{moved}").glob("*.parquet"))
     # the corrected command reads the caption member (a leading dot names a member) in the same folder
     assert _score(shards_txt, tmp_path / "o7-txt", "--caption-field", ".caption") == 0
     assert {r["status"] for r in _rows(tmp_path / "o7-txt", "moved-txt-00000")} == {"ok"}
