@@ -178,7 +178,10 @@ def test_a_shard_committed_later_or_overwrite_leaves_no_pseudo_pairs_that_look_c
     shutil.copy(shards[1], good[1])
     caplog.clear()
     assert main(command) == 0
-    assert "made from the earlier weights" in caplog.text and "hold the earlier weights" in caplog.text
+    # the pseudo-pairs say they are stale; the exports were written again with the shard counted
+    assert "made from the earlier weights" in caplog.text and "hold the earlier weights" not in caplog.text
+    sizes = json.loads((Path(f"{out}{schema.SIDE_SUFFIX}") / "export" / "sizes.json").read_text())
+    assert sizes == {s.name: 12 for s in shards}
     with pytest.raises(FileNotFoundError, match="made from weights the job has replaced since"):
         PseudoCaptions(out)
     # --overwrite starts over: no pseudo-pairs of the old job stay to be read
