@@ -283,6 +283,31 @@ def test_a_replica_lost_with_its_host_leaves_no_job_running_for_ever(tmp_path: P
         beater.join()
 
 
+def test_a_replica_finishes_only_its_own_launch_of_a_job(tmp_path: Path) -> None:
+    """When another replica has taken a job over (queued and launched it again) while this
+    one's process still ran, this replica's reap of its process must leave the new launch
+    alone: its reap used to move any RUNNING job to its own process's end state."""
+    from pairclean_service.metrics import Metrics
+    from pairclean_service.runner import JobRunner, _Running
+    from pairclean_service.settings import ServiceSettings
+    from pairclean_service.store import JobStore, now_iso
+
+    store = JobStore(f"sqlite:///{tmp_path / 'jobs.db'}")
+    runner = JobRunner(store, ServiceSettings(executor="local"), Metrics(), tmp_path / "state")
+    job, _ = store.create({"shards": ["/x/a.tar"], "output": str(tmp_path / "out")}, "tester", None, 1)
+    proc = subprocess.Popen([sys.executable, "-c", "pass", "pairclean_workers.cli"], start_new_session=True)
+    assert store.transition(job.id, ["QUEUED"], state="RUNNING", pid=proc.pid, started_at=now_iso(), runner=runner.runner_id)
+    runner.running[job.id] = _Running(job.id, proc, tmp_path / "a.log", set())
+    proc.wait()
+    # meanwhile another replica took it over and runs it
+    assert store.transition(job.id, ["RUNNING"], state="QUEUED", pid=None)
+    assert store.transition(job.id, ["QUEUED"], state="RUNNING", pid=4242, started_at=now_iso(), runner="other-host:/srv/state")
+    runner._reap()
+    after = store.get(job.id)
+    assert after.state == "RUNNING" and after.runner == "other-host:/srv/state" and after.pid == 4242
+    assert job.id not in runner.running  # this replica stops following its own, ended process
+
+
 def test_readiness_fails_when_the_job_store_file_is_deleted_under_the_service(tmp_path: Path, live_server_cls) -> None:
     """The open connections kept answering from the unlinked file: /readyz stayed green while
     every job written since was bound to vanish at the next start."""
