@@ -67,6 +67,14 @@ def test_job_lifecycle_progress_shards_metrics_and_idempotency(server, make_shar
     empty = write_shard(tmp_path / "shards" / "empty-00000.tar", [])
     report = client.validate([str(empty), *body["shards"]], str(tmp_path / "out2"), estimator="pairclean-tiny-test")
     assert report["samples"] == 0 and "holds no sample" in report["problems"][0]
+    # a dry run reads the captions where the job will: a member named by options.caption_field
+    moved = make_shards(n_shards=1, per_shard=3, prefix="moved", folder=tmp_path / "shards",
+                        extra={i: {"txt": None, "caption": b"a dog"} for i in range(3)})
+    plain = client.validate([str(moved[0])], str(tmp_path / "out3"), estimator="pairclean-tiny-test")
+    assert plain["statuses"] == {"missing_text": 3}
+    member = client.validate([str(moved[0])], str(tmp_path / "out3"), estimator="pairclean-tiny-test",
+                             options={"caption_field": ".caption"})
+    assert member["statuses"] == {"ok": 3}
 
 
 def test_cancel_and_retry_rules(server, make_shards, tmp_path: Path) -> None:
