@@ -43,7 +43,6 @@ import pyarrow as pa
 from pairclean import schema
 from pairclean.calibrate.calibration import Calibration
 from pairclean.output.folder import OutputDir, ShardRecord
-from pairclean.read.shards import caption_member
 from pairclean.uris import shard_stem
 
 from .security import UriRefused, check_uri
@@ -434,7 +433,7 @@ class Browser:
         if data is None:
             return None
         text = data.decode("utf-8", "replace")
-        if caption_field is not None and caption_member(caption_field) is None:  # a json field, not a text member
+        if caption_field is not None and schema.caption_member(caption_field) is None:  # a json field, not a text member
             try:
                 value = json.loads(text).get(caption_field)
             except (json.JSONDecodeError, AttributeError):

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, Field, field_validator
 
 from pairclean import osa, schema
+from pairclean.errors import InputError
 from pairclean.job.lifecycle import State
 
 from .guards import safe_text
@@ -46,11 +47,8 @@ class JobOptions(BaseModel):
     def _a_member_that_can_hold_a_caption(cls, value: str | None) -> str | None:
         """A leading dot must name a text member (not ``.json`` or an image): refused here,
         not after the job was queued."""
-        from pairclean.errors import InputError
-        from pairclean.schema import caption_member
-
         try:
-            caption_member(value)
+            schema.caption_member(value)
         except InputError as exc:
             raise ValueError(str(exc)) from None
         return value

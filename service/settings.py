@@ -29,10 +29,11 @@ class ServiceSettings(BaseSettings):
     ``audit_sample`` / ``audit_seed``: the size and seed of each job's labelling queue (the
     audit loop, ``audit.py``; ``pairclean audit OUT --sample N --seed S`` draws the same one).
     ``orphan_grace_s`` / ``orphan_check_s``: a RUNNING job launched by another replica whose
-    job process is gone (its output folder's run lock absent or past its TTL at two looks at
-    least ``orphan_grace_s`` apart, the launch unchanged) is queued again, so a replica lost
-    with its host does not leave its jobs RUNNING for ever; every ``orphan_check_s`` seconds.
-    Keep the grace above the run lock's TTL (60 s) and a job process's start-up.
+    signs of life (that replica's heartbeat in the store, the heartbeat in the job's run
+    lock) have not changed for ``orphan_grace_s`` is queued again (CANCELLED where its
+    cancellation was asked), so a replica lost with its host does not leave its jobs RUNNING
+    for ever (``JobRunner._adopt_orphans``). Runners look and beat every ``orphan_check_s``
+    seconds, at least four times a grace. Keep the grace above the run lock's TTL (60 s).
     """
 
     model_config = SettingsConfigDict(env_prefix="PAIRCLEAN_", extra="ignore")

@@ -241,6 +241,10 @@ def _finite(x: float) -> float | str:
     return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
 
 
+#: Statuses of a sample whose image or caption is not where the job reads it.
+_MISSING = frozenset({schema.STATUS_MISSING_TEXT, schema.STATUS_MISSING_IMAGE})
+
+
 def _check_some_pair_readable(held: Sequence[ShardResult], field: str | None) -> None:
     """``InputError`` when no row of the calibration's shards is ``ok`` and every row lacks
     its caption or its image (``missing_text`` / ``missing_image``): the shards name their
@@ -271,8 +275,6 @@ def _check_first_shard_readable(uris: Sequence[str], options: ReadOptions, field
         return
     _refuse_unreadable(statuses, errors, 1, field)
 
-
-_MISSING = frozenset({schema.STATUS_MISSING_TEXT, schema.STATUS_MISSING_IMAGE})
 
 
 def _refuse_unreadable(statuses: Sequence[str], errors: Sequence[str | None], shards: int, field: str | None) -> None:

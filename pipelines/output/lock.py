@@ -32,7 +32,7 @@ from pairclean import schema
 from pairclean.errors import OutputBusyError
 from pairclean.storage import Store
 
-__all__ = ["DEFAULT_TTL_S", "RunLock", "holder_alive", "lock_ttl_from_env"]
+__all__ = ["DEFAULT_TTL_S", "RunLock", "lock_ttl_from_env"]
 
 #: A crashed run's lock is taken over after this long without a heartbeat.
 DEFAULT_TTL_S = 60.0
@@ -54,7 +54,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def holder_alive(doc: dict[str, Any] | None, ttl_s: float = DEFAULT_TTL_S) -> bool:
+def _holder_alive(doc: dict[str, Any] | None, ttl_s: float = DEFAULT_TTL_S) -> bool:
     """Whether the run holding a lock document ``doc`` (``RunLock.read``; None: no lock) is
     alive: its heartbeat younger than its TTL (``ttl_s`` where the document has none) and, on
     this host, its process still there (a holder whose process is gone is dead, whatever its
@@ -107,7 +107,7 @@ class RunLock:
         return doc if isinstance(doc, dict) else None
 
     def _is_live(self, doc: dict[str, Any]) -> bool:
-        return doc.get("run_id") != self.run_id and holder_alive(doc, self.ttl_s)
+        return doc.get("run_id") != self.run_id and _holder_alive(doc, self.ttl_s)
 
     def acquire(self) -> None:
         """Take the lock and start the heartbeat; raises ``OutputBusyError`` naming a live holder."""

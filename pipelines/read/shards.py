@@ -39,7 +39,6 @@ from pairclean.errors import ShardReadError
 from pairclean.uris import open_shard
 
 __all__ = [
-    "caption_member",
     "caption_text",
     "decode_caption",
     "IMAGE_EXTS",
@@ -57,7 +56,6 @@ __all__ = [
 ]
 
 IMAGE_EXTS = schema.IMAGE_EXTS
-caption_member = schema.caption_member  # here too: where the reader's options are
 # WebDataset's base_plus_ext rule: key = dirname + basename up to the first dot.
 _KEY_RE = re.compile(r"^((?:.*/|)[^.]+)\.([^/]*)$")
 # Tar members like __index__.json are WebDataset metadata, not samples.
@@ -90,7 +88,7 @@ class ReadOptions:
 
     ``caption_field``: when set, the caption is this field of the ``json`` member, or,
     written with a leading dot (``".caption"``), the sample's member of that extension read
-    as text (``caption_member``); otherwise the ``txt`` member is used, falling back to
+    as text (``schema.caption_member``); otherwise the ``txt`` member is used, falling back to
     ``json["caption"]``.
     ``max_member_bytes``: members larger than this are skipped unread (``too_large``);
     None reads members of any size.
@@ -101,7 +99,7 @@ class ReadOptions:
     max_member_bytes: int | None = DEFAULT_MAX_MEMBER_BYTES
 
     def __post_init__(self) -> None:
-        caption_member(self.caption_field)  # a dot alone or an image member: InputError here, not per sample
+        schema.caption_member(self.caption_field)  # a dot alone or an image member: InputError here, not per sample
 
 
 @dataclass(frozen=True)
@@ -331,7 +329,7 @@ def _parse_json(sample: RawSample) -> tuple[dict[str, Any], str | None]:
 
 def _caption(sample: RawSample, meta: dict[str, Any], caption_field: str | None) -> str | None:
     """The caption as read (not yet bounded: see ``_bounded``); None when there is none."""
-    member = caption_member(caption_field)
+    member = schema.caption_member(caption_field)
     if member is not None:
         raw = sample.files.get(member)
         return None if raw is None else decode_caption(raw[: 4 * MAX_CAPTION_CHARS])
@@ -455,7 +453,7 @@ def to_pair(sample: RawSample, caption_field: str | None = None) -> PairSample:
     text = None if text is None else _bounded(text)
     # The caption's member as _caption picks it; a json-fallback caption (no caption_field,
     # no txt) gets no span, so a viewer never has to guess which member it reads.
-    caption_ext = caption_member(caption_field) or ("json" if caption_field is not None else "txt")
+    caption_ext = schema.caption_member(caption_field) or ("json" if caption_field is not None else "txt")
     spans = (sample.spans.get(image_ext) if image_ext else None, sample.spans.get(caption_ext))
 
     def row(status: str, error: str | None) -> PairSample:
@@ -468,7 +466,7 @@ def to_pair(sample: RawSample, caption_field: str | None = None) -> PairSample:
     if image is None:
         return row(schema.STATUS_MISSING_IMAGE, f"no jpg/jpeg/png/webp member (its fields: {found})")
     if text is None:
-        member = caption_member(caption_field)
+        member = schema.caption_member(caption_field)
         where = (f"{member} member" if member else f"json field {caption_field!r}") if caption_field else "txt member or json caption"
         return row(schema.STATUS_MISSING_TEXT, json_error or f"no {where} (its fields: {found})")
     if _blank(text):
