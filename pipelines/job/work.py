@@ -243,34 +243,45 @@ def _finite(x: float) -> float | str:
 
 #: Statuses of a sample whose image or caption is not where the job reads it.
 _MISSING = frozenset({schema.STATUS_MISSING_TEXT, schema.STATUS_MISSING_IMAGE})
+#: Short side (pixels) the first-shard check decodes JPEGs at: whether it decodes, not how it looks.
+_CHECK_DRAFT = 32
 
 
 def _check_some_pair_readable(held: Sequence[ShardResult], field: str | None) -> None:
-    """``InputError`` when no row of the calibration's shards is ``ok`` and every row lacks
-    its caption or its image (``missing_text`` / ``missing_image``): the shards name their
+    """``InputError`` when no row of the calibration's shards is ``ok`` and at least half of
+    the rows lack their caption or their image (``missing_text`` / ``missing_image``; a few
+    corrupt images among them do not hide that): the shards name their
     fields otherwise than the job reads them (a mistyped ``--caption-field``, captions in a
     json field without one, images in a member that is no jpg/jpeg/png/webp). The calibration
     reads shards until it has enough ok pairs, so such a job has no ok pair in any shard it
     read; it would otherwise write a corpus of empty rows and report SUCCEEDED. Raised before
     anything is written, so the corrected command may claim the folder. Corrupt images and
-    the like stay rows with a status: that is the data, not how it is read."""
+    the like stay rows with a status: that is the data, not how it is read (a shard of
+    corrupt images with a few missing fields among them scores as rows)."""
     _refuse_unreadable([st for r in held for st in r.status], [e for r in held for e in r.error], len(held), field)
 
 
-def _check_first_shard_readable(uris: Sequence[str], options: ReadOptions, field: str | None) -> None:
+def _check_first_shard_readable(uris: Sequence[str], options: ReadOptions, field: str | None, max_pixels: int) -> None:
     """``_check_some_pair_readable`` for jobs whose calibration reads no shard (no corpus
-    needed, no judge): the first shard's samples, read without the model. A shard that
-    cannot be read says nothing here (the scoring reports it)."""
+    needed, no judge): the first shard's samples, read and their images decoded (at a small
+    draft size) without the model. A shard that cannot be read says nothing here (the
+    scoring reports it)."""
+    from pairclean.read.decode import DecodeFailure, decode_image
+
     if not uris:
         return
     statuses: list[str] = []
     errors: list[str | None] = []
     try:
-        for pair in iter_pairs(uris[0], options):  # streamed: stops at the first pair that is not a missing field
-            if pair.status not in _MISSING:
-                return
-            statuses.append(pair.status)
-            errors.append(pair.error)
+        for pair in iter_pairs(uris[0], options):  # streamed: stops at the first readable pair
+            status, error = pair.status, pair.error
+            if status == schema.STATUS_OK and pair.image is not None:
+                image = decode_image(pair.image, max_pixels, draft_size=_CHECK_DRAFT)
+                if not isinstance(image, DecodeFailure):
+                    return
+                status, error = image.status, image.error
+            statuses.append(status)
+            errors.append(error)
     except InputError:
         return
     _refuse_unreadable(statuses, errors, 1, field)
@@ -280,9 +291,10 @@ def _check_first_shard_readable(uris: Sequence[str], options: ReadOptions, field
 def _refuse_unreadable(statuses: Sequence[str], errors: Sequence[str | None], shards: int, field: str | None) -> None:
     counts: Counter[str] = Counter(statuses)
     rows = sum(counts.values())
-    if not rows or set(counts) - _MISSING:
+    missing = sum(counts[status] for status in _MISSING)
+    if not rows or counts[schema.STATUS_OK] or 2 * missing < rows:
         return
-    first = next(e for e in errors if e)
+    first = next((e for st, e in zip(statuses, errors) if st in _MISSING and e), "")
     told = ", ".join(f"{status}={n}" for status, n in sorted(counts.items()))
     hints = []
     if counts[schema.STATUS_MISSING_TEXT]:
@@ -346,7 +358,7 @@ class ShardWork:
         """
         dim = int(self.model_info["embed_dim"])
         if not needs_corpus(self.spec.beta_recipe, self.spec.weighting) and self.judge is None:
-            _check_first_shard_readable(uris, self.options.read, self.spec.caption_field)
+            _check_first_shard_readable(uris, self.options.read, self.spec.caption_field, self.spec.max_pixels)
             return CalibrationOutcome(calibrate_on([], self.spec, self.random_beta, dim))
         held: list[ShardResult] = []
         outcomes: list[tuple[str, ShardResult | None, str | None]] = []

@@ -227,6 +227,21 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
     assert _score(broken, tmp_path / "o8") == 0
     assert [r["status"] for r in _rows(tmp_path / "o8", "broken-00000")] == ["decode_error"] * 3
     capsys.readouterr()
+    # A corrupt image among captions in an unread member does not hide the misnamed field (it
+    # used to: any status besides missing_* kept the check quiet) ...
+    mostly = {i: {"txt": None, "caption": b"a dog runs"} for i in range(4)} | {4: {"jpg": b"not an image"}}
+    shards = [str(s) for s in make_shards(n_shards=1, per_shard=5, prefix="mostly", extra=mostly)]
+    for extra_args in ((), ("--beta-recipe", "random-inputs", "--weighting", "paper", "--judge", "off")):
+        assert _score(shards, tmp_path / f"o10-{len(extra_args)}", *extra_args) == 1
+        err = capsys.readouterr().err
+        assert "(5 rows: decode_error=1, missing_text=4;" in err and "(--caption-field .caption)" in err and err.count("\n") == 1
+        assert not list((tmp_path / f"o10-{len(extra_args)}").glob("*.parquet"))
+    # ... and a shard of mostly corrupt images with a caption missing here and there is data: rows
+    mostly_broken = {i: {"jpg": b"not an image"} for i in range(3)} | {3: {"txt": None}}
+    shards = [str(s) for s in make_shards(n_shards=1, per_shard=4, prefix="mbroken", extra=mostly_broken)]
+    assert _score(shards, tmp_path / "o11") == 0
+    assert sorted(r["status"] for r in _rows(tmp_path / "o11", "mbroken-00000")) == ["decode_error"] * 3 + ["missing_text"]
+    capsys.readouterr()
     # Nothing scored is FAILED even where every shard may fail: PARTIAL says some work is there
     assert _score([str(junk)], tmp_path / "o5", "--max-failed-fraction", "1") == 3
     assert "FAILED" in capsys.readouterr().out
