@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairclean.errors import InputError, UnsupportedSchemeError
-from pairclean.uris import raw_scheme
+from pairclean.uris import LOCAL_WRITE_ROOTS_ENV, check_local_root, raw_scheme
 
 __all__ = ["OUTPUT_SCHEMES", "Store", "WriteInfo", "parquet_bytes", "write_file_atomic", "sha256_file"]
 
@@ -131,9 +131,17 @@ class Store:
         return self.root, name
 
     def path(self, name: str = "") -> str:
-        """The filesystem path of ``name`` inside the folder (or its side folder)."""
+        """The filesystem path of ``name`` inside the folder (or its side folder).
+
+        Local folders of a job process the service started: every read and write goes
+        through here, and the path, resolved now, must lie inside the job's write roots
+        (``uris.LOCAL_WRITE_ROOTS_ENV``; ``InputError`` otherwise), so an output folder
+        swapped for a symlink after the job was submitted leads nowhere."""
         root, name = self._where(name)
-        return f"{root}/{name}" if name else root
+        path = f"{root}/{name}" if name else root
+        if self.local:
+            check_local_root(path, LOCAL_WRITE_ROOTS_ENV, "output")
+        return path
 
     def url(self, name: str = "") -> str:
         """A URI users can paste (``s3://b/out/x.parquet`` or a local path)."""
@@ -191,7 +199,7 @@ class Store:
     def is_file(self) -> bool:
         """Whether the folder's own path is a file (an object, remotely): no folder can be there."""
         if self.local:
-            return os.path.isfile(self.root)
+            return os.path.isfile(self.path())
         return bool(self.fs.isfile(self.root))
 
     def size(self, name: str) -> int | None:

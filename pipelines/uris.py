@@ -41,6 +41,10 @@ __all__ = [
     "under_prefix",
     "MAX_SHARDS_ENV",
     "HTTP_ALLOWED_ENV",
+    "LOCAL_READ_ROOTS_ENV",
+    "LOCAL_WRITE_ROOTS_ENV",
+    "local_roots",
+    "check_local_root",
     "SocketWatch",
     "watched_opener",
     "SHARD_EXTENSIONS",
@@ -52,6 +56,14 @@ MAX_SHARDS_ENV = "PAIRCLEAN_MAX_SHARDS"
 #: A JSON list of URI prefixes HTTP(S) reads may be redirected to (set by the service for
 #: its job processes). When set, redirects are followed by hand and each hop is checked.
 HTTP_ALLOWED_ENV = "PAIRCLEAN_HTTP_ALLOWED_PREFIXES"
+#: JSON lists of local folders a job process may read shards and list files from, and write
+#: its output (and side) folder into. The service sets them for the job processes it starts:
+#: it checks a job's paths when the job is submitted, and a symlink made after that (an
+#: input swapped for a link to another tenant's shard, an output folder for a link out of
+#: the allowed area) must not lead the job outside. Each path is resolved (symlinks, ``..``)
+#: when it is touched and must lie inside one of the roots; unset, nothing is checked.
+LOCAL_READ_ROOTS_ENV = "PAIRCLEAN_LOCAL_READ_ROOTS"
+LOCAL_WRITE_ROOTS_ENV = "PAIRCLEAN_LOCAL_WRITE_ROOTS"
 
 LOCAL_SCHEMES = frozenset({"", "file"})
 REMOTE_SCHEMES = frozenset({"http", "https", "s3", "gs", "gcs"})
@@ -161,6 +173,8 @@ def expand_shards(
     tested, every glob match): a caller's allow-list raises from it.
     """
     limit = max_shards if max_shards is not None else _env_limit()
+    if check is None and local_roots(LOCAL_READ_ROOTS_ENV) is not None:
+        check = _check_read  # a job process the service started: its read roots
     budget = _Budget(limit)
     out: list[str] = []
     seen: set[str] = set()
@@ -464,6 +478,48 @@ def under_prefix(uri: str, prefix: str) -> bool:
     return not root or path == root or path.startswith(root + "/")
 
 
+def local_roots(env: str) -> list[str] | None:
+    """The resolved folders of the JSON list in ``$env`` (``LOCAL_READ_ROOTS_ENV`` or
+    ``LOCAL_WRITE_ROOTS_ENV``); None when it is unset or empty (no check)."""
+    raw = os.environ.get(env)
+    if not raw:
+        return None
+    try:
+        roots = json.loads(raw)
+    except ValueError as exc:
+        raise InputError(f"{env} is not a JSON list") from exc
+    if not isinstance(roots, list) or not all(isinstance(r, str) and r.startswith("/") for r in roots):
+        raise InputError(f"{env} must be a JSON list of absolute paths")
+    return [os.path.realpath(r) for r in roots]
+
+
+def check_local_root(path: str, env: str, what: str, fh: BinaryIO | None = None) -> None:
+    """``InputError`` unless local ``path``, resolved now, lies inside a root of ``$env``
+    (``local_roots``; nothing to check when unset). ``fh``: the file already opened at
+    ``path``, which must be the resolved file itself (a link swapped between the open and
+    the check is refused too). ``what`` names the path in the message (never where it
+    resolves to: that may be another tenant's)."""
+    roots = local_roots(env)
+    if roots is None:
+        return
+    real = os.path.realpath(path)
+    inside = any(root == "/" or real == root or real.startswith(root + "/") for root in roots)
+    if inside and fh is not None:
+        try:
+            opened, there = os.fstat(fh.fileno()), os.stat(real)
+            inside = (opened.st_dev, opened.st_ino) == (there.st_dev, there.st_ino)
+        except (OSError, ValueError):
+            inside = False
+    if not inside:
+        raise InputError(f"{what} {path!r} is outside the locations this job may use", uri=path)
+
+
+def _check_read(uri: str) -> None:
+    """The job process's read roots on a local ``uri`` (``expand_shards``' default check)."""
+    if scheme_of(uri) in LOCAL_SCHEMES:
+        check_local_root(local_path(uri), LOCAL_READ_ROOTS_ENV, "input")
+
+
 def _http_allowed_from_env() -> list[str] | None:
     raw = os.environ.get(HTTP_ALLOWED_ENV)
     if not raw:
@@ -597,7 +653,11 @@ def _open_any(uri: str, storage_options: Mapping[str, Any], http_allowed: Sequen
               deadline: float | None = None) -> Iterator[BinaryIO]:
     scheme = scheme_of(uri)
     if scheme in LOCAL_SCHEMES:
+        # Checked before the open (nothing outside is opened, a FIFO included) and after it
+        # on the file opened (a link swapped in between is refused).
+        check_local_root(local_path(uri), LOCAL_READ_ROOTS_ENV, "input")
         with open(local_path(uri), "rb") as fh:
+            check_local_root(local_path(uri), LOCAL_READ_ROOTS_ENV, "input", fh)
             yield fh
         return
     if scheme in ("http", "https"):
@@ -661,6 +721,7 @@ def shard_size(uri: str, storage_options: Mapping[str, Any] | None = None) -> in
     """The size of a shard in bytes, or None when the store does not say."""
     scheme = scheme_of(uri)
     if scheme in LOCAL_SCHEMES:
+        check_local_root(local_path(uri), LOCAL_READ_ROOTS_ENV, "input")
         return os.path.getsize(local_path(uri))
     try:
         import fsspec

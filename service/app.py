@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .dependencies import ValidationPool, output_key
 from .guards import BodyLimit, public_errors, redact_access_log
@@ -32,6 +33,7 @@ from .routers import audit, health, jobs, pages
 from .routers.jobs import read_log
 from .runner import JobRunner
 from .schemas import ERRORS, JobPublic, JobRequest
+from .security import OutputMoved
 from .settings import ServiceSettings
 from .store import JobStore
 
@@ -93,6 +95,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse({"detail": public_errors(list(exc.errors()))}, status_code=422)
+
+    @app.exception_handler(OutputMoved)
+    async def output_moved(request: Request, exc: OutputMoved) -> Response:
+        # As a 409 HTTPException, through whichever handler renders those here (the pages'
+        # HTML under /ui, JSON elsewhere), looked up when it happens.
+        handler = app.exception_handlers[StarletteHTTPException]
+        return await handler(request, StarletteHTTPException(409, str(exc)))  # type: ignore[no-any-return]
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:

@@ -45,7 +45,7 @@ from pairclean.calibrate.calibration import Calibration
 from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.uris import shard_stem
 
-from .security import UriRefused, check_uri
+from .security import UriRefused, check_uri, checked_output
 from .settings import ServiceSettings
 from .store import JobRow
 
@@ -293,7 +293,9 @@ class Browser:
 
     # -- the job's folder -------------------------------------------------------------------
     def output(self, job: JobRow) -> _Output:
-        uri = str(job.request["output"])
+        """The job's output folder, checked on every call (``security.checked_output``: a
+        folder re-pointed since the submission raises ``OutputMoved``)."""
+        uri = checked_output(str(job.request["output"]), job.output_key, self.settings.allowed_outputs)
         got = self._outputs.get(uri)
         if got is None:
             got = _Output(uri)

@@ -3,20 +3,17 @@ metrics and settings (built once per app by ``create_app``), and a job the calle
 
 from __future__ import annotations
 
-import hashlib
-import posixpath
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated
-from urllib.parse import unquote, urlparse
 
 from fastapi import Depends, Header, HTTPException, Request
 from fastapi import Path as PathParam
 
 from .metrics import Metrics
 from .runner import JobRunner
-from .security import UriRefused, hash_key, local_target
+from .security import hash_key, output_key
 from .settings import ServiceSettings
 from .store import JobRow, JobStore, Principal
 
@@ -90,13 +87,3 @@ def job_or_404(store: JobStore, job_id: str, who: Principal) -> JobRow:
     return job
 
 
-def output_key(output: str) -> str:
-    """The identity of an output location (two spellings of one folder share it)."""
-    try:
-        target = local_target(output)
-    except UriRefused:  # a row stored before today's checks: its spelling is its identity
-        target = output
-    if target is None:
-        parsed = urlparse(output)
-        target = f"{parsed.scheme.lower()}://{parsed.netloc.lower()}{posixpath.normpath(unquote(parsed.path) or '/')}"
-    return hashlib.sha256(target.rstrip("/").encode("utf-8", "replace")).hexdigest()

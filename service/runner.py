@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,9 +30,11 @@ import pyarrow as pa
 from pairclean import schema
 from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.output.report import p_clean_sum
+from pairclean.uris import LOCAL_READ_ROOTS_ENV, LOCAL_WRITE_ROOTS_ENV
 from pairclean.job.lifecycle import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, state_for_exit
 
 from .metrics import Metrics
+from .security import OutputMoved, checked_output, local_roots_of
 from .settings import ServiceSettings
 from .store import JobRow, JobStore, now_iso
 
@@ -198,10 +202,11 @@ class JobRunner:
             queued = self.store.in_states([QUEUED])
             if not queued:
                 return
-            job = queued[0]
+            job = _next_fairly(queued, self.store.in_states([RUNNING]))
             log_path = self.logs / f"{job.id}.log"
             try:
-                before = _folder_state(job.request["output"])
+                # the folder the submission checked, not one a symlink re-pointed since
+                before = _folder_state(checked_output(job.request["output"], job.output_key, self.settings.allowed_outputs))
                 proc = self._start(job, log_path)
             except Exception as exc:  # noqa: BLE001 - one job that cannot start must not block the queue
                 log.warning("job %s could not start: %s", job.id, exc)
@@ -223,6 +228,11 @@ class JobRunner:
         # submission is still bounded, and HTTP redirects only lead to allowed inputs.
         env["PAIRCLEAN_MAX_SHARDS"] = str(self.settings.max_shards)
         env["PAIRCLEAN_HTTP_ALLOWED_PREFIXES"] = json.dumps(list(self.settings.allowed_inputs))
+        # ... and local paths are checked again, resolved, when the job touches them: a
+        # symlink made after the submission cannot lead it out of the allow-lists.
+        # (the shard list file this runner wrote is read too)
+        env[LOCAL_READ_ROOTS_ENV] = json.dumps([*local_roots_of(self.settings.allowed_inputs), os.path.realpath(self.lists)])
+        env[LOCAL_WRITE_ROOTS_ENV] = json.dumps(local_roots_of(self.settings.allowed_outputs))
         with open(log_path, "ab") as out:
             return subprocess.Popen(score_command(job.request, self.settings, shard_list), stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True, env=env)
@@ -254,6 +264,11 @@ class JobRunner:
         job = self.store.get(run.job_id)
         if job is None:
             return
+        try:  # every look: a folder re-pointed while the job runs is not read (nor counted)
+            checked_output(job.request["output"], job.output_key, self.settings.allowed_outputs)
+        except OutputMoved:
+            log.warning("job %s: its output folder no longer resolves where it did at submission; not followed", job.id)
+            return
         if run.out is None:
             run.out = OutputDir(job.request["output"])
         out = run.out
@@ -277,6 +292,14 @@ class JobRunner:
             pairs=sum(e.rows for e in committed.values()),
             noise_rate=_noise_rate(run, calibration),
         )
+
+
+def _next_fairly(queued: list[JobRow], running: list[JobRow]) -> JobRow:
+    """The queued job to start next: the oldest of the owners with the fewest RUNNING jobs
+    (``queued`` is oldest first), so one owner's hundred queued jobs take turns with
+    another owner's one rather than all going first."""
+    load = Counter(job.owner for job in running)
+    return min(enumerate(queued), key=lambda item: (load[item[1].owner], item[0]))[1]
 
 
 def _signs_of_life(job: JobRow) -> tuple[Any, ...] | None:
@@ -337,12 +360,20 @@ def _noise_rate(run: _Running, calibration: Calibration | None) -> float | None:
     return calibration.noise_rate if calibration else None
 
 
+#: A line the job process writes for its user: ``error: ...`` (the CLI) or argparse's
+#: ``pairclean score: error: ...``.
+_ERROR_LINE = re.compile(r"^(?:pairclean[\w -]*: )?error: ")
+
+
 def _tail(path: Path, limit: int = 2000) -> str:
     try:
         text = path.read_text(errors="replace")
     except OSError:
         return "job process failed"
     lines = [ln for ln in text.splitlines() if ln.strip()]
+    said = [ln for ln in lines if _ERROR_LINE.match(ln)]
+    if said:  # the job's own one-line error (argparse's usage text above it is for a terminal)
+        return said[-1][:limit]
     if any(ln.startswith("Traceback (most recent call last)") for ln in lines):
         # A crash: users get the exception's one line, never the stack (it stays in the log).
         last = next((ln for ln in reversed(lines) if not ln.startswith(" ")), "")

@@ -17,7 +17,8 @@ __all__ = [
     "JobLogs", "Validation", "Problem", "ERRORS",
 ]
 
-_NAME = r"^[A-Za-z0-9._-]{1,100}$"
+#: Names (estimators, recipes): no leading dash or dot, so never read as a flag or a hidden path.
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 #: Text fields hold no NUL, no control characters and no lone surrogates (422 otherwise).
 SafeStr = Annotated[str, AfterValidator(safe_text)]
 

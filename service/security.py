@@ -5,14 +5,17 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import posixpath
 import re
 import secrets
 from collections.abc import Sequence
 from urllib.parse import unquote, urlparse
 
+from pairclean.schema import side_folder
 from pairclean.uris import under_prefix
 
-__all__ = ["new_api_key", "hash_key", "keys_match", "UriRefused", "check_uri", "is_allowed", "local_target"]
+__all__ = ["new_api_key", "hash_key", "keys_match", "UriRefused", "check_uri", "is_allowed", "local_target", "local_roots_of",
+           "output_key", "OutputMoved", "checked_output"]
 
 
 def new_api_key() -> str:
@@ -112,6 +115,55 @@ def is_allowed(uri: str, allowed_prefixes: Sequence[str]) -> bool:
     return True
 
 
+def local_roots_of(allowed_prefixes: Sequence[str]) -> list[str]:
+    """The resolved local folders among ``allowed_prefixes`` (remote prefixes left out): the
+    roots a job process checks its local paths against (``pairclean.uris.local_roots``)."""
+    roots = [_prefix_root(p) for p in allowed_prefixes if _is_local(p)]
+    return [r for r in roots if r]
+
+
 def _is_local(prefix: str) -> bool:
     scheme = urlparse(prefix).scheme
     return len(scheme) <= 1 or scheme.lower() == "file"
+
+
+def output_key(output: str) -> str:
+    """The identity of an output location (two spellings of one folder share it)."""
+    try:
+        target = local_target(output)
+    except UriRefused:  # a row stored before today's checks: its spelling is its identity
+        target = output
+    if target is None:
+        parsed = urlparse(output)
+        target = f"{parsed.scheme.lower()}://{parsed.netloc.lower()}{posixpath.normpath(unquote(parsed.path) or '/')}"
+    return hashlib.sha256(target.rstrip("/").encode("utf-8", "replace")).hexdigest()
+
+
+class OutputMoved(UriRefused):
+    """A job's output folder (or its side folder) no longer resolves where it did when the
+    job was submitted, or has left the allow-list: a symlink changed since."""
+
+
+def checked_output(output: str, recorded_key: str | None, allowed_prefixes: Sequence[str]) -> str:
+    """``output`` (a job's output URI) when it may still be read or written for its job;
+    ``OutputMoved`` otherwise. Checked on every use, not once at submission: the output
+    folder and its side folder (``OUT.pairclean``) must still be inside the allow-list, the
+    output must resolve to the location recorded at submission (``recorded_key``, its
+    ``output_key``; None for rows of earlier releases), and the side folder must be the one
+    beside it (not a link of its own to somewhere else). So a tenant who re-points their own
+    job's folder at another tenant's output reads nothing through the job's pages or routes.
+    The message names only the job's own output."""
+    moved = OutputMoved(f"the output folder {output!r} no longer resolves where it did when the job was submitted, "
+                        "or is outside the locations this service may use; its results are not read")
+    try:
+        check_uri(output, allowed_prefixes)
+        check_uri(side_folder(output), allowed_prefixes)
+        target = local_target(output)
+        side = local_target(side_folder(output))
+    except (UriRefused, ValueError) as exc:
+        raise moved from exc
+    if recorded_key is not None and output_key(output) != recorded_key:
+        raise moved
+    if target is not None and side != side_folder(target):
+        raise moved
+    return output

@@ -14,7 +14,9 @@ signed cookie:
 The cost: sessions live in this process, so they end when the service restarts (one logs
 in again) and do not span API replicas (put sticky sessions in front, or move this table
 into the job store; ``Sessions`` is the whole interface). Bounded: at most
-``max_sessions`` live at once (the oldest go first) and each lasts ``ttl_s``.
+``max_sessions`` live at once (the oldest go first), at most ``max_per_key`` of them for
+one API key (that key's oldest go first, so one tenant logging in again and again churns
+only its own sessions, never another's), and each lasts ``ttl_s``.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ def _digest(token: str) -> str:
 class Sessions:
     """Live sessions by the sha256 of their token; thread-safe."""
 
-    def __init__(self, ttl_s: float, max_sessions: int = 10_000) -> None:
-        self.ttl_s, self.max_sessions = ttl_s, max_sessions
+    def __init__(self, ttl_s: float, max_sessions: int = 10_000, max_per_key: int = 32) -> None:
+        self.ttl_s, self.max_sessions, self.max_per_key = ttl_s, max_sessions, max_per_key
         self._live: OrderedDict[str, _Session] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -56,6 +58,9 @@ class Sessions:
         now = time.monotonic()
         with self._lock:
             for digest in [d for d, s in self._live.items() if s.expires <= now]:
+                del self._live[digest]
+            own = [d for d, s in self._live.items() if s.key_hash == key_hash]  # oldest first
+            for digest in own[: max(0, len(own) - self.max_per_key + 1)]:
                 del self._live[digest]
             while len(self._live) >= self.max_sessions:
                 self._live.popitem(last=False)  # the oldest login goes first

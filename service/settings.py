@@ -28,6 +28,9 @@ class ServiceSettings(BaseSettings):
     header declares at most ``ui_thumbnail_max_pixels`` pixels at the decode scale.
     ``audit_sample`` / ``audit_seed``: the size and seed of each job's labelling queue (the
     audit loop, ``audit.py``; ``pairclean audit OUT --sample N --seed S`` draws the same one).
+    ``max_queued_per_owner``: jobs one owner may have QUEUED at once (429 beyond); the
+    runner starts the oldest job of the owners with the fewest RUNNING jobs first, so one
+    owner's long queue does not hold back another's first job.
     ``orphan_grace_s`` / ``orphan_check_s``: a RUNNING job launched by another replica whose
     signs of life (that replica's heartbeat in the store, the heartbeat in the job's run
     lock) have not changed for ``orphan_grace_s`` is queued again (CANCELLED where its
@@ -52,6 +55,7 @@ class ServiceSettings(BaseSettings):
     executor: str = "ray"
     ray_address: str | None = None
     max_running_jobs: int = 1
+    max_queued_per_owner: int = Field(100, ge=1)
     poll_interval_s: float = 0.5
     require_auth: bool = True
     ui_session_ttl_s: float = 8 * 3600

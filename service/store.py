@@ -64,6 +64,9 @@ class JobRow:
     #: The launching runner's last heartbeat (``JobStore.beat``; None: before migration 0006,
     #: or a replica of a release without it)
     heartbeat: str | None = None
+    #: sha256 of the output location resolved at submission (``security.output_key``; None:
+    #: rows of releases before it): reads of the folder check it still resolves there
+    output_key: str | None = None
 
 
 # JobRow field -> column: the same name except the idempotency key (``idem_key`` since keys

@@ -23,14 +23,15 @@ ranged read.
 from __future__ import annotations
 
 import codecs
-
+import gzip
 import json
 import os
 import re
 import stat
 import tarfile
 import unicodedata
-from collections.abc import Iterator, Mapping
+import zlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -63,6 +64,8 @@ _META_RE = re.compile(r"(^|/)__[^/]*__($|\.)")
 #: Members above this many bytes are never read into memory (a ``too_large`` row).
 DEFAULT_MAX_MEMBER_BYTES = 64 * 2**20
 _BLOCK = tarfile.BLOCKSIZE
+#: The most bytes one header read may ask for (pax headers and GNU long names are read whole).
+_MAX_HEADER_READ = 1 << 20
 # Bytes after the end-of-archive marker are drained to compare the total with the
 # object's size; tar writers pad to a 10 KiB record, so more than this is not padding.
 _MAX_TRAILER = 1 << 20
@@ -152,13 +155,19 @@ class _Counting:
 
 
 class _FirstRead:
-    """A stream proxy that keeps the bytes of its first ``read`` (a header block)."""
+    """A stream proxy that keeps the bytes of its first ``read`` (a header block), and
+    refuses a read of more than ``_MAX_HEADER_READ`` bytes (``ShardReadError``): headers are
+    read whole by ``tarfile`` (a pax header or a GNU long name of 800 MiB would be held in
+    memory at once), while member data is never read through it."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.block = inner, b""
+    def __init__(self, inner: Any, uri: str) -> None:
+        self.inner, self.block, self.uri = inner, b"", uri
         self._seen = False
 
     def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0 or n > _MAX_HEADER_READ:
+            raise ShardReadError(f"unreadable tar {self.uri!r}: a member header (pax or long name) of over "
+                                 f"{_MAX_HEADER_READ} bytes", uri=self.uri)
         data: bytes = self.inner.read(n)
         if not self._seen:
             self._seen, self.block = True, bytes(data)
@@ -168,7 +177,7 @@ class _FirstRead:
         return getattr(self.inner, name)
 
 
-def _header_recorder() -> tuple[type[tarfile.TarInfo], list[bytes]]:
+def _header_recorder(uri: str) -> tuple[type[tarfile.TarInfo], list[bytes]]:
     """A TarInfo class that remembers the block its last header read started with.
 
     ``tarfile`` ends iteration silently on an empty, short or corrupt header after the
@@ -184,7 +193,7 @@ def _header_recorder() -> tuple[type[tarfile.TarInfo], list[bytes]]:
         @classmethod
         def fromtarfile(cls, tar: tarfile.TarFile) -> _Info:
             stream = tar.fileobj
-            probe = _FirstRead(stream)
+            probe = _FirstRead(stream, uri)
             tar.fileobj = probe
             try:
                 return super().fromtarfile(tar)
@@ -229,15 +238,49 @@ def _check_trailer(tar: tarfile.TarFile, uri: str) -> None:
             raise ShardReadError(f"unreadable tar {uri!r}: over {_MAX_TRAILER} bytes after its end-of-archive marker", uri=uri)
 
 
-def _iter_members(fh: BinaryIO, uri: str, max_member_bytes: int | None) -> Iterator[_Member]:
+class _Peeked:
+    """A read-only stream whose first bytes were read ahead (``head``) and are read again."""
+
+    def __init__(self, fh: Any, head: bytes) -> None:
+        self.fh, self.head = fh, head
+
+    def read(self, n: int = -1) -> bytes:
+        if self.head:
+            data = self.head if n is None or n < 0 else self.head[:n]
+            self.head = self.head[len(data):]
+            return data
+        return bytes(self.fh.read(n))
+
+
+def _decompressed(counted: _Counting) -> tuple[Any, bool]:
+    """(the tar stream, whether it is gzip-compressed) of a shard's bytes.
+
+    Gzip goes through ``gzip.GzipFile`` rather than ``tarfile``'s own "r|gz": that reads
+    only the first gzip member and checks no CRC, so two ``.tar.gz`` joined with ``cat``
+    were read short without a word, a genuine multi-member gzip of one tar failed as
+    truncated, and corrupted compressed data was scored. ``GzipFile`` reads every member
+    (the tar's end-of-archive check then sees a second tar), checks each member's CRC and
+    length, and refuses bytes after the last member that are not gzip."""
+    head = counted.read(2)
+    stream = _Peeked(counted, head)
+    if head == b"\x1f\x8b":
+        return gzip.GzipFile(fileobj=stream, mode="rb"), True  # type: ignore[call-overload]
+    return stream, False
+
+
+def _iter_members(fh: BinaryIO, uri: str, max_member_bytes: int | None,
+                  wanted: Callable[[str], bool] | None = None) -> Iterator[_Member]:
+    """The members of a shard in tar order; ``wanted(name)`` False: the member's data is not
+    read (``data`` is ``b""``: its name still counts)."""
     size = _known_size(fh)
     counted = _Counting(fh)
-    info_cls, last_header = _header_recorder()
+    info_cls, last_header = _header_recorder(uri)
     try:
-        # "r|*": forward-only stream (works on HTTP streams), transparent gzip.
-        with tarfile.open(fileobj=counted, mode="r|*", tarinfo=info_cls) as tar:  # type: ignore[call-overload]
+        stream, compressed = _decompressed(counted)
+        # "r|": forward-only stream (works on HTTP streams), of the decompressed tar.
+        with tarfile.open(fileobj=stream, mode="r|", tarinfo=info_cls) as tar:
             # Offsets are file offsets only when the stream is not compressed.
-            plain = getattr(tar.fileobj, "comptype", None) == "tar"
+            plain = not compressed
             for member in tar:
                 if member.issym() or member.islnk():
                     yield _Member(member.name, None, (schema.STATUS_LINK_MEMBER, f"member {member.name!r} is a link; links are not followed"))
@@ -249,6 +292,11 @@ def _iter_members(fh: BinaryIO, uri: str, max_member_bytes: int | None) -> Itera
                     # next header is read, so a 1 GiB member never sits in memory.
                     message = f"member {member.name!r} is {member.size} bytes, over the {max_member_bytes}-byte limit"
                     yield _Member(member.name, None, (schema.STATUS_TOO_LARGE, message))
+                    continue
+                if wanted is not None and not wanted(member.name):
+                    # Not extracted (skipped block by block, as above): a sample's fields that
+                    # the pair does not use cannot make it hold gigabytes.
+                    yield _Member(member.name, b"")
                     continue
                 extracted = tar.extractfile(member)
                 if extracted is None:
@@ -264,7 +312,7 @@ def _iter_members(fh: BinaryIO, uri: str, max_member_bytes: int | None) -> Itera
                     break
             if counted.count != size:
                 raise ShardReadError(f"unreadable tar {uri!r}: read {counted.count} of its {size} bytes", uri=uri)
-    except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
+    except (tarfile.TarError, EOFError, OSError, ValueError, zlib.error) as exc:
         raise ShardReadError(f"unreadable tar {uri!r}: {exc}", uri=uri) from exc
 
 
@@ -280,16 +328,24 @@ def iter_raw_samples(uri: str, options: ReadOptions | None = None) -> Iterator[R
         yield from iter_raw_samples_from(fh, uri, opts)
 
 
-def iter_raw_samples_from(fh: BinaryIO, uri: str, options: ReadOptions | None = None) -> Iterator[RawSample]:
-    """``iter_raw_samples`` over a stream the caller opened (``uri`` names it in errors)."""
+def iter_raw_samples_from(fh: BinaryIO, uri: str, options: ReadOptions | None = None,
+                          fields: Callable[[str], bool] | None = None) -> Iterator[RawSample]:
+    """``iter_raw_samples`` over a stream the caller opened (``uri`` names it in errors).
+
+    ``fields(field)`` False: that field's bytes are not read (it is in ``files`` as ``b""``)."""
     opts = options or ReadOptions()
+
+    def wanted(name: str) -> bool:
+        parts = split_member_name(name)
+        return fields is None or parts is None or fields(parts[1])
+
     current_key: str | None = None
     files: dict[str, bytes] = {}
     spans: dict[str, tuple[int, int]] = {}
     issue: tuple[str, str] | None = None
     seen: set[str] = set()
     idx = 0
-    for member in _iter_members(fh, uri, opts.max_member_bytes):
+    for member in _iter_members(fh, uri, opts.max_member_bytes, wanted if fields is not None else None):
         parts = split_member_name(member.name)
         if parts is None:
             continue
@@ -474,15 +530,23 @@ def to_pair(sample: RawSample, caption_field: str | None = None) -> PairSample:
     return row(schema.STATUS_OK, None)
 
 
+def pair_fields(caption_field: str | None) -> Callable[[str], bool]:
+    """Which fields ``to_pair`` reads: images, ``txt``, ``json`` and a caption member."""
+    member = schema.caption_member(caption_field)
+    used = frozenset(IMAGE_EXTS) | {"txt", "json"} | ({member} if member else set())
+    return used.__contains__
+
+
 def iter_pairs(uri: str, options: ReadOptions | None = None) -> Iterator[PairSample]:
-    """The pairs of one shard in tar order (see ``iter_raw_samples`` for the errors)."""
+    """The pairs of one shard in tar order (see ``iter_raw_samples`` for the errors); fields
+    no pair uses are not read (``pair_fields``)."""
     opts = options or ReadOptions()
-    for sample in iter_raw_samples(uri, opts):
-        yield to_pair(sample, opts.caption_field)
+    with open_shard(uri, opts.storage_options) as fh:
+        yield from iter_pairs_from(fh, uri, opts)
 
 
 def iter_pairs_from(fh: BinaryIO, uri: str, options: ReadOptions | None = None) -> Iterator[PairSample]:
     """``iter_pairs`` over a stream the caller opened (e.g. one bounded in bytes and time)."""
     opts = options or ReadOptions()
-    for sample in iter_raw_samples_from(fh, uri, opts):
+    for sample in iter_raw_samples_from(fh, uri, opts, fields=pair_fields(opts.caption_field)):
         yield to_pair(sample, opts.caption_field)

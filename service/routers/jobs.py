@@ -18,7 +18,7 @@ from pairclean.job.lifecycle import FAILED, PARTIAL, QUEUED, RUNNING, TERMINAL, 
 
 from ..dependencies import Caller, JobId, Runner, Settings, Store, Validations, job_or_404, output_key
 from ..guards import BoundedReader, PrefixEnd, scrub
-from ..security import UriRefused, check_uri, local_target
+from ..security import UriRefused, check_uri, checked_output, local_target
 from ..settings import ServiceSettings
 from ..store import JobRow, JobStore, OutputInUse, Principal
 from ..schemas import (
@@ -33,7 +33,8 @@ router = APIRouter(prefix="/v1")
 LOG_PAGE_BYTES = 1 << 20
 
 
-@router.post("/jobs", status_code=201, response_model=JobPublic)
+@router.post("/jobs", status_code=201, response_model=JobPublic,
+             responses={429: {"model": Problem, "description": "the caller has as many queued jobs as one owner may"}})
 def submit(request: JobRequest, who: Caller, response: Response, store: Store, settings: Settings,
            idempotency_key: Annotated[str | None, Header(max_length=200, pattern=r"^[\x21-\x7e]{1,200}$")] = None) -> JobPublic:
     if idempotency_key:  # a repeat returns the job before any check (the shards may have moved since)
@@ -41,6 +42,7 @@ def submit(request: JobRequest, who: Caller, response: Response, store: Store, s
         if existing is not None:
             response.status_code = 200
             return public_job(existing)
+    _check_queue_share(who, store, settings)
     total = len(expand(request, settings))
     key = output_key(request.output)
     _check_output_owner(request.output, key, who, store)
@@ -81,10 +83,10 @@ def get_job(job_id: JobId, who: Caller, store: Store) -> JobPublic:
 
 
 @router.get("/jobs/{job_id}/shards", response_model=ShardPage)
-def job_shards(job_id: JobId, who: Caller, store: Store, state: schema.ShardState | None = None,
+def job_shards(job_id: JobId, who: Caller, store: Store, settings: Settings, state: schema.ShardState | None = None,
                limit: Annotated[int, Query(ge=1, le=1000)] = 100, offset: Annotated[int, Query(ge=0, le=10**9)] = 0) -> ShardPage:
     job = job_or_404(store, job_id, who)
-    items = [s for s in _shard_states(job) if state is None or s.state == state]
+    items = [s for s in _shard_states(job, settings) if state is None or s.state == state]
     return ShardPage(items=items[offset : offset + limit], total=len(items), limit=limit, offset=offset)
 
 
@@ -131,6 +133,15 @@ def _in_use(job_id: str, owner: str | None, who: Principal, where: str) -> str:
     return f"another job is already writing to {where}; choose another output folder"
 
 
+def _check_queue_share(who: Principal, store: JobStore, settings: ServiceSettings) -> None:
+    """429 when ``who`` already has ``max_queued_per_owner`` jobs waiting: one tenant cannot
+    fill the queue (the runner also starts the jobs of owners with fewer running first)."""
+    _, queued = store.list(limit=1, offset=0, state=QUEUED, owner=who.name)
+    if queued >= settings.max_queued_per_owner:
+        raise HTTPException(429, f"you have {queued} queued jobs, the most this service queues for one owner; "
+                                 "wait for some to start or cancel some")
+
+
 def _check_output_owner(output: str, key: str, who: Principal, store: JobStore) -> None:
     """An output folder belongs to the tenant whose job first used it: a job of another
     owner may not write into it, or read it back through the job's pages (409). A local
@@ -140,12 +151,23 @@ def _check_output_owner(output: str, key: str, who: Principal, store: JobStore) 
     from pairclean.output.folder import enclosing_output, is_output
     from pairclean.storage import Store as Folder
 
+    from pairclean.schema import side_folder
+
     owners = store.output_owners(key)
     if owners and owners != {who.name}:
         raise HTTPException(409, f"output {output!r} belongs to another owner's job; choose another output folder")
+    # The job's state goes to its side folder (OUT.pairclean): that must not be another job's output.
+    side_owners = store.output_owners(output_key(side_folder(output)))
+    if side_owners and side_owners != {who.name}:
+        raise HTTPException(409, f"output {output!r}: its side folder {side_folder(output)!r} is another owner's job output; "
+                                 "choose another output folder")
     target = local_target(output)
     if target is None:
         return  # remote: the job's own run refuses a folder inside another job's output
+    side = local_target(side_folder(output))
+    if side is not None and is_output(os.path.exists, side):
+        raise HTTPException(409, f"output {output!r}: its side folder {side_folder(output)!r} holds a pairclean job's output; "
+                                 "choose another output folder")
     if not owners and is_output(os.path.exists, target):
         raise HTTPException(409, f"output {output!r} already holds a pairclean job's output that is not yours; "
                                  "choose another output folder")
@@ -282,12 +304,13 @@ def read_log(path: Path, offset: int, limit: int) -> JobLogs:
     return JobLogs(text=data.decode("utf-8", "replace"), offset=start, next_offset=start + len(data), size=size)
 
 
-def _shard_states(job: JobRow) -> list[ShardPublic]:
-    """Every shard of a job with its state, from the job's own output folder."""
+def _shard_states(job: JobRow, settings: ServiceSettings) -> list[ShardPublic]:
+    """Every shard of a job with its state, from the job's own output folder (``OutputMoved``,
+    a 409, where that folder no longer resolves where it did at submission)."""
     from pairclean.output.folder import OutputDir
     from pairclean.uris import shard_stem
 
-    out = OutputDir(job.request["output"])
+    out = OutputDir(checked_output(job.request["output"], job.output_key, settings.allowed_outputs))
     spec = out.read_spec()
     if spec is None:
         return []  # the job has not started writing yet

@@ -146,12 +146,17 @@ def test_thumbnails_follow_todays_allow_list(demo_service, live_server_cls, tmp_
     """A service whose input allow-list no longer holds the job's shards shows placeholders
     (and never reads the shard), though the job and its table are still there."""
     db = f"sqlite:///{demo_service.root / 'jobs.db'}"
-    with live_server_cls(tmp_path, database_url=db, allowed_inputs=[str(tmp_path)]) as narrow:
+    with live_server_cls(tmp_path, database_url=db, allowed_inputs=[str(tmp_path)], allowed_outputs=[str(demo_service.root)]) as narrow:
         client = _login(demo_service, url=narrow.url)
         r = client.get(f"/ui/jobs/{demo_service.job_id}/thumbs/demo-000000/0")
         assert r.status_code == 200 and r.headers["x-pairclean-image"] == "placeholder: image unreadable or not allowed"
         html = client.get(f"/ui/jobs/{demo_service.job_id}/gallery").text
         assert "caption not recorded" in html and "An orange cat" not in html
+    # ... and one whose output allow-list no longer holds the job's folder reads nothing of it
+    with live_server_cls(tmp_path, database_url=db, allowed_outputs=[str(tmp_path)]) as narrow:
+        client = _login(demo_service, url=narrow.url)
+        r = client.get(f"/ui/jobs/{demo_service.job_id}/gallery")
+        assert r.status_code == 409 and "no longer resolves where it did" in r.text and "An orange cat" not in r.text
 
 
 def test_shard_filters_are_validated(demo_service) -> None:

@@ -289,3 +289,60 @@ def test_sixteen_bit_png_keeps_its_tones_instead_of_clipping() -> None:
     expected = ramp / 65535 * 255
     assert abs(pixels.mean() - expected.mean()) < 1.0  # PIL's own convert gives a mean of ~254
     assert pixels.min() == 0 and pixels.max() >= 254
+
+
+def test_gzip_is_read_whole_checked_and_never_short(tmp_path: Path) -> None:
+    """tarfile's own "r|gz" read the first gzip member only and checked no CRC: two .tar.gz
+    joined with cat were read short without a word, a multi-member gzip of one tar failed as
+    truncated, corrupted compressed data was scored and garbage after the gzip ignored."""
+    members = [(f"{i}.{ext}", bytes([65 + i]) * 700) for i in range(4) for ext in ("jpg", "txt")]
+    raw = _tar(tmp_path / "g.tar", members).read_bytes()
+    other = gzip.compress(_tar(tmp_path / "o.tar", [("z.jpg", b"y" * 10), ("z.txt", b"other")]).read_bytes())
+    half = len(raw) // 2
+    multi = gzip.compress(raw[:half]) + gzip.compress(raw[half:])  # one tar in two gzip members (pigz, bgzip)
+    flipped = bytearray(gzip.compress(raw))
+    flipped[len(flipped) // 2] ^= 0x10
+    crc = bytearray(gzip.compress(raw))
+    crc[-6] ^= 0xFF  # the CRC field damaged, the data intact
+    cases = {"multi": (multi, None), "joined": (gzip.compress(raw) + other, "after its end-of-archive marker"),
+             "garbage": (gzip.compress(raw) + b"GARBAGE!", "Not a gzipped file"), "flipped": (bytes(flipped), ""),
+             "crc": (bytes(crc), "CRC check failed")}
+    for name, (data, error) in cases.items():
+        path = tmp_path / f"{name}.tar.gz"
+        path.write_bytes(data)
+        if error is None:
+            assert [p.key for p in iter_pairs(str(path))] == ["0", "1", "2", "3"]
+            continue
+        with pytest.raises(ShardReadError, match=f"{name}.tar.gz.*{error}"):
+            list(iter_pairs(str(path)))
+
+
+def test_a_sample_cannot_make_the_reader_hold_what_it_does_not_use(tmp_path: Path) -> None:
+    """Every field of a sample was read into memory, used or not (16 unused 60 MiB fields in
+    a 1 MB .tar.gz), and pax headers are read whole by tarfile (one of 800 MiB)."""
+    import tarfile
+    import tracemalloc
+
+    big = b"\0" * (40 * 2**20)
+    path = tmp_path / "fields.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in [("a.jpg", b"\xff" * 10), ("a.txt", b"a caption")] + [(f"a.extra{i}", big) for i in range(12)]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    tracemalloc.start()
+    try:
+        pairs = list(iter_pairs(str(path)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [(p.key, p.status, p.text) for p in pairs] == [("a", "ok", "a caption")]
+    assert peak < 32 * 2**20  # not the 480 MiB of fields
+    pax = tmp_path / "pax.tar"
+    with tarfile.open(pax, "w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("b.txt")
+        info.pax_headers = {"comment": "x" * (2 * 2**20)}
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"hi"))
+    with pytest.raises(ShardReadError, match="member header .* of over"):
+        list(iter_pairs(str(pax)))

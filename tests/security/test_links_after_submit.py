@@ -1,0 +1,170 @@
+"""Round 4 of attacking the service (a hostile tenant with a shell on the shared filesystem).
+
+Paths were checked once, when a job was submitted; the job process and the pages used
+them again later. A symlink made in between led a job to read shards outside the input
+allow-list, to write outside the output allow-list, and a tenant's own job pages to show
+another tenant's results. Also: one tenant could log every other out of the pages, fill
+the queue ahead of everyone, hand the job a flag as its estimator, and take another job's
+output folder as its side folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from pairclean.errors import InputError  # noqa: E402
+from pairclean.storage import Store  # noqa: E402
+from pairclean.uris import LOCAL_READ_ROOTS_ENV, LOCAL_WRITE_ROOTS_ENV, expand_shards, open_shard  # noqa: E402
+from pairclean_service.runner import _next_fairly, _tail  # noqa: E402
+from pairclean_service.sessions import Sessions  # noqa: E402
+from pairclean_service.store import RUNNING  # noqa: E402
+
+from test_threat_model import Live, _run_job, _session, _shard  # noqa: E402
+
+
+def _wait(srv: Live, job: str, who: str = "alice", timeout: float = 300) -> dict[str, object]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        doc: dict[str, object] = srv.get(f"/v1/jobs/{job}", who=who).json()
+        if doc["state"] not in ("QUEUED", "RUNNING"):
+            return doc
+        time.sleep(0.3)
+    raise AssertionError(f"job {job} did not end")
+
+
+@pytest.fixture
+def demo_copy(tmp_path: Path) -> Path:
+    from pairclean_workers.cli import sample_shard
+
+    shard = tmp_path / "in" / "demo.tar"
+    shard.parent.mkdir(parents=True, exist_ok=True)
+    shard.write_bytes(Path(sample_shard()).read_bytes())
+    (tmp_path / "out").mkdir(exist_ok=True)
+    return shard
+
+
+def test_a_link_made_after_submit_leads_the_job_nowhere(tmp_path: Path, demo_copy: Path) -> None:
+    secret = _shard(tmp_path / "secret" / "secret.tar", n=3)
+    evil = tmp_path / "in" / "evil.tar"
+    evil.write_bytes(demo_copy.read_bytes())
+    (tmp_path / "other" / "b").mkdir(parents=True)
+    with Live(tmp_path, max_running_jobs=0) as srv:  # queued until the links are in place
+        tiny = {"estimator": "pairclean-tiny-test"}
+        read = srv.post("/v1/jobs", json={"shards": [str(evil)], "output": str(tmp_path / "out" / "a"), **tiny})
+        write = srv.post("/v1/jobs", json={"shards": [str(demo_copy)], "output": str(tmp_path / "out" / "b"), **tiny})
+        assert read.status_code == write.status_code == 201, (read.text, write.text)
+        evil.unlink()
+        evil.symlink_to(secret)  # the input, now a link out of the input allow-list
+        (tmp_path / "out" / "b").symlink_to(tmp_path / "other" / "b")  # the output, a link out of the output allow-list
+        srv.settings.max_running_jobs = 1
+        read_doc, write_doc = _wait(srv, read.json()["id"]), _wait(srv, write.json()["id"])
+    assert read_doc["state"] == "FAILED" and "outside the locations this job may use" in str(read_doc["error"]), read_doc
+    assert str(secret) not in str(read_doc["error"])  # never where the link leads
+    assert not list((tmp_path / "out").glob("a/*.parquet"))
+    assert write_doc["state"] == "FAILED" and "no longer resolves where it did" in str(write_doc["error"]), write_doc
+    assert not any((tmp_path / "other").rglob("*.*"))  # nothing written where the link leads
+
+
+def test_a_job_folder_repointed_at_another_tenants_output_shows_nothing(tmp_path: Path, demo_copy: Path) -> None:
+    with Live(tmp_path) as srv:
+        _run_job(srv, [str(demo_copy)], tmp_path / "out" / "a")
+        bobs = _run_job(srv, [str(demo_copy)], tmp_path / "out" / "b", who="bob")
+        assert srv.get(f"/v1/jobs/{bobs}/shards", who="bob").json()["total"] == 1
+        for name in ("b", "b.pairclean"):  # bob re-points his own finished folder at alice's
+            os.rename(tmp_path / "out" / name, tmp_path / "out" / f"{name}-old")
+            (tmp_path / "out" / name).symlink_to(tmp_path / "out" / name.replace("b", "a", 1))
+        r = srv.get(f"/v1/jobs/{bobs}/shards", who="bob")
+        assert r.status_code == 409 and "no longer resolves where it did" in r.json()["detail"], r.text
+        client = _session(srv, "bob")
+        for page in (f"/ui/jobs/{bobs}", f"/ui/jobs/{bobs}/gallery", f"/ui/jobs/{bobs}/shards/demo"):
+            r = client.get(page)
+            assert r.status_code == 409 and "skimage/" not in r.text, (page, r.status_code)
+
+
+def test_a_side_folder_that_is_another_jobs_output_is_refused(tmp_path: Path, demo_copy: Path) -> None:
+    with Live(tmp_path, max_running_jobs=0) as srv:
+        r = srv.post("/v1/jobs", json={"shards": [str(demo_copy)], "output": str(tmp_path / "out" / "z.pairclean")})
+        assert r.status_code == 201, r.text
+        r = srv.post("/v1/jobs", who="bob", json={"shards": [str(demo_copy)], "output": str(tmp_path / "out" / "z")})
+        assert r.status_code == 409 and "side folder" in r.json()["detail"], r.text
+        # a folder holding another job's state (the batch CLI's) as the side folder: refused alike
+        (tmp_path / "out" / "y.pairclean.pairclean" / "state").mkdir(parents=True)
+        r = srv.post("/v1/jobs", who="bob", json={"shards": [str(demo_copy)], "output": str(tmp_path / "out" / "y")})
+        assert r.status_code == 409 and "side folder" in r.json()["detail"], r.text
+
+
+def test_names_are_never_flags(tmp_path: Path, demo_copy: Path) -> None:
+    with Live(tmp_path, max_running_jobs=0) as srv:
+        for name in ("--", "--help", "-1", ".hidden"):
+            r = srv.post("/v1/jobs", json={"shards": [str(demo_copy)], "output": str(tmp_path / "out" / "n"), "estimator": name})
+            assert r.status_code == 422 and name not in r.text, (name, r.text)
+    log = tmp_path / "job.log"  # argparse's usage text above the error line is for a terminal
+    log.write_text("usage: pairclean score [-h] --out OUT\n                       [--cpus-per-actor N]\n"
+                   "pairclean score: error: argument --model: expected one argument\n")
+    assert _tail(log) == "pairclean score: error: argument --model: expected one argument"
+
+
+def test_one_owner_cannot_fill_the_queue_or_go_first_for_ever(tmp_path: Path, demo_copy: Path) -> None:
+    with Live(tmp_path, max_running_jobs=0, max_queued_per_owner=2) as srv:
+        ids = []
+        for n in range(2):
+            r = srv.post("/v1/jobs", json={"shards": [str(demo_copy)], "output": str(tmp_path / "out" / f"q{n}")})
+            assert r.status_code == 201, r.text
+            ids.append(r.json()["id"])
+        r = srv.post("/v1/jobs", json={"shards": [str(demo_copy)], "output": str(tmp_path / "out" / "q2")})
+        assert r.status_code == 429 and "queued jobs" in r.json()["detail"]
+        r = srv.post("/v1/jobs", who="bob", json={"shards": [str(demo_copy)], "output": str(tmp_path / "out" / "qb")})
+        assert r.status_code == 201, r.text
+        queued = srv.app.state.store.in_states(["QUEUED"])
+    assert sorted(j.owner for j in queued) == ["alice", "alice", "bob"] and set(ids) <= {j.id for j in queued}
+    assert _next_fairly(queued, []).id == queued[0].id  # nobody runs: the oldest (created_at has whole seconds)
+    alices = next(j for j in queued if j.owner == "alice")
+    assert _next_fairly(queued, [replace(alices, state=RUNNING)]).owner == "bob"  # alice runs one: bob's turn
+
+
+def test_one_key_logging_in_again_and_again_ends_only_its_own_sessions() -> None:
+    sessions = Sessions(ttl_s=60, max_sessions=50, max_per_key=3)
+    bob = sessions.create("bob")
+    alice = [sessions.create("alice") for _ in range(200)]
+    assert sessions.key_hash(bob) == "bob"
+    assert [sessions.key_hash(t) for t in alice[-3:]] == ["alice"] * 3 and sessions.key_hash(alice[0]) is None
+
+
+@pytest.fixture
+def roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    for name in ("in", "out", "elsewhere"):
+        (tmp_path / name).mkdir()
+    monkeypatch.setenv(LOCAL_READ_ROOTS_ENV, json.dumps([str(tmp_path / "in")]))
+    monkeypatch.setenv(LOCAL_WRITE_ROOTS_ENV, json.dumps([str(tmp_path / "out")]))
+    yield tmp_path
+
+
+def test_a_job_process_checks_every_local_path_when_it_touches_it(roots: Path) -> None:
+    inside = _shard(roots / "in" / "a.tar")
+    outside = _shard(roots / "elsewhere" / "b.tar")
+    with open_shard(str(inside)) as fh:
+        assert fh.read(1)
+    (roots / "in" / "link.tar").symlink_to(outside)
+    for spec in (str(roots / "in" / "link.tar"), str(roots / "in" / "*.tar"), str(outside)):
+        with pytest.raises(InputError, match="outside the locations this job may use"):
+            for uri in expand_shards([spec]):
+                with open_shard(uri) as fh:
+                    fh.read(1)
+    store = Store(str(roots / "out" / "o"), side=str(roots / "out" / "o.pairclean"))
+    store.put("x.parquet", b"x")
+    (roots / "out" / "o").rename(roots / "out" / "o-old")
+    (roots / "out" / "o").symlink_to(roots / "elsewhere")  # swapped while the job runs
+    with pytest.raises(InputError, match="outside the locations this job may use"):
+        store.put("y.parquet", b"y")
+    with pytest.raises(InputError, match="outside the locations this job may use"):
+        store.list()
+    assert not (roots / "elsewhere" / "y.parquet").exists()
