@@ -52,9 +52,12 @@ def read_scores(
     for endpoints and credentials). Rows come shard by shard in the job's order, only from
     committed shards (a half-written table is never read); ``columns`` selects columns
     (``key``, ``shard``, ``weight``, ``noisy``, ``similarity``, ...). ``.to_pandas()`` gives
-    a DataFrame. Raises ``InputError`` when the folder holds no committed shard.
+    a DataFrame. Raises ``InputError`` when the folder holds no committed shard, and when a
+    ``rescore``, ``refine`` or ``audit`` was interrupted while rewriting the tables (some
+    would hold its weights, some the earlier ones: as ``WeightStage`` and ``export`` refuse).
     """
     from pairclean.output.folder import OutputDir
 
     folder = OutputDir(os.fspath(out), storage_options)
+    folder.check_tables_whole()
     return folder.read_all_scores(list(columns) if columns is not None else None)

@@ -86,6 +86,12 @@ class JobSpec:
         seen: dict[str, str] = {}
         for uri in self.shards:
             stem = shard_stem(uri)
+            if not stem or stem[0] in "._":
+                # pyarrow.dataset, pandas and Spark skip files named so as hidden or private:
+                # the table would be written and then silently missing from the dataset.
+                raise InputError(f"shard {uri!r}: its table would be named {stem + '.parquet'!r}, which pyarrow, pandas "
+                                 "and Spark skip as a hidden file; rename the shard (or link it under a name not "
+                                 "beginning with '.' or '_')", uri=uri)
             if stem in seen:
                 raise InputError(
                     f"shards {seen[stem]!r} and {uri!r} share the name {stem!r}: their outputs "

@@ -362,7 +362,8 @@ def _expand_list_file(
         with _open_any(path, storage_options) as fh:
             # Line by line: a list of millions of URIs is never held whole, and the shard
             # limit stops the read as soon as it is passed.
-            for raw in io.TextIOWrapper(fh, encoding="utf-8"):
+            # utf-8-sig: a list saved by an editor that writes a byte-order mark
+            for raw in io.TextIOWrapper(fh, encoding="utf-8-sig"):
                 line = raw.split("#", 1)[0].strip()
                 if not line:
                     continue

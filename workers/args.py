@@ -95,6 +95,17 @@ def add_lock_ttl_arg(p: _Adder) -> None:
                         "over (default 60, or $PAIRCLEAN_LOCK_TTL_S)")
 
 
+def seed(text: str) -> int:
+    """An argparse type: a whole number of at least 0 (numpy's generators take no negative seed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 0, not {text}")
+    return value
+
+
 def add_seed_arg(p: _Adder, default: int | None = 0, what: str = "random seed") -> None:
     """``--seed N``; ``what`` says what it seeds."""
-    p.add_argument("--seed", type=int, default=default, help=what)
+    p.add_argument("--seed", type=seed, default=default, help=what)

@@ -293,6 +293,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     )
     if args.executor == "local":
         _set_threads(args.threads)
+        _warn_ray_only(args)
     bar = _Bar(enabled=not args.no_progress)
     out = OutputDir(args.out, storage)
     try:
@@ -303,6 +304,17 @@ def cmd_score(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     return _print_report(report, out.uri)
+
+
+def _warn_ray_only(args: argparse.Namespace) -> None:
+    """Say which of the Ray executor's options a ``--executor local`` run does not apply
+    (they were accepted without a word: a ``--shard-timeout`` the user relied on did nothing)."""
+    given = [flag for flag, value, default in (("--num-actors", args.num_actors, None), ("--max-retries", args.max_retries, 3),
+                                                ("--shard-timeout", args.shard_timeout, None), ("--ray-address", args.ray_address, None),
+                                                ("--cpus-per-actor", args.cpus_per_actor, 1.0))
+             if value != default]
+    if given:
+        log.warning("%s: Ray executor options, not applied with --executor local", ", ".join(given))
 
 
 def _make_source(args: argparse.Namespace, est_spec: Any, spec: Any, out: Any, options: Any) -> Any:

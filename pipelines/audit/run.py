@@ -430,6 +430,10 @@ def format_report(report: dict[str, Any]) -> str:
     if lab["outside_sample"] or lab["ambiguous_keys"]:
         lines.append(f"ignored: {lab['outside_sample']} labels of pairs outside the audit sample, "
                      f"{lab['ambiguous_keys']} with a key found in several shards (add a shard column)")
+        if lab["outside_sample"] and not lab["pairs_labelled"]:
+            # every key missed: the file's keys were changed, not a few pairs mislabelled
+            lines.append("no label's key is in the audit sample: check the key column against queue.csv (a spreadsheet "
+                         "may have read keys as numbers and dropped their leading zeros; import the column as text)")
     agree = report["self_agreement"]
     if agree["repeats"]:
         lines.append(f"self-agreement on {agree['repeats']} blind repeats: {100 * agree['agreement']:.1f}% "

@@ -21,6 +21,7 @@ the allowed one) or FAILED.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -36,6 +37,7 @@ from pairclean.output.exports import refresh_exports
 from pairclean.output.lock import RunLock
 from pairclean.embed.shard import ScoreOptions
 from pairclean.job.work import CalibrationOutcome, ShardOutcome, ShardWork
+from pairclean.uris import LOCAL_SCHEMES, local_path, scheme_of
 
 __all__ = [
     "SUCCEEDED",
@@ -230,7 +232,8 @@ def run_job(
 def _run(spec: JobSpec, out: OutputDir, stems: dict[str, str], make_source: Callable[[], ShardSource],
          lock: RunLock, progress: Progress | None, max_failed_fraction: float) -> JobReport:
     committed = out.committed()
-    todo = [uri for uri in spec.shards if stems[uri] not in committed]
+    changed = _changed_since_committed(spec.shards, stems, committed)
+    todo = [uri for uri in spec.shards if stems[uri] not in committed or uri in changed]
     report = JobReport(total_shards=len(spec.shards), skipped=len(spec.shards) - len(todo), max_failed_fraction=max_failed_fraction)
     report.calibration = out.read_calibration()
     if not todo:
@@ -255,6 +258,26 @@ def _run(spec: JobSpec, out: OutputDir, stems: dict[str, str], make_source: Call
     assert report.calibration is not None  # set by the calibration phase above, or the early return
     _score_phase(source, todo, report.calibration, recorder, report)
     return report
+
+
+def _changed_since_committed(uris: Sequence[str], stems: dict[str, str], committed: dict[str, ShardRecord]) -> set[str]:
+    """The local shards whose size is not what it was when they were committed (re-downloaded,
+    rewritten in place, or a relative path that names another file from this folder): their
+    tables no longer describe them, so a rerun scores them again, saying so. Remote shards
+    are not asked (a request per shard on every resume); a shard gone since stays as it was."""
+    changed = set()
+    for uri in uris:
+        record = committed.get(stems[uri])
+        if record is None or record.size is None or scheme_of(uri) not in LOCAL_SCHEMES:
+            continue
+        try:
+            size = os.path.getsize(local_path(uri))
+        except OSError:
+            continue
+        if size != record.size:
+            log.warning("shard %s changed since it was committed (%d bytes then, %d now): scoring it again", uri, record.size, size)
+            changed.add(uri)
+    return changed
 
 
 def _score_phase(source: ShardSource, todo: list[str], calibration: Calibration, recorder: _Recorder, report: JobReport) -> None:

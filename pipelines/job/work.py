@@ -434,9 +434,9 @@ class ShardWork:
             ).encode()}
             table = embeddings_table(result.keys, result.image_emb, result.text_emb, result.ok_mask, emb_meta)
             emb_name = self.out.emb_name(stem)
-            emb_bytes = self.out.write_table(emb_name, table).bytes
+            emb_bytes = self.out.write_table(emb_name, table, job=self.digest).bytes
         # The score table last: once it exists, its sidecar does too.
-        info = self.out.write_table(self.out.score_name(stem), scores)
+        info = self.out.write_table(self.out.score_name(stem), scores, job=self.digest)
         timings = dict(result.timings)
         timings["write"] = round(time.perf_counter() - started, 4)
         return ShardRecord(

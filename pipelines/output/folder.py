@@ -314,7 +314,13 @@ class OutputDir:
             self.clear()
             existing = None
         elif existing is not None and existing != spec and self._never_started(existing):
-            existing = None  # a start that failed before calibrating (an unknown model, say): nothing to resume
+            # A start that failed before calibrating (an unknown model, every shard unreadable):
+            # nothing to resume. Its failure records describe the other spec's attempts: dropped.
+            for name in self.store.list(schema.FAILED_DIR):
+                if name.endswith(".json"):
+                    self.store.rm(f"{schema.FAILED_DIR}/{name}")
+            self._failed_stems = None
+            existing = None
         elif existing is not None and existing != spec:
             raise SpecMismatchError(
                 f"{self.uri} holds a job with a different spec ({spec_diff(existing, spec)}); rerun with the "
@@ -324,10 +330,11 @@ class OutputDir:
             self.write_job_doc({"pairclean_version": __version__, "spec": spec.to_json(), "spec_sha256": spec_digest(spec)})
 
     def _never_started(self, spec: JobSpec) -> bool:
-        """Whether the job of ``spec`` left nothing but its ``job.json``: no calibration, no
-        committed or quarantined shard, no data file of its own. Such a folder holds no
-        work a different spec could spoil, so the corrected command may claim it."""
-        if self.read_calibration() is not None or self.committed() or self.quarantined():
+        """Whether the job of ``spec`` left nothing but its ``job.json`` and failure records: no
+        calibration, no committed shard, no data file of its own. Such a folder holds no work
+        a different spec could spoil, so the corrected command may claim it (a job whose every
+        shard failed before it could calibrate, too)."""
+        if self.read_calibration() is not None or self.committed():
             return False
         return not self._stray_outputs(spec_digest(spec), set())
 
@@ -470,17 +477,17 @@ class OutputDir:
             raise InputError(f"{self.uri}: {exc}") from exc
 
     # -- data files (written by workers) --------------------------------------------------
-    def write_table(self, name: str, table: pa.Table) -> WriteInfo:
+    def write_table(self, name: str, table: pa.Table, job: str | None = None) -> WriteInfo:
         """Write a data file, refusing to replace one pairclean did not write.
 
         A file already there is a leftover of a crashed attempt (same bytes will follow)
         unless its metadata says otherwise, in which case ``ForeignOutputError`` is raised.
+        ``job`` (a spec digest): the file there must have been written by that job, not by
+        another pairclean job (a table copied in from another folder is not a leftover).
         """
-        if self.store.exists(name) and not self.written_by(name):
-            raise ForeignOutputError(
-                f"{self.store.url(name)} exists and was not written by pairclean; it is left untouched",
-                uri=self.store.url(name),
-            )
+        if self.store.exists(name) and not self.written_by(name, job):
+            how = "was written by another pairclean job" if job is not None and self.written_by(name) else "was not written by pairclean"
+            raise ForeignOutputError(f"{self.store.url(name)} exists and {how}; it is left untouched", uri=self.store.url(name))
         return self.store.put_parquet(name, table)
 
     # -- completion records (written by the driver) ---------------------------------------

@@ -27,6 +27,9 @@ def test_brace_glob_and_list_files_expand_in_order_without_duplicates(tmp_path: 
     listing.write_text("# shards\ns-00001.tar\n\nfile://" + str(tmp_path / "s-00002.tar") + "\n")
     listed = expand_shards(["@" + str(listing), str(tmp_path / "s-00001.tar")])
     assert listed == [str(tmp_path / "s-00001.tar"), "file://" + str(tmp_path / "s-00002.tar")]
+    # a list an editor saved with a byte-order mark (it was read as part of the first name)
+    listing.write_bytes(b"\xef\xbb\xbfs-00000.tar\ns-00002.tar\n")
+    assert [Path(p).name for p in expand_shards(["@" + str(listing)])] == ["s-00000.tar", "s-00002.tar"]
 
 
 def test_missing_local_shard_names_the_uri(tmp_path: Path) -> None:

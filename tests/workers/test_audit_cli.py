@@ -98,6 +98,13 @@ def test_too_few_labels_say_how_many_more(job: Path, tmp_path: Path, capsys: pyt
     assert "label 4 more pairs" in printed
     assert (job / "demo-000000.parquet").read_bytes() == before  # nothing applied
     assert json.loads(schema.local_side_path(job, "_pairclean/audit.json").read_text())["labels_needed"] == 4
+    # every key changed on the way (a spreadsheet reading keys as numbers drops their leading
+    # zeros): the report says the keys missed, not only that more labels are needed
+    mangled = tmp_path / "mangled.csv"
+    mangled.write_text(labels.read_text().replace("skimage/", ""))
+    assert main(["audit", str(job), "--labels", str(mangled)]) == 1
+    printed = capsys.readouterr().out
+    assert "no label's key is in the audit sample: check the key column" in printed and "label 10 more pairs" in printed
 
 
 def test_unsure_and_conflicting_labels_are_reported(job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

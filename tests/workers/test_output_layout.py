@@ -185,6 +185,26 @@ def test_a_foreign_file_in_the_way_of_a_shard_is_kept_and_the_shard_fails(make_s
     assert (out / "part-00001.parquet").read_bytes() == b"user data"
     assert "not written by pairclean" in capsys.readouterr().err
     assert list(OutputDir(str(out)).quarantined()) == ["part-00001"]
+    # ... and so is another pairclean job's table copied in (it used to be replaced: only
+    # "written by pairclean" was asked, not "by this job")
+    other = tmp_path / "other"
+    assert main(["score", *shards, "--out", str(other), *TINY, "--seed", "1"]) == 0
+    (out / "part-00001.parquet").write_bytes((other / "part-00001.parquet").read_bytes())
+    capsys.readouterr()
+    assert main(["score", *shards, "--out", str(out), *TINY, "--max-failed-fraction", "0.6"]) == 4
+    assert (out / "part-00001.parquet").read_bytes() == (other / "part-00001.parquet").read_bytes()
+    assert "part-00001.parquet exists and was written by another pairclean job" in capsys.readouterr().err
+
+
+def test_shards_whose_tables_readers_would_skip_are_refused(make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``_part.tar`` and ``.part.tar`` made ``_part.parquet`` / ``.part.parquet``, which
+    pyarrow.dataset and pandas skip as hidden: a job of 30 pairs read as 10."""
+    for prefix in ("_part", ".part"):
+        shards = [str(s) for s in make_shards(n_shards=1, per_shard=2, prefix=prefix)]
+        assert main(["score", *shards, "--out", str(tmp_path / f"o{prefix}"), *TINY]) == 1
+        err = capsys.readouterr().err
+        assert f"its table would be named '{prefix}-00000.parquet'" in err and "skip as a hidden file" in err and err.count("\n") == 1
+        assert not (tmp_path / f"o{prefix}").exists()
 
 
 # -- one run per output ----------------------------------------------------------------------------

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import pairclean
+
 from pairclean import schema
 from pairclean_workers.cli import main
 
@@ -65,6 +67,8 @@ def test_an_interrupted_rescore_is_reported_everywhere_until_it_is_run_again(sco
         assert "a `pairclean rescore` was interrupted while rewriting the tables" in err and err.count("\n") == 1
     with pytest.raises(InputError, match="interrupted while rewriting the tables"):
         WeightStage(out)
+    with pytest.raises(InputError, match="interrupted while rewriting the tables"):  # it returned the mix, labelled as the new
+        pairclean.read_scores(out)
     # our temporary of a killed write goes; a user's hidden file with ".tmp-" in its name stays
     (out / ".part-001.parquet.tmp-4242-0123abcd").write_bytes(b"half")
     (out / ".notes.tmp-keep").write_text("mine")
@@ -73,6 +77,7 @@ def test_an_interrupted_rescore_is_reported_everywhere_until_it_is_run_again(sco
     assert main(["inspect", str(out)]) == 0 and "WARNING" not in capsys.readouterr().out
     assert main(["export", str(out)]) == 0
     WeightStage(out)
+    assert pairclean.read_scores(out).num_rows > 0
 
 
 def test_an_export_killed_between_its_record_and_its_sizes_copy_still_knows_its_own_file(scored, tmp_path: Path,

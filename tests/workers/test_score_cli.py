@@ -32,11 +32,13 @@ def _manifest(out: Path) -> list[dict]:
     return [r.to_json() for r in OutputDir(str(out)).iter_committed()]
 
 
-def test_score_writes_one_keyed_parquet_per_shard_with_metadata(make_shards, tmp_path: Path) -> None:
+def test_score_writes_one_keyed_parquet_per_shard_with_metadata(make_shards, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     bad = {1: {"jpg": b"not an image"}, 2: {"txt": " "}, 3: {"jpg": None}}
     shards = make_shards(n_shards=2, per_shard=6, extra=bad)
     out = tmp_path / "out"
-    assert _score([str(s) for s in shards], out) == 0
+    assert _score([str(s) for s in shards], out, "--shard-timeout", "5", "--num-actors", "3") == 0
+    # the Ray executor's options do nothing here (TINY runs --executor local): said, not ignored
+    assert "--num-actors, --shard-timeout: Ray executor options, not applied with --executor local" in caplog.text
     for shard in shards:
         stem = shard.name[: -len(".tar")]
         rows = _rows(out, stem)
@@ -72,7 +74,8 @@ def test_score_writes_one_keyed_parquet_per_shard_with_metadata(make_shards, tmp
     assert job["spec"]["shards"] == [str(s) for s in shards]
 
 
-def test_rerun_resumes_and_a_different_spec_is_refused(make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_rerun_resumes_and_a_different_spec_is_refused(make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       caplog: pytest.LogCaptureFixture) -> None:
     shards = [str(s) for s in make_shards(n_shards=3, per_shard=4)]
     out = tmp_path / "out"
     assert _score(shards[:2] + shards[2:], out) == 0
@@ -80,6 +83,15 @@ def test_rerun_resumes_and_a_different_spec_is_refused(make_shards, tmp_path: Pa
     assert _score(shards, out) == 0
     assert "3 already done" in capsys.readouterr().out
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.parquet")} == before
+    # A shard rewritten in place since (re-downloaded, regenerated) is scored again, saying so;
+    # the others stay as they were (the table used to keep describing the old file)
+    make_shards(n_shards=1, per_shard=6, offset=20)  # part-00000.tar again, 6 other pairs
+    capsys.readouterr()
+    assert _score(shards, out) == 0
+    assert "part-00000.tar changed since it was committed (" in caplog.text
+    assert len(_rows(out, "part-00000")) == 6 and [r["rows"] for r in _manifest(out)] == [6, 4, 4]
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("part-0000[12].parquet")} == {
+        k: v for k, v in before.items() if k != "part-00000.parquet"}
     assert _score(shards, out, "--weighting", "reference") == 1
     assert "different spec" in capsys.readouterr().err
     assert _score(shards, out, "--weighting", "reference", "--overwrite") == 0
@@ -190,7 +202,8 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
         assert f"{flag} must be a whole number of at least 1" in err and err.count("\n") == 1
         assert not (tmp_path / "o4").exists()
     # A fraction outside [0, 1] and a lock that never expires are usage errors (exit 2, one line)
-    for flag, value in (("--max-failed-fraction", "2"), ("--max-failed-fraction", "-1"), ("--lock-ttl", "-5"), ("--lock-ttl", "nan")):
+    for flag, value in (("--max-failed-fraction", "2"), ("--max-failed-fraction", "-1"), ("--lock-ttl", "-5"), ("--lock-ttl", "nan"),
+                        ("--seed", "-1")):
         with pytest.raises(SystemExit) as usage:
             main(["score", *good, "--out", str(tmp_path / "o4"), *TINY, flag, value])
         assert usage.value.code == 2 and f"argument {flag}: expected" in capsys.readouterr().err
@@ -290,6 +303,14 @@ def test_a_start_that_failed_before_calibrating_does_not_block_the_corrected_com
     # Once a job has done work, a different spec is still refused.
     assert _score(shards, out, "--weighting", "reference") == 1
     assert "different spec" in capsys.readouterr().err
+    # A job whose every shard failed before it could calibrate left nothing to resume either:
+    # the corrected command takes the folder, and the old failures are not reported as its own
+    junk = tmp_path / "junk.tar"
+    junk.write_bytes(b"not a tar" * 100)
+    assert _score([str(junk)], tmp_path / "out2") == 3
+    capsys.readouterr()
+    assert _score(shards, tmp_path / "out2") == 0
+    assert len(_manifest(tmp_path / "out2")) == 1 and not OutputDir(str(tmp_path / "out2")).quarantined()
 
 
 @pytest.mark.slow
