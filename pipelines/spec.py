@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from pairclean.errors import InputError
 from pairclean.schema import caption_member
-from pairclean.uris import shard_stem
+from pairclean.uris import LOCAL_SCHEMES, local_path, scheme_of, shard_stem
 
 __all__ = ["JobSpec", "spec_digest", "spec_diff"]
 
@@ -93,6 +94,8 @@ class JobSpec:
                                  "and Spark skip as a hidden file; rename the shard (or link it under a name not "
                                  "beginning with '.' or '_')", uri=uri)
             if stem in seen:
+                if _same_local_file(seen[stem], uri):
+                    raise InputError(f"shards {seen[stem]!r} and {uri!r} are the same file, listed twice; list it once", uri=uri)
                 raise InputError(
                     f"shards {seen[stem]!r} and {uri!r} share the name {stem!r}: their outputs "
                     "would collide in one folder; score them into separate output folders",
@@ -100,6 +103,16 @@ class JobSpec:
                 )
             seen[stem] = uri
         return {uri: stem for stem, uri in seen.items()}
+
+
+def _same_local_file(a: str, b: str) -> bool:
+    """Whether two local shard URIs name one file (``k/x.tar`` and ``./k/x.tar``)."""
+    if scheme_of(a) not in LOCAL_SCHEMES or scheme_of(b) not in LOCAL_SCHEMES:
+        return False
+    try:
+        return os.path.samefile(local_path(a), local_path(b))
+    except OSError:
+        return False
 
 
 def spec_digest(spec: JobSpec) -> str:

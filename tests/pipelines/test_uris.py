@@ -58,6 +58,14 @@ def test_stems_and_collisions() -> None:
         spec.stems()
 
 
+def test_one_file_listed_under_two_spellings_is_named_as_such(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    _touch(tmp_path, "s.tar")
+    spec = JobSpec(("s.tar", "./s.tar"), "m", None, None, "fp32", "gmm", 4, "paper", 0, 8, 10, None, True, 16)
+    with pytest.raises(InputError, match="are the same file, listed twice"):  # not "score them into separate folders"
+        spec.stems()
+
+
 def test_gs_without_gcsfs_is_a_clear_error(tmp_path: Path) -> None:
     import importlib.util
 
