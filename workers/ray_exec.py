@@ -203,8 +203,18 @@ def _with_cpu_env(runtime_env: dict[str, Any]) -> dict[str, Any]:
     """``runtime_env`` plus pairclean's CPU environment (``pairclean.embed.cpu_settings``) in its
     ``env_vars``; variables the caller sets there win. The actors' libgomp reads them when
     they import torch, which an environment variable set in ``__init__`` would be too late for."""
-    env_vars = {**process_env(), **dict(runtime_env.get("env_vars") or {})}
+    env_vars = {**process_env(), **_guard_env(), **dict(runtime_env.get("env_vars") or {})}
     return {**runtime_env, "env_vars": env_vars} if env_vars else dict(runtime_env)
+
+
+def _guard_env() -> dict[str, str]:
+    """The limits a service put on this job process (allow-lists of local paths and of HTTP
+    redirects, the shard count), for the actors too: they open the shards and write the
+    tables, and on a cluster they do not inherit this process's environment."""
+    from pairclean.uris import HTTP_ALLOWED_ENV, LOCAL_READ_ROOTS_ENV, LOCAL_WRITE_ROOTS_ENV, MAX_SHARDS_ENV
+
+    return {name: os.environ[name] for name in (HTTP_ALLOWED_ENV, LOCAL_READ_ROOTS_ENV, LOCAL_WRITE_ROOTS_ENV, MAX_SHARDS_ENV)
+            if os.environ.get(name)}
 
 
 @dataclass

@@ -168,3 +168,14 @@ def test_a_job_process_checks_every_local_path_when_it_touches_it(roots: Path) -
     with pytest.raises(InputError, match="outside the locations this job may use"):
         store.list()
     assert not (roots / "elsewhere" / "y.parquet").exists()
+
+
+def test_ray_actors_carry_the_job_processs_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Actors open the shards and write the tables; on a cluster they do not inherit the job
+    process's environment, so the service's limits travel in their runtime_env."""
+    from pairclean_workers.ray_exec import _with_cpu_env
+
+    monkeypatch.setenv(LOCAL_READ_ROOTS_ENV, '["/data/in"]')
+    monkeypatch.setenv(LOCAL_WRITE_ROOTS_ENV, '["/data/out"]')
+    env = _with_cpu_env({"env_vars": {"OTHER": "1"}})["env_vars"]
+    assert env[LOCAL_READ_ROOTS_ENV] == '["/data/in"]' and env[LOCAL_WRITE_ROOTS_ENV] == '["/data/out"]' and env["OTHER"] == "1"
