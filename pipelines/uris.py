@@ -480,8 +480,9 @@ def under_prefix(uri: str, prefix: str) -> bool:
 
 
 def local_roots(env: str) -> list[str] | None:
-    """The resolved folders of the JSON list in ``$env`` (``LOCAL_READ_ROOTS_ENV`` or
-    ``LOCAL_WRITE_ROOTS_ENV``); None when it is unset or empty (no check)."""
+    """The folders of the JSON list in ``$env`` (``LOCAL_READ_ROOTS_ENV`` or
+    ``LOCAL_WRITE_ROOTS_ENV``); None when the variable is unset or "" (no check). ``[]``
+    allows no local path at all (a service whose outputs are all remote)."""
     raw = os.environ.get(env)
     if not raw:
         return None
@@ -491,7 +492,9 @@ def local_roots(env: str) -> list[str] | None:
         raise InputError(f"{env} is not a JSON list") from exc
     if not isinstance(roots, list) or not all(isinstance(r, str) and r.startswith("/") for r in roots):
         raise InputError(f"{env} must be a JSON list of absolute paths")
-    return [os.path.realpath(r) for r in roots]
+    # Taken as given, already resolved by whoever set them: resolving them here again would
+    # follow a root that was re-pointed since (the very link the check is there to catch).
+    return [os.path.normpath(r) for r in roots]
 
 
 def check_local_root(path: str, env: str, what: str, fh: BinaryIO | None = None) -> None:

@@ -28,13 +28,14 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from pairclean import schema
+from pairclean.schema import side_folder
 from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.output.report import p_clean_sum
 from pairclean.uris import LOCAL_READ_ROOTS_ENV, LOCAL_WRITE_ROOTS_ENV
 from pairclean.job.lifecycle import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, state_for_exit
 
 from .metrics import Metrics
-from .security import OutputMoved, checked_output, local_roots_of
+from .security import OutputMoved, checked_output, local_roots_of, local_target
 from .settings import ServiceSettings
 from .store import JobRow, JobStore, now_iso
 
@@ -232,7 +233,7 @@ class JobRunner:
         # symlink made after the submission cannot lead it out of the allow-lists.
         # (the shard list file this runner wrote is read too)
         env[LOCAL_READ_ROOTS_ENV] = json.dumps([*local_roots_of(self.settings.allowed_inputs), os.path.realpath(self.lists)])
-        env[LOCAL_WRITE_ROOTS_ENV] = json.dumps(local_roots_of(self.settings.allowed_outputs))
+        env[LOCAL_WRITE_ROOTS_ENV] = json.dumps(_write_roots(job.request["output"]))
         with open(log_path, "ab") as out:
             return subprocess.Popen(score_command(job.request, self.settings, shard_list), stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True, env=env)
@@ -292,6 +293,16 @@ class JobRunner:
             pairs=sum(e.rows for e in committed.values()),
             noise_rate=_noise_rate(run, calibration),
         )
+
+
+def _write_roots(output: str) -> list[str]:
+    """The only local folders a job process may write: its output folder and side folder, as
+    resolved at launch (``checked_output`` ran just before), not the whole allowed area: a
+    folder re-pointed mid-run at another tenant's folder in the same area is refused too.
+    None of them for a remote output."""
+    target = local_target(output)
+    side = local_target(side_folder(output))
+    return [p for p in (target, side) if p is not None]
 
 
 def _next_fairly(queued: list[JobRow], running: list[JobRow]) -> JobRow:

@@ -11,8 +11,8 @@ import secrets
 from collections.abc import Sequence
 from urllib.parse import unquote, urlparse
 
-from pairclean.schema import side_folder
-from pairclean.uris import under_prefix
+from pairclean.schema import SIDE_SUFFIX, side_folder
+from pairclean.uris import local_path, under_prefix
 
 __all__ = ["new_api_key", "hash_key", "keys_match", "UriRefused", "check_uri", "is_allowed", "local_target", "local_roots_of",
            "output_key", "OutputMoved", "checked_output"]
@@ -164,6 +164,14 @@ def checked_output(output: str, recorded_key: str | None, allowed_prefixes: Sequ
         raise moved from exc
     if recorded_key is not None and output_key(output) != recorded_key:
         raise moved
-    if target is not None and side != side_folder(target):
+    if target is not None and side != _side_beside(output):
         raise moved
     return output
+
+
+def _side_beside(output: str) -> str:
+    """Where the side folder of local ``output`` resolves when it is no link of its own:
+    beside the output's own name in the output's resolved parent (an output that is a link,
+    ``out/latest -> out/2024-05``, keeps ``out/latest.pairclean``)."""
+    path = local_path(output).rstrip("/")
+    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path) + SIDE_SUFFIX)

@@ -203,7 +203,8 @@ def _with_cpu_env(runtime_env: dict[str, Any]) -> dict[str, Any]:
     """``runtime_env`` plus pairclean's CPU environment (``pairclean.embed.cpu_settings``) in its
     ``env_vars``; variables the caller sets there win. The actors' libgomp reads them when
     they import torch, which an environment variable set in ``__init__`` would be too late for."""
-    env_vars = {**process_env(), **_guard_env(), **dict(runtime_env.get("env_vars") or {})}
+    # the service's limits last: a runtime_env the caller passes cannot lift them
+    env_vars = {**process_env(), **dict(runtime_env.get("env_vars") or {}), **_guard_env()}
     return {**runtime_env, "env_vars": env_vars} if env_vars else dict(runtime_env)
 
 

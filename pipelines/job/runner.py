@@ -21,7 +21,6 @@ the allowed one) or FAILED.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -37,7 +36,7 @@ from pairclean.output.exports import refresh_exports
 from pairclean.output.lock import RunLock
 from pairclean.embed.shard import ScoreOptions
 from pairclean.job.work import CalibrationOutcome, ShardOutcome, ShardWork
-from pairclean.uris import LOCAL_SCHEMES, local_path, scheme_of
+from pairclean.uris import LOCAL_SCHEMES, scheme_of, shard_size
 
 __all__ = [
     "SUCCEEDED",
@@ -271,8 +270,8 @@ def _changed_since_committed(uris: Sequence[str], stems: dict[str, str], committ
         if record is None or record.size is None or scheme_of(uri) not in LOCAL_SCHEMES:
             continue
         try:
-            size = os.path.getsize(local_path(uri))
-        except OSError:
+            size = shard_size(uri)  # checked against a service's read roots, as every read is
+        except (OSError, InputError):
             continue
         if size != record.size:
             log.warning("shard %s changed since it was committed (%d bytes then, %d now): scoring it again", uri, record.size, size)

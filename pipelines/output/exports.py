@@ -30,6 +30,7 @@ import numpy as np
 from pairclean import schema
 from pairclean.errors import InputError
 from pairclean.output.folder import OutputDir
+from pairclean.uris import LOCAL_WRITE_ROOTS_ENV, check_local_root
 
 log = logging.getLogger(__name__)
 
@@ -285,6 +286,9 @@ def _previous_copies(out: OutputDir) -> dict[str, list[str]]:
 
 
 def _check_sizes_target(folder: Path, previous: dict[str, list[str]]) -> None:
+    # A job process the service started writes only its own folders (``uris.LOCAL_WRITE_ROOTS_ENV``):
+    # copies recorded by an earlier export elsewhere are refused (a refresh warns and goes on).
+    check_local_root(str(folder / "sizes.json"), LOCAL_WRITE_ROOTS_ENV, "sizes.json copy")
     if not folder.is_dir():
         raise InputError(f"cannot write sizes.json into {str(folder)!r}: not a local folder")
     target = folder / "sizes.json"
@@ -298,6 +302,7 @@ def _check_sizes_target(folder: Path, previous: dict[str, list[str]]) -> None:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
+    check_local_root(str(path), LOCAL_WRITE_ROOTS_ENV, "sizes.json copy")
     tmp = path.with_name(f".{path.name}.pairclean-tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)

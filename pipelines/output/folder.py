@@ -483,12 +483,19 @@ class OutputDir:
         A file already there is a leftover of a crashed attempt (same bytes will follow)
         unless its metadata says otherwise, in which case ``ForeignOutputError`` is raised.
         ``job`` (a spec digest): the file there must have been written by that job, not by
-        another pairclean job (a table copied in from another folder is not a leftover).
+        another pairclean job (a table copied in from another folder is not a leftover), or
+        be one this folder's own completion records name (a shard scored again after a
+        ``rescore`` gave the job another digest: its sidecar still carries the first).
         """
-        if self.store.exists(name) and not self.written_by(name, job):
+        if self.store.exists(name) and not self.written_by(name, job) and not (job is not None and self._recorded(name)):
             how = "was written by another pairclean job" if job is not None and self.written_by(name) else "was not written by pairclean"
             raise ForeignOutputError(f"{self.store.url(name)} exists and {how}; it is left untouched", uri=self.store.url(name))
         return self.store.put_parquet(name, table)
+
+    def _recorded(self, name: str) -> bool:
+        """Whether a committed shard's record of this folder names ``name`` (a table or sidecar)
+        and pairclean wrote the file there."""
+        return self.written_by(name) and any(name in (r.output, r.emb_output) for r in self.committed().values())
 
     # -- completion records (written by the driver) ---------------------------------------
     def committed(self) -> dict[str, ShardRecord]:

@@ -29,7 +29,7 @@ import uuid
 from typing import Any
 
 from pairclean import schema
-from pairclean.errors import OutputBusyError
+from pairclean.errors import OutputBusyError, InputError
 from pairclean.storage import Store
 
 __all__ = ["DEFAULT_TTL_S", "RunLock", "lock_ttl_from_env"]
@@ -131,12 +131,16 @@ class RunLock:
     def _beat(self) -> None:
         interval = max(0.05, self.ttl_s / 4)
         while not self._stop.wait(interval):
-            with contextlib.suppress(OSError):  # a transient store error: try again next beat
-                holder = self.read()
-                if holder is not None and holder.get("run_id") != self.run_id:
-                    self.lost.set()
-                    return
-                self.store.put(schema.LOCK_FILE, json.dumps(self._doc()).encode())
+            try:
+                with contextlib.suppress(OSError):  # a transient store error: try again next beat
+                    holder = self.read()
+                    if holder is not None and holder.get("run_id") != self.run_id:
+                        self.lost.set()
+                        return
+                    self.store.put(schema.LOCK_FILE, json.dumps(self._doc()).encode())
+            except InputError:  # the folder left the job's write roots (a link re-pointed): not ours any more
+                self.lost.set()
+                return
 
     def check(self) -> None:
         """Raise ``OutputBusyError`` when another run has taken the lock over."""
@@ -151,9 +155,12 @@ class RunLock:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        holder = self.read()
-        if holder is not None and holder.get("run_id") == self.run_id:
-            self.store.rm(schema.LOCK_FILE)
+        try:
+            holder = self.read()
+            if holder is not None and holder.get("run_id") == self.run_id:
+                self.store.rm(schema.LOCK_FILE)
+        except InputError:  # the folder left the job's write roots: nothing of ours to delete there
+            return
 
     def __enter__(self) -> RunLock:
         self.acquire()

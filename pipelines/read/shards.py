@@ -22,9 +22,11 @@ ranged read.
 
 from __future__ import annotations
 
+import bz2
 import codecs
 import gzip
 import json
+import lzma
 import os
 import re
 import stat
@@ -64,8 +66,10 @@ _META_RE = re.compile(r"(^|/)__[^/]*__($|\.)")
 #: Members above this many bytes are never read into memory (a ``too_large`` row).
 DEFAULT_MAX_MEMBER_BYTES = 64 * 2**20
 _BLOCK = tarfile.BLOCKSIZE
-#: The most bytes one header read may ask for (pax headers and GNU long names are read whole).
+#: The most bytes one member's headers may take (pax headers and GNU long names are read whole).
 _MAX_HEADER_READ = 1 << 20
+#: The most extended headers (pax, GNU long name / link) chained on one member.
+_MAX_HEADER_CHAIN = 8
 # Bytes after the end-of-archive marker are drained to compare the total with the
 # object's size; tar writers pad to a 10 KiB record, so more than this is not padding.
 _MAX_TRAILER = 1 << 20
@@ -156,16 +160,19 @@ class _Counting:
 
 class _FirstRead:
     """A stream proxy that keeps the bytes of its first ``read`` (a header block), and
-    refuses a read of more than ``_MAX_HEADER_READ`` bytes (``ShardReadError``): headers are
+    refuses reads past ``_MAX_HEADER_READ`` bytes in all (``ShardReadError``): headers are
     read whole by ``tarfile`` (a pax header or a GNU long name of 800 MiB would be held in
-    memory at once), while member data is never read through it."""
+    memory at once), a header's extended headers are read through the same proxy (a chain
+    of 1 MiB pax headers counts whole), and member data is never read through it."""
 
     def __init__(self, inner: Any, uri: str) -> None:
         self.inner, self.block, self.uri = inner, b"", uri
         self._seen = False
+        self.total = 0
 
     def read(self, n: int = -1) -> bytes:
-        if n is None or n < 0 or n > _MAX_HEADER_READ:
+        self.total += _MAX_HEADER_READ + 1 if n is None or n < 0 else n
+        if self.total > _MAX_HEADER_READ:
             raise ShardReadError(f"unreadable tar {self.uri!r}: a member header (pax or long name) of over "
                                  f"{_MAX_HEADER_READ} bytes", uri=self.uri)
         data: bytes = self.inner.read(n)
@@ -188,16 +195,22 @@ def _header_recorder(uri: str) -> tuple[type[tarfile.TarInfo], list[bytes]]:
     a hook on the old name saw no header at all there, so every shard read as truncated.
     """
     last = [b""]
+    depth = [0]  # extended headers (pax, long names) call fromtarfile again for the header they extend
 
     class _Info(tarfile.TarInfo):
         @classmethod
         def fromtarfile(cls, tar: tarfile.TarFile) -> _Info:
+            if depth[0] >= _MAX_HEADER_CHAIN:
+                raise ShardReadError(f"unreadable tar {uri!r}: over {_MAX_HEADER_CHAIN} extended headers chained on one member",
+                                     uri=uri)
             stream = tar.fileobj
             probe = _FirstRead(stream, uri)
             tar.fileobj = probe
+            depth[0] += 1
             try:
                 return super().fromtarfile(tar)
             finally:
+                depth[0] -= 1
                 tar.fileobj = stream
                 last[0] = probe.block
 
@@ -261,10 +274,20 @@ def _decompressed(counted: _Counting) -> tuple[Any, bool]:
     truncated, and corrupted compressed data was scored. ``GzipFile`` reads every member
     (the tar's end-of-archive check then sees a second tar), checks each member's CRC and
     length, and refuses bytes after the last member that are not gzip."""
-    head = counted.read(2)
+    head = b""
+    while len(head) < 6:  # a short first read is not the end of the stream
+        more = counted.read(6 - len(head))
+        if not more:
+            break
+        head += more
     stream = _Peeked(counted, head)
-    if head == b"\x1f\x8b":
+    if head.startswith(b"\x1f\x8b"):
         return gzip.GzipFile(fileobj=stream, mode="rb"), True  # type: ignore[call-overload]
+    # bzip2 and xz, as tarfile's "r|*" read them (each checked and read whole alike)
+    if head.startswith(b"BZh"):
+        return bz2.BZ2File(stream), True  # type: ignore[call-overload]
+    if head.startswith(b"\xfd7zXZ\x00"):
+        return lzma.LZMAFile(stream), True  # type: ignore[arg-type]
     return stream, False
 
 
@@ -282,6 +305,12 @@ def _iter_members(fh: BinaryIO, uri: str, max_member_bytes: int | None,
             # Offsets are file offsets only when the stream is not compressed.
             plain = not compressed
             for member in tar:
+                if wanted is not None and not wanted(member.name) and (member.isfile() or member.issym() or member.islnk()):
+                    # Not extracted (skipped block by block, as below): a sample's fields that
+                    # the pair does not use cannot make it hold gigabytes, nor fail it for size
+                    # or for being a link (never followed, never read).
+                    yield _Member(member.name, b"")
+                    continue
                 if member.issym() or member.islnk():
                     yield _Member(member.name, None, (schema.STATUS_LINK_MEMBER, f"member {member.name!r} is a link; links are not followed"))
                     continue
@@ -292,11 +321,6 @@ def _iter_members(fh: BinaryIO, uri: str, max_member_bytes: int | None,
                     # next header is read, so a 1 GiB member never sits in memory.
                     message = f"member {member.name!r} is {member.size} bytes, over the {max_member_bytes}-byte limit"
                     yield _Member(member.name, None, (schema.STATUS_TOO_LARGE, message))
-                    continue
-                if wanted is not None and not wanted(member.name):
-                    # Not extracted (skipped block by block, as above): a sample's fields that
-                    # the pair does not use cannot make it hold gigabytes.
-                    yield _Member(member.name, b"")
                     continue
                 extracted = tar.extractfile(member)
                 if extracted is None:
@@ -312,8 +336,8 @@ def _iter_members(fh: BinaryIO, uri: str, max_member_bytes: int | None,
                     break
             if counted.count != size:
                 raise ShardReadError(f"unreadable tar {uri!r}: read {counted.count} of its {size} bytes", uri=uri)
-    except (tarfile.TarError, EOFError, OSError, ValueError, zlib.error) as exc:
-        raise ShardReadError(f"unreadable tar {uri!r}: {exc}", uri=uri) from exc
+    except (tarfile.TarError, EOFError, OSError, ValueError, zlib.error, lzma.LZMAError, RecursionError) as exc:
+        raise ShardReadError(f"unreadable tar {uri!r}: {type(exc).__name__ if isinstance(exc, RecursionError) else exc}", uri=uri) from exc
 
 
 def iter_raw_samples(uri: str, options: ReadOptions | None = None) -> Iterator[RawSample]:

@@ -107,13 +107,24 @@ def cancel(job_id: JobId, who: Caller, store: Store, runner: Runner) -> JobPubli
     return public_job(job_or_404(store, job_id, who))
 
 
-@router.post("/jobs/{job_id}:retry", response_model=JobPublic)
-def retry(job_id: JobId, who: Caller, store: Store) -> JobPublic:
+@router.post("/jobs/{job_id}:retry", response_model=JobPublic,
+             responses={429: {"model": Problem, "description": "the caller has as many queued jobs as one owner may"}})
+def retry(job_id: JobId, who: Caller, store: Store, settings: Settings) -> JobPublic:
     job = job_or_404(store, job_id, who)
+    _check_queue_share(who, store, settings)
+    # The folder the submission checked: a retry must not take the job to wherever a link
+    # points now (another tenant's output). Rows of releases without a key get the checks a
+    # submission makes.
+    key = output_key(job.request["output"])
+    if job.output_key is not None and key != job.output_key:
+        raise HTTPException(409, f"the output folder {job.request['output']!r} no longer resolves where it did when the job "
+                                 "was submitted; submit a new job")
+    if job.output_key is None:
+        _check_output_owner(job.request["output"], key, who, store)
     # Rerunning the same command resumes: only the failed (uncommitted) shards are redone.
     try:
         moved = store.transition(job_id, [PARTIAL, FAILED], state=QUEUED, error=None, finished_at=None, cancel_requested=0,
-                                 output_key=output_key(job.request["output"]))
+                                 output_key=key)
     except IntegrityError:
         holder = store.active_on_output(output_key(job.request["output"]))
         raise HTTPException(409, _in_use(holder.id if holder else "?", holder.owner if holder else None, who,
@@ -142,6 +153,23 @@ def _check_queue_share(who: Principal, store: JobStore, settings: ServiceSetting
                                  "wait for some to start or cancel some")
 
 
+def _enclosing_outputs(output: str) -> list[str]:
+    """The locations whose job's folders would hold ``output``: each folder above it, and
+    ``X`` for ``output`` or any of those named ``X.pairclean`` (a job's side folder)."""
+    import posixpath
+
+    from pairclean.schema import SIDE_SUFFIX
+
+    target = local_target(output)
+    path = target if target is not None else output.rstrip("/")
+    head = "" if target is not None else path[: path.index("://") + 3]
+    parts = path[len(head):].rstrip("/").split("/")
+    parents = [head + "/".join(parts[:n]) for n in range(len(parts) - 1, 0, -1)]
+    parents = [p for p in parents if p not in ("", head) and posixpath.basename(p)]
+    sides = [p[: -len(SIDE_SUFFIX)] for p in [path, *parents] if p.endswith(SIDE_SUFFIX)]
+    return parents + sides
+
+
 def _check_output_owner(output: str, key: str, who: Principal, store: JobStore) -> None:
     """An output folder belongs to the tenant whose job first used it: a job of another
     owner may not write into it, or read it back through the job's pages (409). A local
@@ -161,6 +189,11 @@ def _check_output_owner(output: str, key: str, who: Principal, store: JobStore) 
     if side_owners and side_owners != {who.name}:
         raise HTTPException(409, f"output {output!r}: its side folder {side_folder(output)!r} is another owner's job output; "
                                  "choose another output folder")
+    # Nor inside another owner's job output or side folder, though that job has written
+    # nothing yet (a queued job: the disk checks below see nothing).
+    for outer in _enclosing_outputs(output):
+        if store.output_owners(output_key(outer)) - {who.name}:
+            raise HTTPException(409, f"output {output!r} lies inside another owner's job output; choose a folder outside it")
     target = local_target(output)
     if target is None:
         return  # remote: the job's own run refuses a folder inside another job's output

@@ -179,3 +179,78 @@ def test_ray_actors_carry_the_job_processs_limits(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(LOCAL_WRITE_ROOTS_ENV, '["/data/out"]')
     env = _with_cpu_env({"env_vars": {"OTHER": "1"}})["env_vars"]
     assert env[LOCAL_READ_ROOTS_ENV] == '["/data/in"]' and env[LOCAL_WRITE_ROOTS_ENV] == '["/data/out"]' and env["OTHER"] == "1"
+
+
+def test_a_retry_cannot_take_a_job_to_where_its_folder_points_now(tmp_path: Path, demo_copy: Path) -> None:
+    """``:retry`` recorded the output's key afresh: bob re-pointed his failed job's folder at
+    alice's output, retried, and his job's routes then read her folder."""
+    junk = tmp_path / "in" / "junk.tar"
+    junk.write_bytes(b"not a tar" * 100)
+    with Live(tmp_path) as srv:
+        _run_job(srv, [str(demo_copy)], tmp_path / "out" / "a")
+        r = srv.post("/v1/jobs", who="bob", json={"shards": [str(junk)], "output": str(tmp_path / "out" / "b"),
+                                                   "estimator": "pairclean-tiny-test"})
+        bobs = r.json()["id"]
+        assert _wait(srv, bobs, who="bob")["state"] == "FAILED"
+        for name in ("b", "b.pairclean"):
+            if (tmp_path / "out" / name).exists():
+                os.rename(tmp_path / "out" / name, tmp_path / "out" / f"{name}-old")
+            (tmp_path / "out" / name).symlink_to(tmp_path / "out" / name.replace("b", "a", 1))
+        r = srv.post(f"/v1/jobs/{bobs}:retry", who="bob")
+        assert r.status_code == 409 and "no longer resolves where it did" in r.json()["detail"], r.text
+        assert srv.get(f"/v1/jobs/{bobs}/shards", who="bob").status_code == 409
+
+
+def test_an_output_given_as_a_link_works_and_nests_are_refused_both_ways(tmp_path: Path, demo_copy: Path) -> None:
+    from pairclean_service.security import checked_output, output_key
+
+    (tmp_path / "out" / "2024-05").mkdir()
+    latest = tmp_path / "out" / "latest"
+    latest.symlink_to(tmp_path / "out" / "2024-05")  # a link the operator keeps for the newest run
+    assert checked_output(str(latest), output_key(str(latest)), [str(tmp_path / "out")]) == str(latest)
+    with Live(tmp_path, max_running_jobs=0) as srv:
+        assert srv.post("/v1/jobs", json={"shards": [str(demo_copy)], "output": str(tmp_path / "out" / "z")}).status_code == 201
+        for inner in ("z.pairclean", "z/sub", "z.pairclean/emb"):  # inside alice's queued job's folders, nothing on disk yet
+            r = srv.post("/v1/jobs", who="bob", json={"shards": [str(demo_copy)], "output": str(tmp_path / "out" / inner)})
+            assert r.status_code == 409 and "lies inside another owner's job output" in r.json()["detail"], (inner, r.text)
+
+
+def test_a_job_writes_only_its_own_folders_and_long_header_chains_fail_the_shard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    import tarfile
+
+    from pairclean.errors import ShardReadError
+    from pairclean.output.exports import _check_sizes_target
+    from pairclean.read.shards import iter_pairs
+    from pairclean_service.runner import _write_roots
+
+    for name in ("bob", "alice", "elsewhere"):
+        (tmp_path / "out" / name).mkdir(parents=True)
+    roots = _write_roots(str(tmp_path / "out" / "bob"))
+    assert roots == [str(tmp_path / "out" / "bob"), str(tmp_path / "out" / "bob.pairclean")]
+    monkeypatch.setenv(LOCAL_WRITE_ROOTS_ENV, json.dumps(roots))
+    store = Store(str(tmp_path / "out" / "bob"), side=str(tmp_path / "out" / "bob.pairclean"))
+    store.put("x.parquet", b"x")
+    (tmp_path / "out" / "bob").rename(tmp_path / "out" / "bob-old")
+    (tmp_path / "out" / "bob").symlink_to(tmp_path / "out" / "alice")  # re-pointed mid-run, inside the allowed area
+    with pytest.raises(InputError, match="outside the locations this job may use"):
+        store.put("y.parquet", b"y")
+    with pytest.raises(InputError, match="outside the locations this job may use"):  # an export's copy elsewhere
+        _check_sizes_target(tmp_path / "out" / "elsewhere", {})
+    assert not list((tmp_path / "out" / "alice").iterdir()) and not list((tmp_path / "out" / "elsewhere").iterdir())
+    for headers, size, match in ((20, 10, "over 8 extended headers"), (3, 600_000, "of over 1048576 bytes")):
+        data = io.BytesIO()
+        with tarfile.open(fileobj=data, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            info = tarfile.TarInfo("a.txt")
+            info.size = 2
+            tar.addfile(info, io.BytesIO(b"hi"))
+        chained = bytearray()
+        for _ in range(headers):  # pax headers chained before one member: tarfile recursed once per header
+            record = b"%d comment=%s\n" % (len(b"comment=") + size + 1 + 8, b"x" * size)
+            head = tarfile.TarInfo("././@PaxHeader")
+            head.type, head.size = tarfile.XHDTYPE, len(record)
+            chained += head.tobuf(tarfile.USTAR_FORMAT) + record + bytes(-len(record) % 512)
+        shard = tmp_path / f"chain-{headers}.tar"
+        shard.write_bytes(bytes(chained) + data.getvalue())
+        with pytest.raises(ShardReadError, match=match):
+            list(iter_pairs(str(shard)))

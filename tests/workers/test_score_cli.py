@@ -98,6 +98,18 @@ def test_rerun_resumes_and_a_different_spec_is_refused(make_shards, tmp_path: Pa
     assert len(_manifest(out)) == 3
 
 
+def test_a_changed_shard_is_scored_again_after_a_rescore_too(make_shards, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A rescore gives the job another digest, which its embedding sidecars do not carry: the
+    sidecar of a shard scored again is still this folder's own (it was refused as another job's)."""
+    shards = [str(s) for s in make_shards(n_shards=1, per_shard=4)]
+    out = tmp_path / "out"
+    assert _score(shards, out, "--embeddings") == 0
+    assert main(["rescore", str(out), "--beta-recipe", "random-inputs", "--weighting", "paper"]) == 0
+    make_shards(n_shards=1, per_shard=6, offset=20)  # the same shard, re-made with 6 pairs
+    assert _score(shards, out, "--embeddings", "--beta-recipe", "random-inputs", "--weighting", "paper") == 0
+    assert "changed since it was committed" in caplog.text and len(_rows(out, "part-00000")) == 6
+
+
 def test_scores_are_reproducible_byte_for_byte(make_shards, tmp_path: Path) -> None:
     shards = [str(s) for s in make_shards(n_shards=1, per_shard=6)]
     _score(shards, tmp_path / "a")
