@@ -248,7 +248,7 @@ _CHECK_DRAFT = 32
 
 
 def _check_some_pair_readable(held: Sequence[ShardResult], field: str | None) -> None:
-    """``InputError`` when no row of the calibration's shards is ``ok`` and at least half of
+    """``InputError`` when no row of the calibration's shards is ``ok`` and more than half of
     the rows lack their caption or their image (``missing_text`` / ``missing_image``; a few
     corrupt images among them do not hide that): the shards name their
     fields otherwise than the job reads them (a mistyped ``--caption-field``, captions in a
@@ -292,7 +292,7 @@ def _refuse_unreadable(statuses: Sequence[str], errors: Sequence[str | None], sh
     counts: Counter[str] = Counter(statuses)
     rows = sum(counts.values())
     missing = sum(counts[status] for status in _MISSING)
-    if not rows or counts[schema.STATUS_OK] or 2 * missing < rows:
+    if not rows or counts[schema.STATUS_OK] or 2 * missing <= rows:
         return
     first = next((e for st, e in zip(statuses, errors) if st in _MISSING and e), "")
     told = ", ".join(f"{status}={n}" for status, n in sorted(counts.items()))
