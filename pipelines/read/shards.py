@@ -266,7 +266,7 @@ class _Peeked:
 
 
 def _decompressed(counted: _Counting) -> tuple[Any, bool]:
-    """(the tar stream, whether it is gzip-compressed) of a shard's bytes.
+    """(the tar stream, whether it is compressed: gzip, bzip2 or xz) of a shard's bytes.
 
     Gzip goes through ``gzip.GzipFile`` rather than ``tarfile``'s own "r|gz": that reads
     only the first gzip member and checks no CRC, so two ``.tar.gz`` joined with ``cat``
