@@ -23,7 +23,7 @@ import io
 import os
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -83,7 +83,11 @@ class Store:
     ``InputError`` when the filesystem's package is missing.
     """
 
-    def __init__(self, uri: str, storage_options: Mapping[str, Any] | None = None, side: str | None = None) -> None:
+    def __init__(self, uri: str, storage_options: Mapping[str, Any] | None = None, side: str | None = None,
+                 roots: Sequence[str] | None = None) -> None:
+        #: Local folders every path must resolve inside (``path``); None: the job process's
+        #: write roots from the environment, if any.
+        self.roots = list(roots) if roots is not None else None
         scheme = _scheme(uri)
         if scheme not in OUTPUT_SCHEMES:
             raise UnsupportedSchemeError(
@@ -117,7 +121,7 @@ class Store:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Ray ships a Store to workers: rebuild the filesystem there rather than pickle it.
-        return (Store, (self.uri, self.storage_options, self.side))
+        return (Store, (self.uri, self.storage_options, self.side, self.roots))
 
     # -- names ------------------------------------------------------------------------------
     def _where(self, name: str) -> tuple[str, str]:
@@ -140,7 +144,7 @@ class Store:
         root, name = self._where(name)
         path = f"{root}/{name}" if name else root
         if self.local:
-            check_local_root(path, LOCAL_WRITE_ROOTS_ENV, "output")
+            check_local_root(path, LOCAL_WRITE_ROOTS_ENV, "output", roots=self.roots)
         return path
 
     def url(self, name: str = "") -> str:
@@ -264,7 +268,9 @@ def write_file_atomic(final: str | os.PathLike[str], data: bytes) -> None:
     # Unique per writer: two processes racing on one name never share a temporary.
     tmp = os.path.join(folder, f".{os.path.basename(final)}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        with open(tmp, "wb") as fh:
+        # O_EXCL | O_NOFOLLOW: a new file of our own, never one (or a link) planted at the name
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())

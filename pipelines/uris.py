@@ -497,13 +497,13 @@ def local_roots(env: str) -> list[str] | None:
     return [os.path.normpath(r) for r in roots]
 
 
-def check_local_root(path: str, env: str, what: str, fh: BinaryIO | None = None) -> None:
+def check_local_root(path: str, env: str, what: str, fh: BinaryIO | None = None, roots: Sequence[str] | None = None) -> None:
     """``InputError`` unless local ``path``, resolved now, lies inside a root of ``$env``
     (``local_roots``; nothing to check when unset). ``fh``: the file already opened at
     ``path``, which must be the resolved file itself (a link swapped between the open and
     the check is refused too). ``what`` names the path in the message (never where it
-    resolves to: that may be another tenant's)."""
-    roots = local_roots(env)
+    resolves to: that may be another tenant's). ``roots``: these folders instead of ``$env``'s."""
+    roots = [os.path.normpath(r) for r in roots] if roots is not None else local_roots(env)
     if roots is None:
         return
     real = os.path.realpath(path)

@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pairclean.errors import InputError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .dependencies import ValidationPool, output_key
@@ -97,7 +98,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse({"detail": public_errors(list(exc.errors()))}, status_code=422)
 
     @app.exception_handler(OutputMoved)
-    async def output_moved(request: Request, exc: OutputMoved) -> Response:
+    @app.exception_handler(InputError)  # a job's file that resolves outside its own folders (OutputDir roots)
+    async def output_moved(request: Request, exc: Exception) -> Response:
         # As a 409 HTTPException, through whichever handler renders those here (the pages'
         # HTML under /ui, JSON elsewhere), looked up when it happens.
         handler = app.exception_handlers[StarletteHTTPException]

@@ -45,7 +45,7 @@ from pairclean.calibrate.calibration import Calibration
 from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.uris import shard_stem
 
-from .security import UriRefused, check_uri, checked_output
+from .security import UriRefused, check_uri, checked_output, job_roots
 from .settings import ServiceSettings
 from .store import JobRow
 
@@ -208,8 +208,8 @@ class _Output:
     """An ``OutputDir`` shared by the requests of one job (its manifest cache is reused),
     with a lock: ``OutputDir`` keeps per-instance state."""
 
-    def __init__(self, uri: str) -> None:
-        self.out = OutputDir(uri)
+    def __init__(self, uri: str, roots: list[str]) -> None:
+        self.out = OutputDir(uri, roots=roots)
         self.lock = threading.Lock()
 
     def committed(self) -> dict[str, ShardRecord]:
@@ -296,9 +296,10 @@ class Browser:
         """The job's output folder, checked on every call (``security.checked_output``: a
         folder re-pointed since the submission raises ``OutputMoved``)."""
         uri = checked_output(str(job.request["output"]), job.output_key, self.settings.allowed_outputs)
+        roots = job_roots(uri)  # every file of it read inside its own folders: links planted in them lead nowhere
         got = self._outputs.get(uri)
-        if got is None:
-            got = _Output(uri)
+        if got is None or got.out.store.roots != roots:
+            got = _Output(uri, roots)
             self._outputs.put(uri, got)
         return got
 

@@ -28,14 +28,13 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from pairclean import schema
-from pairclean.schema import side_folder
 from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.output.report import p_clean_sum
 from pairclean.uris import LOCAL_READ_ROOTS_ENV, LOCAL_WRITE_ROOTS_ENV
 from pairclean.job.lifecycle import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, state_for_exit
 
 from .metrics import Metrics
-from .security import OutputMoved, checked_output, local_roots_of, local_target
+from .security import OutputMoved, checked_output, job_roots, local_roots_of
 from .settings import ServiceSettings
 from .store import JobRow, JobStore, now_iso
 
@@ -207,7 +206,8 @@ class JobRunner:
             log_path = self.logs / f"{job.id}.log"
             try:
                 # the folder the submission checked, not one a symlink re-pointed since
-                before = _folder_state(checked_output(job.request["output"], job.output_key, self.settings.allowed_outputs))
+                output = checked_output(job.request["output"], job.output_key, self.settings.allowed_outputs)
+                before = _folder_state(output, job_roots(output))
                 proc = self._start(job, log_path)
             except Exception as exc:  # noqa: BLE001 - one job that cannot start must not block the queue
                 log.warning("job %s could not start: %s", job.id, exc)
@@ -231,9 +231,9 @@ class JobRunner:
         env["PAIRCLEAN_HTTP_ALLOWED_PREFIXES"] = json.dumps(list(self.settings.allowed_inputs))
         # ... and local paths are checked again, resolved, when the job touches them: a
         # symlink made after the submission cannot lead it out of the allow-lists.
-        # (the shard list file this runner wrote is read too)
-        env[LOCAL_READ_ROOTS_ENV] = json.dumps([*local_roots_of(self.settings.allowed_inputs), os.path.realpath(self.lists)])
-        env[LOCAL_WRITE_ROOTS_ENV] = json.dumps(_write_roots(job.request["output"]))
+        # (and this job's own shard list file: not the folder, which holds every tenant's)
+        env[LOCAL_READ_ROOTS_ENV] = json.dumps([*local_roots_of(self.settings.allowed_inputs), os.path.realpath(shard_list)])
+        env[LOCAL_WRITE_ROOTS_ENV] = json.dumps(job_roots(job.request["output"]))
         with open(log_path, "ab") as out:
             return subprocess.Popen(score_command(job.request, self.settings, shard_list), stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True, env=env)
@@ -271,7 +271,7 @@ class JobRunner:
             log.warning("job %s: its output folder no longer resolves where it did at submission; not followed", job.id)
             return
         if run.out is None:
-            run.out = OutputDir(job.request["output"])
+            run.out = OutputDir(job.request["output"], roots=job_roots(job.request["output"]))
         out = run.out
         committed, failed = out.committed(), out.quarantined()
         for stem, record in failed.items():
@@ -293,16 +293,6 @@ class JobRunner:
             pairs=sum(e.rows for e in committed.values()),
             noise_rate=_noise_rate(run, calibration),
         )
-
-
-def _write_roots(output: str) -> list[str]:
-    """The only local folders a job process may write: its output folder and side folder, as
-    resolved at launch (``checked_output`` ran just before), not the whole allowed area: a
-    folder re-pointed mid-run at another tenant's folder in the same area is refused too.
-    None of them for a remote output."""
-    target = local_target(output)
-    side = local_target(side_folder(output))
-    return [p for p in (target, side) if p is not None]
 
 
 def _next_fairly(queued: list[JobRow], running: list[JobRow]) -> JobRow:
@@ -330,11 +320,12 @@ def _signs_of_life(job: JobRow) -> tuple[Any, ...] | None:
     return job.heartbeat, lock
 
 
-def _folder_state(output: str) -> tuple[set[str], dict[str, Any]]:
-    """(committed stems, quarantine records) of a job's folder before its process starts;
-    empty for a new folder or one that cannot be read yet (then every shard is counted)."""
+def _folder_state(output: str, roots: list[str]) -> tuple[set[str], dict[str, Any]]:
+    """(committed stems, quarantine records) of a job's folder (its files inside ``roots``)
+    before its process starts; empty for a new folder or one that cannot be read yet (then
+    every shard is counted)."""
     try:
-        out = OutputDir(output)
+        out = OutputDir(output, roots=roots)
         return set(out.committed()), dict(out.quarantined())
     except Exception:  # noqa: BLE001 - metrics only: the job itself reports what it cannot read
         return set(), {}

@@ -15,7 +15,7 @@ from pairclean.schema import SIDE_SUFFIX, side_folder
 from pairclean.uris import local_path, under_prefix
 
 __all__ = ["new_api_key", "hash_key", "keys_match", "UriRefused", "check_uri", "is_allowed", "local_target", "local_roots_of",
-           "output_key", "OutputMoved", "checked_output"]
+           "output_key", "OutputMoved", "checked_output", "job_roots"]
 
 
 def new_api_key() -> str:
@@ -175,3 +175,14 @@ def _side_beside(output: str) -> str:
     ``out/latest -> out/2024-05``, keeps ``out/latest.pairclean``)."""
     path = local_path(output).rstrip("/")
     return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path) + SIDE_SUFFIX)
+
+
+def job_roots(output: str) -> list[str]:
+    """The local folders a job's files must resolve inside: its output folder and side folder,
+    resolved now (after ``checked_output``); [] for a remote output. The job process writes
+    only there (``PAIRCLEAN_LOCAL_WRITE_ROOTS``), and the service reads a job's folder only
+    there (``OutputDir(roots=...)``): a link planted inside the folder, to another tenant's
+    table or state, leads nowhere."""
+    target = local_target(output)
+    side = local_target(side_folder(output))
+    return [p for p in (target, side) if p is not None]

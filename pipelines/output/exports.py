@@ -302,10 +302,12 @@ def _check_sizes_target(folder: Path, previous: dict[str, list[str]]) -> None:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
+    from pairclean.storage import write_file_atomic
+
     check_local_root(str(path), LOCAL_WRITE_ROOTS_ENV, "sizes.json copy")
-    tmp = path.with_name(f".{path.name}.pairclean-tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    # An unpredictable temporary (a fixed name could be a link planted beside the copy,
+    # and writing through it would land wherever it points)
+    write_file_atomic(path, data)
 
 
 #: Exactly 32 hex digits: ``int(uid, 16)`` alone also takes a sign and underscores

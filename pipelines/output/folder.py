@@ -36,7 +36,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -169,8 +169,12 @@ class OutputDir:
     ``storage_options`` are fsspec options (endpoint, credentials) for remote folders.
     """
 
-    def __init__(self, uri: str, storage_options: Mapping[str, Any] | None = None, legacy: bool | None = None) -> None:
-        base = Store(uri, storage_options)
+    def __init__(self, uri: str, storage_options: Mapping[str, Any] | None = None, legacy: bool | None = None,
+                 roots: Sequence[str] | None = None) -> None:
+        """``roots``: local folders every file of the job must resolve inside (``Store``); a
+        service reading a tenant's job passes the job's own folders, so links planted inside
+        them lead nowhere."""
+        base = Store(uri, storage_options, roots=roots)
         #: A folder written before issue 23 keeps its state inside OUT (``OUT/_pairclean/``).
         self.legacy = base.exists(schema.JOB_FILE) if legacy is None else legacy
         if self.legacy:
@@ -180,7 +184,7 @@ class OutputDir:
                 side = schema.side_folder(base.uri)
             except ValueError as exc:
                 raise InputError(str(exc), uri=uri) from exc
-            self.store = Store(uri, storage_options, side=side)
+            self.store = Store(uri, storage_options, side=side, roots=roots)
         self.uri = self.store.url()
         #: Where everything but the score tables lives (``OUT.pairclean``; OUT itself for legacy folders).
         self.side_uri = self.uri if self.legacy else self.store.url().rstrip("/") + schema.SIDE_SUFFIX

@@ -275,18 +275,19 @@ def _decompressed(counted: _Counting) -> tuple[Any, bool]:
     (the tar's end-of-archive check then sees a second tar), checks each member's CRC and
     length, and refuses bytes after the last member that are not gzip."""
     head = b""
-    while len(head) < 6:  # a short first read is not the end of the stream
-        more = counted.read(6 - len(head))
+    while len(head) < 10:  # a short first read is not the end of the stream
+        more = counted.read(10 - len(head))
         if not more:
             break
         head += more
     stream = _Peeked(counted, head)
-    if head.startswith(b"\x1f\x8b"):
+    # Whole magic numbers: a plain tar starts with its first member's name ("BZhang_0001.jpg")
+    if head.startswith(b"\x1f\x8b\x08"):
         return gzip.GzipFile(fileobj=stream, mode="rb"), True  # type: ignore[call-overload]
-    # bzip2 and xz, as tarfile's "r|*" read them (each checked and read whole alike)
-    if head.startswith(b"BZh"):
+    # bzip2, xz and legacy .lzma, as tarfile's "r|*" read them (each checked and read whole alike)
+    if head[:3] == b"BZh" and head[3:4].isdigit() and head[4:10] in (b"1AY&SY", b"\x17rE8P\x90"):
         return bz2.BZ2File(stream), True  # type: ignore[call-overload]
-    if head.startswith(b"\xfd7zXZ\x00"):
+    if head.startswith((b"\xfd7zXZ\x00", b"\x5d\x00\x00\x80")):
         return lzma.LZMAFile(stream), True  # type: ignore[arg-type]
     return stream, False
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import threading
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated
@@ -18,7 +19,7 @@ from pairclean.job.lifecycle import FAILED, PARTIAL, QUEUED, RUNNING, TERMINAL, 
 
 from ..dependencies import Caller, JobId, Runner, Settings, Store, Validations, job_or_404, output_key
 from ..guards import BoundedReader, PrefixEnd, scrub
-from ..security import UriRefused, check_uri, checked_output, local_target
+from ..security import UriRefused, check_uri, checked_output, job_roots, local_target
 from ..settings import ServiceSettings
 from ..store import JobRow, JobStore, OutputInUse, Principal
 from ..schemas import (
@@ -29,6 +30,8 @@ __all__ = ["router", "read_log", "LOG_PAGE_BYTES"]
 
 router = APIRouter(prefix="/v1")
 
+#: Held while a submission or retry counts the caller's queue share and inserts its job.
+_SUBMITTING = threading.Lock()
 #: The most log bytes one ``/logs`` reply carries (the client pages through the rest).
 LOG_PAGE_BYTES = 1 << 20
 
@@ -42,14 +45,18 @@ def submit(request: JobRequest, who: Caller, response: Response, store: Store, s
         if existing is not None:
             response.status_code = 200
             return public_job(existing)
-    _check_queue_share(who, store, settings)
     total = len(expand(request, settings))
     key = output_key(request.output)
-    _check_output_owner(request.output, key, who, store)
-    try:
-        job, created = store.create(request.model_dump(), who.name, idempotency_key, total, key)
-    except OutputInUse as exc:
-        raise HTTPException(409, _in_use(exc.job_id, exc.owner, who, repr(request.output))) from exc
+    # The count and the insert under one lock: parallel submissions took 40 places of a
+    # share of 3. (Per API process: replicas each hold their own, so a tenant spreading
+    # submissions over N replicas can exceed it by at most N - 1.)
+    with _SUBMITTING:
+        _check_queue_share(who, store, settings)
+        _check_output_owner(request.output, key, who, store)
+        try:
+            job, created = store.create(request.model_dump(), who.name, idempotency_key, total, key)
+        except OutputInUse as exc:
+            raise HTTPException(409, _in_use(exc.job_id, exc.owner, who, repr(request.output))) from exc
     if not created:
         response.status_code = 200
     return public_job(job)
@@ -111,7 +118,6 @@ def cancel(job_id: JobId, who: Caller, store: Store, runner: Runner) -> JobPubli
              responses={429: {"model": Problem, "description": "the caller has as many queued jobs as one owner may"}})
 def retry(job_id: JobId, who: Caller, store: Store, settings: Settings) -> JobPublic:
     job = job_or_404(store, job_id, who)
-    _check_queue_share(who, store, settings)
     # The folder the submission checked: a retry must not take the job to wherever a link
     # points now (another tenant's output). Rows of releases without a key get the checks a
     # submission makes.
@@ -123,8 +129,10 @@ def retry(job_id: JobId, who: Caller, store: Store, settings: Settings) -> JobPu
         _check_output_owner(job.request["output"], key, who, store)
     # Rerunning the same command resumes: only the failed (uncommitted) shards are redone.
     try:
-        moved = store.transition(job_id, [PARTIAL, FAILED], state=QUEUED, error=None, finished_at=None, cancel_requested=0,
-                                 output_key=key)
+        with _SUBMITTING:
+            _check_queue_share(who, store, settings)
+            moved = store.transition(job_id, [PARTIAL, FAILED], state=QUEUED, error=None, finished_at=None, cancel_requested=0,
+                                     output_key=key)
     except IntegrityError:
         holder = store.active_on_output(output_key(job.request["output"]))
         raise HTTPException(409, _in_use(holder.id if holder else "?", holder.owner if holder else None, who,
@@ -170,6 +178,14 @@ def _enclosing_outputs(output: str) -> list[str]:
     return parents + sides
 
 
+def _holds(key: str, inner: str) -> bool:
+    """Whether the output with ``output_key`` ``key`` (or its side folder) would hold ``inner``."""
+    try:
+        return key in {output_key(o) for o in _enclosing_outputs(inner)}
+    except (UriRefused, ValueError):  # a row of an older release whose output today's checks refuse
+        return False
+
+
 def _check_output_owner(output: str, key: str, who: Principal, store: JobStore) -> None:
     """An output folder belongs to the tenant whose job first used it: a job of another
     owner may not write into it, or read it back through the job's pages (409). A local
@@ -194,6 +210,12 @@ def _check_output_owner(output: str, key: str, who: Principal, store: JobStore) 
     for outer in _enclosing_outputs(output):
         if store.output_owners(output_key(outer)) - {who.name}:
             raise HTTPException(409, f"output {output!r} lies inside another owner's job output; choose a folder outside it")
+    # ... nor hold another owner's queued or running job's folders (that job would fail when
+    # this one had written: "lies inside the pairclean output ..."). Written folders of
+    # finished jobs are refused by the job's own run (a folder of files it did not write).
+    for other in store.in_states([QUEUED, RUNNING]):
+        if other.owner != who.name and _holds(key, str(other.request.get("output", ""))):
+            raise HTTPException(409, f"output {output!r} holds another owner's job output; choose another output folder")
     target = local_target(output)
     if target is None:
         return  # remote: the job's own run refuses a folder inside another job's output
@@ -343,7 +365,8 @@ def _shard_states(job: JobRow, settings: ServiceSettings) -> list[ShardPublic]:
     from pairclean.output.folder import OutputDir
     from pairclean.uris import shard_stem
 
-    out = OutputDir(checked_output(job.request["output"], job.output_key, settings.allowed_outputs))
+    output = checked_output(job.request["output"], job.output_key, settings.allowed_outputs)
+    out = OutputDir(output, roots=job_roots(output))
     spec = out.read_spec()
     if spec is None:
         return []  # the job has not started writing yet

@@ -222,7 +222,7 @@ def test_a_job_writes_only_its_own_folders_and_long_header_chains_fail_the_shard
     from pairclean.errors import ShardReadError
     from pairclean.output.exports import _check_sizes_target
     from pairclean.read.shards import iter_pairs
-    from pairclean_service.runner import _write_roots
+    from pairclean_service.security import job_roots as _write_roots
 
     for name in ("bob", "alice", "elsewhere"):
         (tmp_path / "out" / name).mkdir(parents=True)
@@ -254,3 +254,58 @@ def test_a_job_writes_only_its_own_folders_and_long_header_chains_fail_the_shard
         shard.write_bytes(bytes(chained) + data.getvalue())
         with pytest.raises(ShardReadError, match=match):
             list(iter_pairs(str(shard)))
+
+
+def test_round_5_links_inside_a_folder_lists_of_others_and_racing_submissions(tmp_path: Path, demo_copy: Path) -> None:
+    """Round 5: links planted *inside* one's own job folder, a list file re-pointed at the
+    service's folder of every tenant's shard lists, forty submissions at once against a
+    share of three, and a folder submitted around another owner's queued job."""
+    import threading as _threading
+
+    import httpx
+
+    from pairclean.output.exports import _atomic_write
+
+    with Live(tmp_path) as srv:
+        _run_job(srv, [str(demo_copy)], tmp_path / "out" / "a")
+        bobs = _run_job(srv, [str(demo_copy)], tmp_path / "out" / "b", who="bob")
+        table = tmp_path / "out" / "b" / "demo.parquet"
+        table.unlink()
+        table.symlink_to(tmp_path / "out" / "a" / "demo.parquet")  # the folders stay real; an entry leads to alice's
+        state = tmp_path / "out" / "b.pairclean" / "state"
+        state.rename(state.with_name("state-old"))
+        state.symlink_to(tmp_path / "out" / "a.pairclean" / "state")
+        assert srv.get(f"/v1/jobs/{bobs}/shards", who="bob").status_code == 409
+        r = _session(srv, "bob").get(f"/ui/jobs/{bobs}/shards/demo")
+        assert r.status_code == 409 and "skimage/" not in r.text
+    listing = tmp_path / "in" / "mine.list"
+    listing.write_text(f"{demo_copy}\n")
+    with Live(tmp_path, max_running_jobs=0) as srv:
+        r = srv.post("/v1/jobs", json={"shards": [f"@{listing}"], "output": str(tmp_path / "out" / "l"), "estimator": "pairclean-tiny-test"})
+        assert r.status_code == 201, r.text
+        listing.write_text(f"{tmp_path / 'state' / 'shard-lists'}/*.txt\n")  # every tenant's list, after the submission
+        srv.settings.max_running_jobs = 1
+        doc = _wait(srv, r.json()["id"])
+        assert doc["state"] == "FAILED" and "outside the locations this job may use" in str(doc["error"]), doc
+    with Live(tmp_path, max_running_jobs=0, max_queued_per_owner=3) as srv:
+        codes: list[int] = []
+
+        def submit(n: int) -> None:
+            codes.append(httpx.post(f"{srv.url}/v1/jobs", headers=srv.keys["bob"], timeout=60,
+                                    json={"shards": [str(demo_copy)], "output": str(tmp_path / "out" / f"race{n}")}).status_code)
+
+        threads = [_threading.Thread(target=submit, args=(n,)) for n in range(20)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert codes.count(201) == 3 and codes.count(429) == 17, codes
+        assert srv.post("/v1/jobs", json={"shards": [str(demo_copy)], "output": str(tmp_path / "out" / "team" / "a3")}).status_code == 201
+        r = srv.post("/v1/jobs", who="admin", json={"shards": [str(demo_copy)], "output": str(tmp_path / "out" / "team")})
+        assert r.status_code == 409 and "holds another owner's job output" in r.json()["detail"], r.text
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    (tmp_path / "copies").mkdir()
+    (tmp_path / "copies" / ".sizes.json.pairclean-tmp").symlink_to(victim)  # the fixed temporary name it used
+    _atomic_write(tmp_path / "copies" / "sizes.json", b"{}")
+    assert victim.read_text() == "keep" and (tmp_path / "copies" / "sizes.json").read_bytes() == b"{}"
