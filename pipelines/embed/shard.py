@@ -35,7 +35,7 @@ from pairclean.read.decode import (
     split_preprocess_of,
     tensor_preprocess_of,
 )
-from pairclean.read.shards import PairSample, ReadOptions, iter_pairs
+from pairclean.read.shards import PairSample, ReadOptions, ReadStats, iter_pairs
 
 __all__ = [
     "ScoreOptions",
@@ -100,6 +100,9 @@ class ShardResult:
     #: The judge's log likelihood ratios clean : noisy (N,), NaN where not judged; None
     #: when the shard was scored without a judge.
     judge_llr: NDArray[np.float32] | None = None
+    #: The size of the shard as opened and read (``ReadStats``); None for pairs scored from
+    #: memory, or a stream that does not say.
+    read_bytes: int | None = None
 
     @property
     def ok_mask(self) -> NDArray[np.bool_]:
@@ -251,13 +254,23 @@ def _prepare_batch(rows: list[PairSample], outcomes: list[_Outcome], image_size:
     return _Batch(time.perf_counter() - started, rows, statuses, errors, pixels, texts, ok_positions)
 
 
-def _batches(uri: str, options: ScoreOptions, samples: Iterable[PairSample] | None = None) -> Iterator[list[PairSample]]:
+#: A batch's image bytes at which it is cut early (``_batches``).
+BATCH_IMAGE_BYTES = 256 * 2**20
+
+
+def _batches(uri: str, options: ScoreOptions, samples: Iterable[PairSample] | None = None,
+             stats: ReadStats | None = None) -> Iterator[list[PairSample]]:
+    """Pairs in batches of ``options.batch_size``, cut early once a batch's image bytes reach
+    ``BATCH_IMAGE_BYTES``: members of up to 64 MiB are read whole, and a small ``.tar.gz``
+    of zeros expanded to 32 of them a batch (8.8 GB held with the batches in flight)."""
     rows: list[PairSample] = []
-    for pair in iter_pairs(uri, options.read) if samples is None else samples:
+    held = 0
+    for pair in iter_pairs(uri, options.read, stats) if samples is None else samples:
         rows.append(pair)
-        if len(rows) == options.batch_size:
+        held += len(pair.image or b"")
+        if len(rows) == options.batch_size or held >= BATCH_IMAGE_BYTES:
             yield rows
-            rows = []
+            rows, held = [], 0
     if rows:
         yield rows
 
@@ -274,7 +287,7 @@ def _put(out: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
 
 
 def _producer(uri: str, decoder: _Decoder, options: ScoreOptions, out: queue.Queue[Any], stop: threading.Event,
-              samples: Iterable[PairSample] | None = None) -> None:
+              samples: Iterable[PairSample] | None = None, stats: ReadStats | None = None) -> None:
     """Reader thread: read the tar (here, in order), decode via ``decoder``, queue batches.
 
     Ends with ``_DONE`` or the exception that stopped it, or silently once ``stop`` is set.
@@ -283,7 +296,7 @@ def _producer(uri: str, decoder: _Decoder, options: ScoreOptions, out: queue.Que
     try:
         started = time.perf_counter()
         pending: deque[tuple[list[PairSample], list[Future[_Outcome]] | None]] = deque()
-        for rows in _batches(uri, options, samples):
+        for rows in _batches(uri, options, samples, stats):
             pending.append((rows, decoder.start(rows)))
             if len(pending) <= decoder.lookahead:
                 continue
@@ -301,7 +314,8 @@ def _producer(uri: str, decoder: _Decoder, options: ScoreOptions, out: queue.Que
         _put(out, exc, stop)
 
 
-def _prepared_batches(uri: str, estimator: Estimator, options: ScoreOptions, samples: Iterable[PairSample] | None = None) -> Iterator[_Batch]:
+def _prepared_batches(uri: str, estimator: Estimator, options: ScoreOptions, samples: Iterable[PairSample] | None = None,
+                      stats: ReadStats | None = None) -> Iterator[_Batch]:
     """Batches of ``uri`` in tar order, read and decoded ahead in a background thread.
 
     At most ``prefetch`` prepared batches wait in the queue (plus the one or two the
@@ -312,7 +326,7 @@ def _prepared_batches(uri: str, estimator: Estimator, options: ScoreOptions, sam
     q: queue.Queue[Any] = queue.Queue(maxsize=max(1, options.prefetch))
     stop = threading.Event()
     thread = threading.Thread(
-        target=_producer, args=(uri, decoder, options, q, stop, samples), name="pairclean-reader", daemon=True
+        target=_producer, args=(uri, decoder, options, q, stop, samples, stats), name="pairclean-reader", daemon=True
     )
     thread.start()
     try:
@@ -355,7 +369,8 @@ def score_shard(uri: str, estimator: Estimator, options: ScoreOptions | None = N
     txt_parts: list[NDArray[np.float32]] = []
     llr_parts: list[NDArray[np.float32]] = []
     read_decode = embed = 0.0
-    for batch in _prepared_batches(uri, estimator, opts, samples):
+    stats = ReadStats()
+    for batch in _prepared_batches(uri, estimator, opts, samples, stats):
         read_decode += batch.seconds
         t0 = time.perf_counter()
         n = len(batch.rows)
@@ -405,6 +420,7 @@ def score_shard(uri: str, estimator: Estimator, options: ScoreOptions | None = N
         timings={"read_decode": round(read_decode, 4), "embed": round(embed, 4)},
         members=_member_columns(spans) if samples is None else None,
         judge_llr=(np.concatenate(llr_parts) if llr_parts else np.zeros(0, np.float32)) if judge is not None else None,
+        read_bytes=stats.bytes,
     )
 
 

@@ -232,7 +232,10 @@ def _run(spec: JobSpec, out: OutputDir, stems: dict[str, str], make_source: Call
          lock: RunLock, progress: Progress | None, max_failed_fraction: float) -> JobReport:
     committed = out.committed()
     changed = _changed_since_committed(spec.shards, stems, committed)
-    todo = [uri for uri in spec.shards if stems[uri] not in committed or uri in changed]
+    if changed:  # uncommitted before they are read again: should one now fail, its old rows are not read as current
+        out.withdraw({stems[uri] for uri in changed})
+        committed = out.committed()
+    todo = [uri for uri in spec.shards if stems[uri] not in committed]
     report = JobReport(total_shards=len(spec.shards), skipped=len(spec.shards) - len(todo), max_failed_fraction=max_failed_fraction)
     report.calibration = out.read_calibration()
     if not todo:

@@ -245,6 +245,8 @@ def _finite(x: float) -> float | str:
 _MISSING = frozenset({schema.STATUS_MISSING_TEXT, schema.STATUS_MISSING_IMAGE})
 #: Short side (pixels) the first-shard check decodes JPEGs at: whether it decodes, not how it looks.
 _CHECK_DRAFT = 32
+#: Shards the first-shard check reads at most before it gives its verdict.
+_CHECK_SHARDS = 8
 
 
 def _check_some_pair_readable(held: Sequence[ShardResult], field: str | None) -> None:
@@ -263,29 +265,31 @@ def _check_some_pair_readable(held: Sequence[ShardResult], field: str | None) ->
 
 def _check_first_shard_readable(uris: Sequence[str], options: ReadOptions, field: str | None, max_pixels: int) -> None:
     """``_check_some_pair_readable`` for jobs whose calibration reads no shard (no corpus
-    needed, no judge): the first shard's samples, read and their images decoded (at a small
-    draft size) without the model. A shard that cannot be read says nothing here (the
-    scoring reports it)."""
+    needed, no judge): the samples of the first shards (at most ``_CHECK_SHARDS``), read and
+    their images decoded (at a small draft size) without the model, until one pair is
+    readable, as the corpus calibration reads on (a first shard of captionless samples
+    before good ones is data, not a misnamed field). A shard that cannot be read says
+    nothing here (the scoring reports it)."""
     from pairclean.read.decode import DecodeFailure, decode_image
 
-    if not uris:
-        return
     statuses: list[str] = []
     errors: list[str | None] = []
-    try:
-        for pair in iter_pairs(uris[0], options):  # streamed: stops at the first readable pair
-            status, error = pair.status, pair.error
-            if status == schema.STATUS_OK and pair.image is not None:
-                image = decode_image(pair.image, max_pixels, draft_size=_CHECK_DRAFT)
-                if not isinstance(image, DecodeFailure):
-                    return
-                status, error = image.status, image.error
-            statuses.append(status)
-            errors.append(error)
-    except InputError:
-        return
-    _refuse_unreadable(statuses, errors, 1, field)
-
+    read = 0
+    for uri in uris[:_CHECK_SHARDS]:
+        try:
+            for pair in iter_pairs(uri, options):  # streamed: stops at the first readable pair
+                status, error = pair.status, pair.error
+                if status == schema.STATUS_OK and pair.image is not None:
+                    image = decode_image(pair.image, max_pixels, draft_size=_CHECK_DRAFT)
+                    if not isinstance(image, DecodeFailure):
+                        return
+                    status, error = image.status, image.error
+                statuses.append(status)
+                errors.append(error)
+        except InputError:
+            continue
+        read += 1
+    _refuse_unreadable(statuses, errors, read, field)
 
 
 def _refuse_unreadable(statuses: Sequence[str], errors: Sequence[str | None], shards: int, field: str | None) -> None:
@@ -440,7 +444,9 @@ class ShardWork:
         timings = dict(result.timings)
         timings["write"] = round(time.perf_counter() - started, 4)
         return ShardRecord(
-            shard=result.uri, stem=stem, size=shard_size(result.uri, self.options.read.storage_options),
+            # the size of what was read (a file replaced meanwhile is then seen as changed on resume)
+            shard=result.uri, stem=stem,
+            size=result.read_bytes if result.read_bytes is not None else shard_size(result.uri, self.options.read.storage_options),
             rows=len(result), output=self.out.score_name(stem), sha256=info.sha256, bytes=info.bytes,
             statuses=result.status_counts(), emb_output=emb_name, emb_bytes=emb_bytes, timings=timings,
         )

@@ -612,6 +612,20 @@ class OutputDir:
         self._segments = [name]
         self._compacted, self._pending = {r.stem: r for r in records}, {}
 
+    def withdraw(self, stems: set[str]) -> None:
+        """Uncommit ``stems``: their records leave the manifest and their tables and sidecars
+        (this job's own) are deleted, so that until they are committed again no reader takes
+        the old rows for current ones (a shard that changed since, and then fails)."""
+        records = self.committed()
+        gone = [records[s] for s in stems if s in records]
+        if not gone:
+            return
+        self.replace_records([r for s, r in records.items() if s not in stems])
+        for record in gone:
+            for name in (record.output, record.emb_output):
+                if name and self.written_by(name):
+                    self.store.rm(name)
+
     def _mark_derived_stale(self, reason: str = "the job's tables were rewritten after this run") -> None:
         """Mark a pseudo-pair run stale and warn about exports that cannot be refreshed (written
         by a release that did not record their options): the tables they were made from changed."""

@@ -47,9 +47,11 @@ __all__ = [
     "IMAGE_EXTS",
     "RawSample",
     "PairSample",
+    "ReadStats",
     "ReadOptions",
     "DEFAULT_MAX_MEMBER_BYTES",
     "MAX_CAPTION_CHARS",
+    "MAX_KEY_CHARS",
     "iter_raw_samples_from",
     "iter_pairs_from",
     "split_member_name",
@@ -73,6 +75,8 @@ _MAX_HEADER_CHAIN = 8
 # Bytes after the end-of-archive marker are drained to compare the total with the
 # object's size; tar writers pad to a 10 KiB record, so more than this is not padding.
 _MAX_TRAILER = 1 << 20
+#: Characters a sample key may have (PATH_MAX; WebDataset keys are file paths less extensions).
+MAX_KEY_CHARS = 4096
 #: Characters of a caption kept for scoring (the text towers read at most 77 tokens).
 MAX_CAPTION_CHARS = 8192
 
@@ -375,6 +379,11 @@ def iter_raw_samples_from(fh: BinaryIO, uri: str, options: ReadOptions | None = 
         if parts is None:
             continue
         key, ext = parts
+        if len(key) > MAX_KEY_CHARS:
+            # A key is the row's identity (trainers join on it): a cut one would join nothing,
+            # and 400 keys of a million characters (a 0.5 MB .tar.gz) took 3.4 GB into the table.
+            raise ShardReadError(f"unreadable tar {uri!r}: a sample key of {len(key)} characters, over the "
+                                 f"{MAX_KEY_CHARS}-character limit", uri=uri)
         if key != current_key:
             if current_key is not None:
                 yield RawSample(current_key, idx, files, issue, spans)
@@ -562,11 +571,22 @@ def pair_fields(caption_field: str | None) -> Callable[[str], bool]:
     return used.__contains__
 
 
-def iter_pairs(uri: str, options: ReadOptions | None = None) -> Iterator[PairSample]:
+@dataclass
+class ReadStats:
+    """What reading one shard saw. ``bytes``: the size of the object actually opened (what a
+    completion records: a file replaced while it was read keeps the size of the bytes read,
+    so a resume sees the new one as changed); None where the stream does not say."""
+
+    bytes: int | None = None
+
+
+def iter_pairs(uri: str, options: ReadOptions | None = None, stats: ReadStats | None = None) -> Iterator[PairSample]:
     """The pairs of one shard in tar order (see ``iter_raw_samples`` for the errors); fields
-    no pair uses are not read (``pair_fields``)."""
+    no pair uses are not read (``pair_fields``). ``stats`` is filled in as the shard is opened."""
     opts = options or ReadOptions()
     with open_shard(uri, opts.storage_options) as fh:
+        if stats is not None:
+            stats.bytes = _known_size(fh)
         yield from iter_pairs_from(fh, uri, opts)
 
 

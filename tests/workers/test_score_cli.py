@@ -12,6 +12,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+import pairclean
+
 from pairclean import schema
 from pairclean.output.folder import OutputDir
 from pairclean_workers.cli import main
@@ -96,6 +98,20 @@ def test_rerun_resumes_and_a_different_spec_is_refused(make_shards, tmp_path: Pa
     assert "different spec" in capsys.readouterr().err
     assert _score(shards, out, "--weighting", "reference", "--overwrite") == 0
     assert len(_manifest(out)) == 3
+
+
+def test_a_changed_shard_that_now_fails_is_no_longer_read_as_committed(make_shards, tmp_path: Path) -> None:
+    """A shard re-downloaded short since it was committed failed on the rerun, but its old
+    table and record stayed: inspect, read_scores and export kept using the old rows."""
+    shards = [str(s) for s in make_shards(n_shards=2, per_shard=4)]
+    out = tmp_path / "out"
+    assert _score(shards, out, "--embeddings") == 0
+    Path(shards[1]).write_bytes(Path(shards[1]).read_bytes()[:20_000])  # cut short
+    assert _score(shards, out, "--embeddings", "--max-failed-fraction", "0.5") == 4  # PARTIAL
+    folder = OutputDir(str(out))
+    assert list(folder.committed()) == ["part-00000"] and list(folder.quarantined()) == ["part-00001"]
+    assert not (out / "part-00001.parquet").exists()
+    assert set(pairclean.read_scores(out).column("shard").to_pylist()) == {shards[0]}
 
 
 def test_a_changed_shard_is_scored_again_after_a_rescore_too(make_shards, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -241,7 +257,7 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
         assert not list((tmp_path / f"o7-{moved}").glob("*.parquet"))
         # ... also where the calibration needs no corpus (and reads no shard with the model)
         assert _score(shards, tmp_path / f"o9-{moved}", "--beta-recipe", "random-inputs", "--weighting", "paper", "--judge", "off") == 1
-        assert f"(3 rows: {status}=3;" in capsys.readouterr().err
+        assert f"from the first 2 shard(s) (6 rows: {status}=6;" in capsys.readouterr().err
         assert not list((tmp_path / f"o9-{moved}").glob("*.parquet"))
     # the corrected command reads the caption member (a leading dot names a member) in the same folder
     assert _score(shards_txt, tmp_path / "o7-txt", "--caption-field", ".caption") == 0
@@ -261,6 +277,12 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
         err = capsys.readouterr().err
         assert "(5 rows: decode_error=1, missing_text=4;" in err and "(--caption-field .caption)" in err and err.count("\n") == 1
         assert not list((tmp_path / f"o10-{len(extra_args)}").glob("*.parquet"))
+    # ... but a first shard of captionless samples before good ones is data, there too (it
+    # refused the whole job: only the first shard was read)
+    first = [str(s) for s in make_shards(n_shards=1, per_shard=3, prefix="bare", extra={i: {"txt": None} for i in range(3)})]
+    good_too = [str(s) for s in make_shards(n_shards=1, per_shard=3, prefix="fine", offset=3)]
+    assert _score(first + good_too, tmp_path / "o12", "--beta-recipe", "random-inputs", "--weighting", "paper", "--judge", "off") == 0
+    capsys.readouterr()
     # ... and a shard of mostly corrupt images with a caption missing here and there is data: rows
     mostly_broken = {i: {"jpg": b"not an image"} for i in range(3)} | {3: {"txt": None}}
     shards = [str(s) for s in make_shards(n_shards=1, per_shard=4, prefix="mbroken", extra=mostly_broken)]

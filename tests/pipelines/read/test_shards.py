@@ -346,3 +346,38 @@ def test_a_sample_cannot_make_the_reader_hold_what_it_does_not_use(tmp_path: Pat
         tar.addfile(info, io.BytesIO(b"hi"))
     with pytest.raises(ShardReadError, match="member header .* of over"):
         list(iter_pairs(str(pax)))
+
+
+def test_round_5_reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain tar whose first member's name starts like a bzip2 header ("BZhang_0001") was
+    refused as bzip2; the size recorded for a shard was its file's after scoring, not that of
+    the bytes read (a file replaced meanwhile kept a stale table for good); keys of a million
+    characters went into the table; a batch held up to 32 members of 64 MiB."""
+    from pairclean.embed.shard import ScoreOptions, _batches
+    from pairclean.read.shards import MAX_KEY_CHARS, PairSample, ReadStats
+
+    named = _tar(tmp_path / "bzh.tar", [("BZhang_0001.jpg", b"\xff" * 10), ("BZhang_0001.txt", b"a caption")])
+    assert [p.key for p in iter_pairs(str(named))] == ["BZhang_0001"]
+    import bz2
+
+    packed = tmp_path / "real.tar.bz2"
+    packed.write_bytes(bz2.compress(named.read_bytes()))
+    assert [p.key for p in iter_pairs(str(packed))] == ["BZhang_0001"]
+
+    old = _tar(tmp_path / "s.tar", [(f"{i}.{ext}", b"x" * 600) for i in range(6) for ext in ("jpg", "txt")])
+    size = old.stat().st_size
+    new = _tar(tmp_path / "new.tar", [("n.jpg", b"y"), ("n.txt", b"z")])
+    stats = ReadStats()
+    pairs = iter_pairs(str(old), stats=stats)
+    first = next(pairs)
+    new.replace(old)  # a re-download moved over the shard while it is read
+    assert [first.key, *(p.key for p in pairs)] == ["0", "1", "2", "3", "4", "5"]
+    assert stats.bytes == size != old.stat().st_size
+
+    long_key = _tar(tmp_path / "long.tar", [("k" * (MAX_KEY_CHARS + 1) + ".txt", b"x")])
+    with pytest.raises(ShardReadError, match=f"over the {MAX_KEY_CHARS}-character limit"):
+        list(iter_pairs(str(long_key)))
+
+    monkeypatch.setattr("pairclean.embed.shard.BATCH_IMAGE_BYTES", 1000)
+    rows = [PairSample(f"{i}", i, b"\xff" * 400, "c", "ok") for i in range(7)]
+    assert [len(b) for b in _batches("mem", ScoreOptions(batch_size=32), rows)] == [3, 3, 1]
