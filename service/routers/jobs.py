@@ -193,9 +193,8 @@ def _check_output_owner(output: str, key: str, who: Principal, store: JobStore) 
     the batch CLI, or by a job since deleted) is refused alike. Admins are no exception:
     a folder holds one tenant's data."""
     from pairclean.output.folder import enclosing_output, is_output
-    from pairclean.storage import Store as Folder
-
     from pairclean.schema import side_folder
+    from pairclean.storage import Store as Folder
 
     owners = store.output_owners(key)
     if owners and owners != {who.name}:
