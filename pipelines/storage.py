@@ -23,7 +23,7 @@ import io
 import os
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -137,13 +137,14 @@ class Store:
     def path(self, name: str = "") -> str:
         """The filesystem path of ``name`` inside the folder (or its side folder).
 
-        Local folders of a job process the service started: every read and write goes
-        through here, and the path, resolved now, must lie inside the job's write roots
-        (``uris.LOCAL_WRITE_ROOTS_ENV``; ``InputError`` otherwise), so an output folder
-        swapped for a symlink after the job was submitted leads nowhere."""
+        Local folders with roots (``roots``, else a job process's ``uris.LOCAL_WRITE_ROOTS_ENV``):
+        every read and write goes through here, and the path, resolved now, must lie inside
+        them (``InputError`` otherwise); each read, listing, write and delete then checks
+        again what it opened (a descriptor: ``_open_checked``, ``write_file_atomic``), so a
+        link swapped in between leads nowhere either."""
         root, name = self._where(name)
         path = f"{root}/{name}" if name else root
-        if self.local:
+        if self.local:  # before anything is touched; reads and writes check what they opened again
             check_local_root(path, LOCAL_WRITE_ROOTS_ENV, "output", roots=self.roots)
         return path
 
@@ -155,10 +156,26 @@ class Store:
         return f"{self.scheme}://{self.path(name)}"
 
     # -- writing ----------------------------------------------------------------------------
+    def _check_opened(self, path: str, fd: int) -> None:
+        """The root check again on what was opened at ``path`` (a file or a folder): a link
+        swapped in between ``path``'s check and the open is refused (``check_local_root``)."""
+        try:
+            check_local_root(path, LOCAL_WRITE_ROOTS_ENV, "output", fh=fd, roots=self.roots)
+        except InputError:
+            os.close(fd)
+            raise
+
+    def _open_checked(self, path: str, flags: int) -> int:
+        """A descriptor of local ``path``, opened and then checked against the roots."""
+        fd = os.open(path, flags)
+        self._check_opened(path, fd)
+        return fd
+
     def put(self, name: str, data: bytes) -> WriteInfo:
         """Write ``data`` as ``name``, complete or not at all; replaces an existing object."""
         if self.local:
-            write_file_atomic(self.path(name), data)
+            write_file_atomic(self.path(name), data, check_folder=lambda folder, fd: check_local_root(
+                folder, LOCAL_WRITE_ROOTS_ENV, "output", fh=fd, roots=self.roots))
         else:
             try:
                 self.fs.pipe_file(self.path(name), data)
@@ -176,7 +193,12 @@ class Store:
         """Delete ``name`` if present; True when something was deleted. Callers decide what is theirs."""
         try:
             if self.local:
-                os.unlink(self.path(name))
+                path = self.path(name)
+                dfd = self._open_checked(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+                try:  # unlinked in the folder checked, not in wherever a link leads by then
+                    os.unlink(os.path.basename(path), dir_fd=dfd)
+                finally:
+                    os.close(dfd)
             else:
                 self.fs.rm_file(self.path(name))
             return True
@@ -188,7 +210,7 @@ class Store:
         """The bytes of ``name``, or None when it does not exist."""
         try:
             if self.local:
-                with open(self.path(name), "rb") as fh:
+                with os.fdopen(self._open_checked(self.path(name), os.O_RDONLY), "rb") as fh:
                     return fh.read()
             return bytes(self.fs.cat_file(self.path(name)))
         except FileNotFoundError:
@@ -210,7 +232,11 @@ class Store:
         """Size of ``name`` in bytes, None when absent."""
         try:
             if self.local:
-                return os.path.getsize(self.path(name))
+                fd = self._open_checked(self.path(name), os.O_RDONLY)
+                try:
+                    return os.fstat(fd).st_size
+                finally:
+                    os.close(fd)
             return int(self.fs.size(self.path(name)))
         except FileNotFoundError:
             return None
@@ -220,7 +246,11 @@ class Store:
         [] when the folder does not exist."""
         try:
             if self.local:
-                return sorted(os.listdir(self.path(folder)))
+                fd = self._open_checked(self.path(folder), os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    return sorted(os.listdir(fd))
+                finally:
+                    os.close(fd)
             entries = self.fs.ls(self.path(folder), detail=False)
         except (FileNotFoundError, NotADirectoryError):
             return []
@@ -230,7 +260,7 @@ class Store:
     def open_read(self, name: str) -> Any:
         """A binary file object for ``name`` (random access; for Parquet footers)."""
         if self.local:
-            return open(self.path(name), "rb")
+            return os.fdopen(self._open_checked(self.path(name), os.O_RDONLY), "rb")
         return self.fs.open(self.path(name), "rb")
 
     def read_parquet(self, name: str, columns: builtins.list[str] | None = None) -> pa.Table:
@@ -260,29 +290,42 @@ class Store:
         return removed
 
 
-def write_file_atomic(final: str | os.PathLike[str], data: bytes) -> None:
-    """Write a local file complete or not at all: hidden temporary, fsync, rename."""
+def write_file_atomic(final: str | os.PathLike[str], data: bytes, check_folder: Callable[[str, int], None] | None = None) -> None:
+    """Write a local file complete or not at all: hidden temporary, fsync, rename.
+
+    Everything happens relative to the folder opened once (a descriptor): the temporary is
+    created ``O_EXCL | O_NOFOLLOW`` there and renamed there, so a link swapped in for the
+    folder, or planted at the temporary's name, after a check cannot redirect the write.
+    ``check_folder(path, fd)``: raises unless the folder opened is one the caller may write
+    (``Store``'s roots)."""
     final = os.fspath(final)
     folder = os.path.dirname(final) or "."
+    name = os.path.basename(final)
     os.makedirs(folder, exist_ok=True)
-    # Unique per writer: two processes racing on one name never share a temporary.
-    tmp = os.path.join(folder, f".{os.path.basename(final)}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        # O_EXCL | O_NOFOLLOW: a new file of our own, never one (or a link) planted at the name
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-    except OSError as exc:
-        if exc.filename is None:  # a failed write (EFBIG, ENOSPC) names no file: name the one it was for
-            raise OSError(exc.errno, exc.strerror or str(exc), final) from exc
-        raise
+        if check_folder is not None:
+            check_folder(folder, dfd)
+        # Unique per writer: two processes racing on one name never share a temporary.
+        tmp = f".{name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666, dir_fd=dfd)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except OSError as exc:
+            if exc.filename is None:  # a failed write (EFBIG, ENOSPC) names no file: name the one it was for
+                raise OSError(exc.errno, exc.strerror or str(exc), final) from exc
+            raise
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=dfd)
+        with contextlib.suppress(OSError):
+            os.fsync(dfd)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    _fsync_dir(folder)
+        os.close(dfd)
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:

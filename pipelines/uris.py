@@ -497,9 +497,9 @@ def local_roots(env: str) -> list[str] | None:
     return [os.path.normpath(r) for r in roots]
 
 
-def check_local_root(path: str, env: str, what: str, fh: BinaryIO | None = None, roots: Sequence[str] | None = None) -> None:
+def check_local_root(path: str, env: str, what: str, fh: BinaryIO | int | None = None, roots: Sequence[str] | None = None) -> None:
     """``InputError`` unless local ``path``, resolved now, lies inside a root of ``$env``
-    (``local_roots``; nothing to check when unset). ``fh``: the file already opened at
+    (``local_roots``; nothing to check when unset). ``fh``: the file (or a descriptor, a folder's say) opened at
     ``path``, which must be the resolved file itself (a link swapped between the open and
     the check is refused too). ``what`` names the path in the message (never where it
     resolves to: that may be another tenant's). ``roots``: these folders instead of ``$env``'s."""
@@ -510,7 +510,7 @@ def check_local_root(path: str, env: str, what: str, fh: BinaryIO | None = None,
     inside = any(root == "/" or real == root or real.startswith(root + "/") for root in roots)
     if inside and fh is not None:
         try:
-            opened, there = os.fstat(fh.fileno()), os.stat(real)
+            opened, there = os.fstat(fh if isinstance(fh, int) else fh.fileno()), os.stat(real)
             inside = (opened.st_dev, opened.st_ino) == (there.st_dev, there.st_ino)
         except (OSError, ValueError):
             inside = False

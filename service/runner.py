@@ -258,7 +258,10 @@ class JobRunner:
 
     def _follow(self) -> None:
         for run in list(self.running.values()):
-            self._follow_one(run)
+            try:
+                self._follow_one(run)
+            except Exception as exc:  # noqa: BLE001 - one job's unreadable folder must not stop the loop for every tenant
+                log.warning("job %s: its folder could not be followed: %s", run.job_id, exc)
 
     def _follow_one(self, run: _Running) -> None:
         """Progress from the job's manifest; metrics for shards committed since the last look."""
@@ -312,8 +315,8 @@ def _signs_of_life(job: JobRow) -> tuple[Any, ...] | None:
 
     if job.runner is not None and job.runner.split(":", 1)[0] == socket.gethostname() and _is_score_process(job.pid):
         return None
-    try:
-        doc = RunLock(OutputDir(job.request["output"]).store).read()
+    try:  # inside the job's own folders only (a planted link reads nothing)
+        doc = RunLock(OutputDir(job.request["output"], roots=job_roots(job.request["output"])).store).read()
     except Exception:  # noqa: BLE001 - an unreachable store says nothing about the process
         return None
     lock = None if doc is None else (str(doc.get("run_id")), str(doc.get("heartbeat")))

@@ -139,6 +139,9 @@ class JobReport:
     total_shards: int
     skipped: int = 0
     committed: int = 0
+    #: Shards uncommitted because they changed since (``OutputDir.withdraw``): the exports
+    #: are written again even when none of them commits again.
+    withdrawn: int = 0
     pairs: int = 0
     seconds: float = 0.0
     statuses: dict[str, int] = field(default_factory=dict)
@@ -220,7 +223,7 @@ def run_job(
         out.prepare(spec, overwrite)
         report = _run(spec, out, stems, make_source, lock, progress, max_failed_fraction)
         out.compact()
-        if report.committed:
+        if report.committed or report.withdrawn:
             refresh_exports(out)  # shards committed after an export: trainers read it without asking
     finally:
         lock.release()
@@ -236,7 +239,8 @@ def _run(spec: JobSpec, out: OutputDir, stems: dict[str, str], make_source: Call
         out.withdraw({stems[uri] for uri in changed})
         committed = out.committed()
     todo = [uri for uri in spec.shards if stems[uri] not in committed]
-    report = JobReport(total_shards=len(spec.shards), skipped=len(spec.shards) - len(todo), max_failed_fraction=max_failed_fraction)
+    report = JobReport(total_shards=len(spec.shards), skipped=len(spec.shards) - len(todo), max_failed_fraction=max_failed_fraction,
+                       withdrawn=len(changed))
     report.calibration = out.read_calibration()
     if not todo:
         if progress:

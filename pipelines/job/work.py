@@ -245,8 +245,9 @@ def _finite(x: float) -> float | str:
 _MISSING = frozenset({schema.STATUS_MISSING_TEXT, schema.STATUS_MISSING_IMAGE})
 #: Short side (pixels) the first-shard check decodes JPEGs at: whether it decodes, not how it looks.
 _CHECK_DRAFT = 32
-#: Shards the first-shard check reads at most before it gives its verdict.
+#: Shards, and rows, the first-shard check reads at most before it gives its verdict.
 _CHECK_SHARDS = 8
+_CHECK_ROWS = 4096
 
 
 def _check_some_pair_readable(held: Sequence[ShardResult], field: str | None) -> None:
@@ -276,8 +277,12 @@ def _check_first_shard_readable(uris: Sequence[str], options: ReadOptions, field
     errors: list[str | None] = []
     read = 0
     for uri in uris[:_CHECK_SHARDS]:
+        if len(statuses) >= _CHECK_ROWS:
+            break
         try:
             for pair in iter_pairs(uri, options):  # streamed: stops at the first readable pair
+                if len(statuses) >= _CHECK_ROWS:
+                    break
                 status, error = pair.status, pair.error
                 if status == schema.STATUS_OK and pair.image is not None:
                     image = decode_image(pair.image, max_pixels, draft_size=_CHECK_DRAFT)

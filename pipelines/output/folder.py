@@ -199,7 +199,7 @@ class OutputDir:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Workers get a fresh handle on the same folder (no cached records).
-        return (OutputDir, (self.store.uri, self.store.storage_options, self.legacy))
+        return (OutputDir, (self.store.uri, self.store.storage_options, self.legacy, self.store.roots))
 
     # -- names ----------------------------------------------------------------------------
     @staticmethod
@@ -615,7 +615,8 @@ class OutputDir:
     def withdraw(self, stems: set[str]) -> None:
         """Uncommit ``stems``: their records leave the manifest and their tables and sidecars
         (this job's own) are deleted, so that until they are committed again no reader takes
-        the old rows for current ones (a shard that changed since, and then fails)."""
+        the old rows for current ones (a shard that changed since, and then fails; the run
+        that withdraws them writes the exports again, ``runner.run_job``)."""
         records = self.committed()
         gone = [records[s] for s in stems if s in records]
         if not gone:

@@ -50,9 +50,9 @@ def submit(request: JobRequest, who: Caller, response: Response, store: Store, s
     # The count and the insert under one lock: parallel submissions took 40 places of a
     # share of 3. (Per API process: replicas each hold their own, so a tenant spreading
     # submissions over N replicas can exceed it by at most N - 1.)
+    _check_output_owner(request.output, key, who, store)  # filesystem work: outside the lock (the store's unique index still holds)
     with _SUBMITTING:
         _check_queue_share(who, store, settings)
-        _check_output_owner(request.output, key, who, store)
         try:
             job, created = store.create(request.model_dump(), who.name, idempotency_key, total, key)
         except OutputInUse as exc:
@@ -178,12 +178,30 @@ def _enclosing_outputs(output: str) -> list[str]:
     return parents + sides
 
 
-def _holds(key: str, inner: str) -> bool:
-    """Whether the output with ``output_key`` ``key`` (or its side folder) would hold ``inner``."""
+def _location(output: str) -> str:
+    """Where ``output`` is, one spelling per place: the resolved local path, or a remote URI
+    with its scheme and host lower-cased and its path normalised (as ``output_key`` hashes)."""
+    import posixpath
+    from urllib.parse import unquote, urlparse
+
+    target = local_target(output)
+    if target is not None:
+        return target.rstrip("/") or "/"
+    parsed = urlparse(output)
+    return f"{parsed.scheme.lower()}://{parsed.netloc.lower()}{posixpath.normpath(unquote(parsed.path) or '/')}".rstrip("/")
+
+
+def _holds(outer: str, inner: str) -> bool:
+    """Whether the output at location ``outer`` (``_location``), or its side folder, would hold
+    the output ``inner`` (one resolution of ``inner``: this runs for every active job)."""
+    from pairclean.schema import SIDE_SUFFIX
+
     try:
-        return key in {output_key(o) for o in _enclosing_outputs(inner)}
+        place = _location(inner)
     except (UriRefused, ValueError):  # a row of an older release whose output today's checks refuse
         return False
+    side = outer + SIDE_SUFFIX
+    return place.startswith(outer + "/") or place == side or place.startswith(side + "/")
 
 
 def _check_output_owner(output: str, key: str, who: Principal, store: JobStore) -> None:
@@ -212,8 +230,9 @@ def _check_output_owner(output: str, key: str, who: Principal, store: JobStore) 
     # ... nor hold another owner's queued or running job's folders (that job would fail when
     # this one had written: "lies inside the pairclean output ..."). Written folders of
     # finished jobs are refused by the job's own run (a folder of files it did not write).
+    here = _location(output)
     for other in store.in_states([QUEUED, RUNNING]):
-        if other.owner != who.name and _holds(key, str(other.request.get("output", ""))):
+        if other.owner != who.name and _holds(here, str(other.request.get("output", ""))):
             raise HTTPException(409, f"output {output!r} holds another owner's job output; choose another output folder")
     target = local_target(output)
     if target is None:

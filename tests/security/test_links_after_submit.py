@@ -309,3 +309,31 @@ def test_round_5_links_inside_a_folder_lists_of_others_and_racing_submissions(tm
     (tmp_path / "copies" / ".sizes.json.pairclean-tmp").symlink_to(victim)  # the fixed temporary name it used
     _atomic_write(tmp_path / "copies" / "sizes.json", b"{}")
     assert victim.read_text() == "keep" and (tmp_path / "copies" / "sizes.json").read_bytes() == b"{}"
+
+
+def test_what_is_opened_is_checked_again_after_the_path_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A link swapped in between the path's check and its open (a tenant flipping it in a
+    loop won 9,000 of 60,000 reads in 4 s): every read, listing, write and delete checks the
+    descriptor it opened. Here the path check is skipped outright, as if the race were won."""
+    mine, victim = tmp_path / "out" / "mine", tmp_path / "victim"
+    mine.mkdir(parents=True)
+    victim.mkdir()
+    (victim / "t.parquet").write_bytes(b"SECRET")
+    store = Store(str(mine), roots=[str(mine)])
+    (mine / "t.parquet").symlink_to(victim / "t.parquet")
+    (mine / "sub").symlink_to(victim)
+    monkeypatch.setattr("pairclean.storage.check_local_root", _only_descriptors)
+    for attempt in (lambda: store.get("t.parquet"), lambda: store.open_read("t.parquet"), lambda: store.list("sub"),
+                    lambda: store.size("t.parquet"), lambda: store.put("sub/x.parquet", b"x"), lambda: store.rm("sub/t.parquet")):
+        with pytest.raises(InputError, match="outside the locations"):
+            attempt()
+    assert (victim / "t.parquet").read_bytes() == b"SECRET" and not (victim / "x.parquet").exists()
+    assert store.get("absent.parquet") is None and store.put("own.parquet", b"ok").bytes == 2
+
+
+def _only_descriptors(path: str, env: str, what: str, fh: object = None, roots: object = None) -> None:
+    """``check_local_root`` as though each check of a path alone were won by a racing link."""
+    from pairclean.uris import check_local_root
+
+    if fh is not None:
+        check_local_root(path, env, what, fh=fh, roots=roots)  # type: ignore[arg-type]

@@ -106,12 +106,16 @@ def test_a_changed_shard_that_now_fails_is_no_longer_read_as_committed(make_shar
     shards = [str(s) for s in make_shards(n_shards=2, per_shard=4)]
     out = tmp_path / "out"
     assert _score(shards, out, "--embeddings") == 0
+    assert main(["export", str(out)]) == 0
     Path(shards[1]).write_bytes(Path(shards[1]).read_bytes()[:20_000])  # cut short
     assert _score(shards, out, "--embeddings", "--max-failed-fraction", "0.5") == 4  # PARTIAL
     folder = OutputDir(str(out))
     assert list(folder.committed()) == ["part-00000"] and list(folder.quarantined()) == ["part-00001"]
     assert not (out / "part-00001.parquet").exists()
     assert set(pairclean.read_scores(out).column("shard").to_pylist()) == {shards[0]}
+    # the exports trainers read without asking follow (no shard committed again, yet they changed)
+    weights = json.loads(schema.local_side_path(out, f"{schema.EXPORT_DIR}/shard_weights.json").read_text())
+    assert Path(shards[1]).name not in weights and Path(shards[0]).name in weights, weights
 
 
 def test_a_changed_shard_is_scored_again_after_a_rescore_too(make_shards, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
