@@ -228,7 +228,9 @@ _KILL_ON_NTH_WRITE = """
 import os, signal, sys
 nth, seen, replace = int(sys.argv[1]), [0], os.replace
 def killing_replace(src, dst, *a, **kw):
-    if "/pseudo/" in str(dst) and str(dst).endswith(".parquet"):
+    fd = kw.get("dst_dir_fd")  # writes rename within the folder they opened
+    where = os.path.join(os.readlink(f"/proc/self/fd/{fd}"), str(dst)) if fd is not None else str(dst)
+    if "/pseudo/" in where and where.endswith(".parquet"):
         seen[0] += 1
         if seen[0] == nth:
             os.kill(os.getpid(), signal.SIGKILL)
