@@ -15,7 +15,7 @@ from pairclean.schema import SIDE_SUFFIX, side_folder
 from pairclean.uris import local_path, under_prefix
 
 __all__ = ["new_api_key", "hash_key", "keys_match", "UriRefused", "check_uri", "is_allowed", "local_target", "local_roots_of",
-           "output_key", "OutputMoved", "checked_output", "job_roots"]
+           "output_location", "output_key", "OutputMoved", "checked_output", "job_roots"]
 
 
 def new_api_key() -> str:
@@ -127,16 +127,24 @@ def _is_local(prefix: str) -> bool:
     return len(scheme) <= 1 or scheme.lower() == "file"
 
 
-def output_key(output: str) -> str:
-    """The identity of an output location (two spellings of one folder share it)."""
-    try:
-        target = local_target(output)
-    except UriRefused:  # a row stored before today's checks: its spelling is its identity
-        target = output
+def output_location(output: str) -> str:
+    """Where an output is, one spelling per place (no trailing slash): the resolved local
+    path, or a remote URI with its scheme and host lower-cased and its path normalised.
+    ``UriRefused`` for a local URI the service will not use."""
+    target = local_target(output)
     if target is None:
         parsed = urlparse(output)
         target = f"{parsed.scheme.lower()}://{parsed.netloc.lower()}{posixpath.normpath(unquote(parsed.path) or '/')}"
-    return hashlib.sha256(target.rstrip("/").encode("utf-8", "replace")).hexdigest()
+    return target.rstrip("/")
+
+
+def output_key(output: str) -> str:
+    """The identity of an output location (two spellings of one folder share it)."""
+    try:
+        location = output_location(output)
+    except UriRefused:  # a row stored before today's checks: its spelling is its identity
+        location = output.rstrip("/")
+    return hashlib.sha256(location.encode("utf-8", "replace")).hexdigest()
 
 
 class OutputMoved(UriRefused):

@@ -304,10 +304,10 @@ def _check_sizes_target(folder: Path, previous: dict[str, list[str]]) -> None:
 def _atomic_write(path: Path, data: bytes) -> None:
     from pairclean.storage import write_file_atomic
 
-    check_local_root(str(path), LOCAL_WRITE_ROOTS_ENV, "sizes.json copy")
-    # An unpredictable temporary (a fixed name could be a link planted beside the copy,
-    # and writing through it would land wherever it points)
-    write_file_atomic(path, data)
+    # An unpredictable temporary in the folder opened, which is checked against a job
+    # process's write roots (a fixed name could be a link planted beside the copy)
+    write_file_atomic(path, data, check_folder=lambda folder, fd: check_local_root(
+        folder, LOCAL_WRITE_ROOTS_ENV, "sizes.json copy", fh=fd))
 
 
 #: Exactly 32 hex digits: ``int(uid, 16)`` alone also takes a sign and underscores

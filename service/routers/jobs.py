@@ -19,7 +19,7 @@ from pairclean.job.lifecycle import FAILED, PARTIAL, QUEUED, RUNNING, TERMINAL, 
 
 from ..dependencies import Caller, JobId, Runner, Settings, Store, Validations, job_or_404, output_key
 from ..guards import BoundedReader, PrefixEnd, scrub
-from ..security import UriRefused, check_uri, checked_output, job_roots, local_target
+from ..security import UriRefused, check_uri, checked_output, job_roots, local_target, output_location
 from ..settings import ServiceSettings
 from ..store import JobRow, JobStore, OutputInUse, Principal
 from ..schemas import (
@@ -178,26 +178,13 @@ def _enclosing_outputs(output: str) -> list[str]:
     return parents + sides
 
 
-def _location(output: str) -> str:
-    """Where ``output`` is, one spelling per place: the resolved local path, or a remote URI
-    with its scheme and host lower-cased and its path normalised (as ``output_key`` hashes)."""
-    import posixpath
-    from urllib.parse import unquote, urlparse
-
-    target = local_target(output)
-    if target is not None:
-        return target.rstrip("/") or "/"
-    parsed = urlparse(output)
-    return f"{parsed.scheme.lower()}://{parsed.netloc.lower()}{posixpath.normpath(unquote(parsed.path) or '/')}".rstrip("/")
-
-
 def _holds(outer: str, inner: str) -> bool:
-    """Whether the output at location ``outer`` (``_location``), or its side folder, would hold
+    """Whether the output at location ``outer`` (``output_location``), or its side folder, would hold
     the output ``inner`` (one resolution of ``inner``: this runs for every active job)."""
     from pairclean.schema import SIDE_SUFFIX
 
     try:
-        place = _location(inner)
+        place = output_location(inner)
     except (UriRefused, ValueError):  # a row of an older release whose output today's checks refuse
         return False
     side = outer + SIDE_SUFFIX
@@ -230,7 +217,7 @@ def _check_output_owner(output: str, key: str, who: Principal, store: JobStore) 
     # ... nor hold another owner's queued or running job's folders (that job would fail when
     # this one had written: "lies inside the pairclean output ..."). Written folders of
     # finished jobs are refused by the job's own run (a folder of files it did not write).
-    here = _location(output)
+    here = output_location(output)
     for other in store.in_states([QUEUED, RUNNING]):
         if other.owner != who.name and _holds(here, str(other.request.get("output", ""))):
             raise HTTPException(409, f"output {output!r} holds another owner's job output; choose another output folder")
