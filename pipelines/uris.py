@@ -59,8 +59,8 @@ HTTP_ALLOWED_ENV = "PAIRCLEAN_HTTP_ALLOWED_PREFIXES"
 #: JSON lists of local folders a job process may read shards and list files from, and write
 #: its output (and side) folder into. The service sets them for the job processes it starts:
 #: it checks a job's paths when the job is submitted, and a symlink made after that (an
-#: input swapped for a link to another tenant's shard, an output folder for a link out of
-#: the allowed area) must not lead the job outside. Each path is resolved (symlinks, ``..``)
+#: input swapped for a link out of the input allow-list, an output folder for a link to
+#: another folder) must not lead the job outside. Each path is resolved (symlinks, ``..``)
 #: when it is touched and must lie inside one of the roots; unset, nothing is checked.
 LOCAL_READ_ROOTS_ENV = "PAIRCLEAN_LOCAL_READ_ROOTS"
 LOCAL_WRITE_ROOTS_ENV = "PAIRCLEAN_LOCAL_WRITE_ROOTS"
@@ -499,8 +499,8 @@ def local_roots(env: str) -> list[str] | None:
 
 def check_local_root(path: str, env: str, what: str, fh: BinaryIO | int | None = None, roots: Sequence[str] | None = None) -> None:
     """``InputError`` unless local ``path``, resolved now, lies inside a root of ``$env``
-    (``local_roots``; nothing to check when unset). ``fh``: the file (or a descriptor, a folder's say) opened at
-    ``path``, which must be the resolved file itself (a link swapped between the open and
+    (``local_roots``; nothing to check when unset). ``fh``: the file (or a descriptor, a
+    folder's say) opened at ``path``, which must be the resolved file itself (a link swapped between the open and
     the check is refused too). ``what`` names the path in the message (never where it
     resolves to: that may be another tenant's). ``roots``: these folders instead of ``$env``'s."""
     roots = [os.path.normpath(r) for r in roots] if roots is not None else local_roots(env)

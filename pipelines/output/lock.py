@@ -29,7 +29,7 @@ import uuid
 from typing import Any
 
 from pairclean import schema
-from pairclean.errors import OutputBusyError, InputError
+from pairclean.errors import InputError, OutputBusyError
 from pairclean.storage import Store
 
 __all__ = ["DEFAULT_TTL_S", "RunLock", "lock_ttl_from_env"]
