@@ -25,6 +25,7 @@ __all__ = [
     "UnsupportedSchemeError",
     "ShardNotFoundError",
     "ShardReadError",
+    "ShardTimeoutError",
     "ForeignOutputError",
     "SpecMismatchError",
     "OutputBusyError",
@@ -55,6 +56,10 @@ class ShardNotFoundError(InputError):
 
 class ShardReadError(InputError):
     """A shard that exists but cannot be read as a tar archive (corrupt, truncated)."""
+
+
+class ShardTimeoutError(InputError):
+    """A shard that took longer than the time limit its job gave it (``--shard-timeout``)."""
 
 
 class ForeignOutputError(InputError):

@@ -50,13 +50,17 @@ def score_command(request: dict[str, Any], settings: ServiceSettings, shard_list
 
     With ``shard_list`` (an ``@list`` file holding the request's shard specs, one a line)
     the specs go through that file, not argv: a long list never hits the kernel's limit
-    on one command line.
+    on one command line. A request without a ``shard_timeout`` gets the operator's
+    ``shard_timeout_s``.
     """
     shards = [f"@{shard_list}"] if shard_list is not None else list(request["shards"])
     cmd = [sys.executable, "-m", "pairclean_workers.cli", "score", *shards, "--out", request["output"],
            "--model", request["estimator"], "--beta-recipe", request["beta_recipe"], "--weighting", request["weighting"],
            "--no-progress", "--executor", settings.executor]
-    for option, value in sorted(request.get("options", {}).items()):
+    options = dict(request.get("options", {}))
+    if options.get("shard_timeout") is None and settings.shard_timeout_s is not None:
+        options["shard_timeout"] = settings.shard_timeout_s  # the operator's bound (settings)
+    for option, value in sorted(options.items()):
         if value is not None:
             cmd += [f"--{option.replace('_', '-')}", str(value)]
     if settings.ray_address:

@@ -31,6 +31,10 @@ class ServiceSettings(BaseSettings):
     ``max_queued_per_owner``: jobs one owner may have QUEUED at once (429 beyond); the
     runner starts the oldest job of the owners with the fewest RUNNING jobs first, so one
     owner's long queue does not hold back another's first job.
+    ``shard_timeout_s``: the ``--shard-timeout`` of a job that gives none (its
+    ``options.shard_timeout`` may ask for another, up to a day), so no shard of a tenant's
+    job runs unbounded in time: one that expands a thousandfold fails after it instead of
+    holding a job slot for hours; None: jobs run with no limit unless they ask for one.
     ``orphan_grace_s`` / ``orphan_check_s``: a RUNNING job launched by another replica whose
     signs of life (that replica's heartbeat in the store, the heartbeat in the job's run
     lock) have not changed for ``orphan_grace_s`` is queued again (CANCELLED where its
@@ -68,5 +72,6 @@ class ServiceSettings(BaseSettings):
     ui_poll_ms: int = 2000
     audit_sample: int = Field(400, ge=1, le=5000)
     audit_seed: int = 0
+    shard_timeout_s: float | None = Field(3600.0, gt=0, le=86_400)
     orphan_grace_s: float = Field(180.0, gt=0)
     orphan_check_s: float = Field(30.0, gt=0)

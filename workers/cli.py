@@ -11,6 +11,7 @@ Failed shards are quarantined in the manifest with their error; rerunning retrie
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -72,6 +73,17 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0 (a usage error, exit 2, otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
 def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.ArgumentParser:
     """The argument parser of every sub-command; ``extend(sub)`` adds more verbs (the
     service's: ``pairclean_service.cli``), so one parser holds them all and the global
@@ -117,7 +129,9 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     add_executor_args(ray_group, "scoring actors (default: one per GPU, else one per 2 CPUs)")
     ray_group.add_argument("--cpus-per-actor", type=float, default=1.0, help="CPUs Ray reserves for each actor; its decode pool has as many threads (on GPU nodes: the CPUs per GPU)")
     ray_group.add_argument("--max-retries", type=int, default=3, help="retries of a shard whose worker died or timed out")
-    ray_group.add_argument("--shard-timeout", type=float, default=None, help="seconds before a shard's worker is killed and the shard retried")
+    ray_group.add_argument("--shard-timeout", type=_positive_seconds, default=None,
+                           help="seconds one shard may take: under Ray its worker is then killed and the shard retried; "
+                                "with --executor local the shard fails then (a failed shard, as an unreadable one)")
 
     rescore = sub.add_parser("rescore", help="recompute weights and flags from stored similarities (no re-embedding)")
     rescore.add_argument("out")
@@ -310,7 +324,7 @@ def _warn_ray_only(args: argparse.Namespace) -> None:
     """Say which of the Ray executor's options a ``--executor local`` run does not apply
     (they were accepted without a word: a ``--shard-timeout`` the user relied on did nothing)."""
     given = [flag for flag, value, default in (("--num-actors", args.num_actors, None), ("--max-retries", args.max_retries, 3),
-                                                ("--shard-timeout", args.shard_timeout, None), ("--ray-address", args.ray_address, None),
+                                                ("--ray-address", args.ray_address, None),
                                                 ("--cpus-per-actor", args.cpus_per_actor, 1.0))
              if value != default]
     if given:
@@ -323,7 +337,8 @@ def _make_source(args: argparse.Namespace, est_spec: Any, spec: Any, out: Any, o
     from pairclean.job.runner import LocalSource
 
     if args.executor == "local":
-        return LocalSource(load_estimator(est_spec), spec, out, options)
+        # No worker to kill here: the shard's reader and scorer check the limit themselves.
+        return LocalSource(load_estimator(est_spec), spec, out, dataclasses.replace(options, time_limit_s=args.shard_timeout))
     from pairclean_workers.ray_exec import RayOptions, RaySource
 
     ray_opts = RayOptions(

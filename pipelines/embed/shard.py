@@ -35,7 +35,7 @@ from pairclean.read.decode import (
     split_preprocess_of,
     tensor_preprocess_of,
 )
-from pairclean.read.shards import PairSample, ReadOptions, ReadStats, iter_pairs
+from pairclean.read.shards import Deadline, PairSample, ReadOptions, ReadStats, iter_pairs
 
 __all__ = [
     "ScoreOptions",
@@ -60,6 +60,9 @@ class ScoreOptions:
     one nvJPEG call per batch and preprocess on that GPU (other images are decoded on the
     CPU, with the same statuses); an estimator whose preprocess is not a plain
     resize / centre-crop / normalise stays on the CPU path.
+    ``time_limit_s``: seconds one shard may take, reading, decoding and embedding together
+    (``ShardTimeoutError`` past it; None: no limit). The reader checks it at every read of
+    the shard's bytes, the scorer after every batch.
     """
 
     batch_size: int = 64
@@ -68,8 +71,11 @@ class ScoreOptions:
     prefetch: int = 2
     decode_workers: int = 1
     decode_device: str = "cpu"
+    time_limit_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.time_limit_s is not None and not 0 < self.time_limit_s < float("inf"):
+            raise InputError(f"a shard's time limit must be a positive number of seconds, got {self.time_limit_s}")
         if self.decode_workers < 1:
             raise InputError(f"decode_workers must be >= 1, got {self.decode_workers}")
         if not _DEVICE_RE.fullmatch(self.decode_device):
@@ -259,13 +265,13 @@ BATCH_IMAGE_BYTES = 256 * 2**20
 
 
 def _batches(uri: str, options: ScoreOptions, samples: Iterable[PairSample] | None = None,
-             stats: ReadStats | None = None) -> Iterator[list[PairSample]]:
+             stats: ReadStats | None = None, deadline: Deadline | None = None) -> Iterator[list[PairSample]]:
     """Pairs in batches of ``options.batch_size``, cut early once a batch's image bytes reach
     ``BATCH_IMAGE_BYTES``: members of up to 64 MiB are read whole, and a small ``.tar.gz``
     of zeros expanded to 32 of them a batch (8.8 GB held with the batches in flight)."""
     rows: list[PairSample] = []
     held = 0
-    for pair in iter_pairs(uri, options.read, stats) if samples is None else samples:
+    for pair in iter_pairs(uri, options.read, stats, deadline) if samples is None else samples:
         rows.append(pair)
         held += len(pair.image or b"")
         if len(rows) == options.batch_size or held >= BATCH_IMAGE_BYTES:
@@ -287,7 +293,8 @@ def _put(out: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
 
 
 def _producer(uri: str, decoder: _Decoder, options: ScoreOptions, out: queue.Queue[Any], stop: threading.Event,
-              samples: Iterable[PairSample] | None = None, stats: ReadStats | None = None) -> None:
+              samples: Iterable[PairSample] | None = None, stats: ReadStats | None = None,
+              deadline: Deadline | None = None) -> None:
     """Reader thread: read the tar (here, in order), decode via ``decoder``, queue batches.
 
     Ends with ``_DONE`` or the exception that stopped it, or silently once ``stop`` is set.
@@ -296,7 +303,7 @@ def _producer(uri: str, decoder: _Decoder, options: ScoreOptions, out: queue.Que
     try:
         started = time.perf_counter()
         pending: deque[tuple[list[PairSample], list[Future[_Outcome]] | None]] = deque()
-        for rows in _batches(uri, options, samples, stats):
+        for rows in _batches(uri, options, samples, stats, deadline):
             pending.append((rows, decoder.start(rows)))
             if len(pending) <= decoder.lookahead:
                 continue
@@ -315,7 +322,7 @@ def _producer(uri: str, decoder: _Decoder, options: ScoreOptions, out: queue.Que
 
 
 def _prepared_batches(uri: str, estimator: Estimator, options: ScoreOptions, samples: Iterable[PairSample] | None = None,
-                      stats: ReadStats | None = None) -> Iterator[_Batch]:
+                      stats: ReadStats | None = None, deadline: Deadline | None = None) -> Iterator[_Batch]:
     """Batches of ``uri`` in tar order, read and decoded ahead in a background thread.
 
     At most ``prefetch`` prepared batches wait in the queue (plus the one or two the
@@ -326,7 +333,7 @@ def _prepared_batches(uri: str, estimator: Estimator, options: ScoreOptions, sam
     q: queue.Queue[Any] = queue.Queue(maxsize=max(1, options.prefetch))
     stop = threading.Event()
     thread = threading.Thread(
-        target=_producer, args=(uri, decoder, options, q, stop, samples, stats), name="pairclean-reader", daemon=True
+        target=_producer, args=(uri, decoder, options, q, stop, samples, stats, deadline), name="pairclean-reader", daemon=True
     )
     thread.start()
     try:
@@ -353,9 +360,11 @@ def score_shard(uri: str, estimator: Estimator, options: ScoreOptions | None = N
     the same pass and judges its pairs (``ShardResult.judge_llr``); a pair whose judgement
     fails gets the status ``judge_error`` and the reason. Raises ``ShardNotFoundError`` /
     ``ShardReadError`` (naming ``uri``) for a shard that cannot be read; per-sample
-    failures are rows.
+    failures are rows. ``ShardTimeoutError`` once the shard has taken longer than
+    ``options.time_limit_s``; the reader thread stops at its next read.
     """
     opts = options or ScoreOptions()
+    deadline = Deadline.after(opts.time_limit_s) if opts.time_limit_s is not None else None
     dim = estimator.info.embed_dim
     keys: list[str] = []
     idx: list[int] = []
@@ -370,7 +379,9 @@ def score_shard(uri: str, estimator: Estimator, options: ScoreOptions | None = N
     llr_parts: list[NDArray[np.float32]] = []
     read_decode = embed = 0.0
     stats = ReadStats()
-    for batch in _prepared_batches(uri, estimator, opts, samples, stats):
+    for batch in _prepared_batches(uri, estimator, opts, samples, stats, deadline):
+        if deadline is not None:
+            deadline.check(uri)
         read_decode += batch.seconds
         t0 = time.perf_counter()
         n = len(batch.rows)

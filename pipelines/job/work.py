@@ -39,7 +39,7 @@ from pairclean.spec import JobSpec, spec_digest
 from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.embed.shard import ScoreOptions, ShardResult, score_shard
 from pairclean.output.tables import embeddings_table, output_metadata, scores_table
-from pairclean.read.shards import ReadOptions, iter_pairs
+from pairclean.read.shards import Deadline, ReadOptions, iter_pairs
 from pairclean.uris import shard_size, shard_stem
 
 __all__ = ["ShardOutcome", "CalibrationOutcome", "ShardWork", "random_beta_fn", "calibrate_on", "fit_calibration"]
@@ -264,13 +264,14 @@ def _check_some_pair_readable(held: Sequence[ShardResult], field: str | None) ->
     _refuse_unreadable([st for r in held for st in r.status], [e for r in held for e in r.error], len(held), field)
 
 
-def _check_first_shard_readable(uris: Sequence[str], options: ReadOptions, field: str | None, max_pixels: int) -> None:
+def _check_first_shard_readable(uris: Sequence[str], options: ReadOptions, field: str | None, max_pixels: int,
+                                time_limit_s: float | None = None) -> None:
     """``_check_some_pair_readable`` for jobs whose calibration reads no shard (no corpus
     needed, no judge): the samples of the first shards (at most ``_CHECK_SHARDS``), read and
     their images decoded (at a small draft size) without the model, until one pair is
     readable, as the corpus calibration reads on (a first shard of captionless samples
     before good ones is data, not a misnamed field). A shard that cannot be read says
-    nothing here (the scoring reports it)."""
+    nothing here (the scoring reports it); nor does one that runs past ``time_limit_s``."""
     from pairclean.read.decode import DecodeFailure, decode_image
 
     statuses: list[str] = []
@@ -280,7 +281,8 @@ def _check_first_shard_readable(uris: Sequence[str], options: ReadOptions, field
         if len(statuses) >= _CHECK_ROWS:
             break
         try:
-            for pair in iter_pairs(uri, options):  # streamed: stops at the first readable pair
+            deadline = Deadline.after(time_limit_s) if time_limit_s is not None else None
+            for pair in iter_pairs(uri, options, deadline=deadline):  # streamed: stops at the first readable pair
                 if len(statuses) >= _CHECK_ROWS:
                     break
                 status, error = pair.status, pair.error
@@ -367,7 +369,8 @@ class ShardWork:
         """
         dim = int(self.model_info["embed_dim"])
         if not needs_corpus(self.spec.beta_recipe, self.spec.weighting) and self.judge is None:
-            _check_first_shard_readable(uris, self.options.read, self.spec.caption_field, self.spec.max_pixels)
+            _check_first_shard_readable(uris, self.options.read, self.spec.caption_field, self.spec.max_pixels,
+                                        self.options.time_limit_s)
             return CalibrationOutcome(calibrate_on([], self.spec, self.random_beta, dim))
         held: list[ShardResult] = []
         outcomes: list[tuple[str, ShardResult | None, str | None]] = []

@@ -31,6 +31,7 @@ import os
 import re
 import stat
 import tarfile
+import time
 import unicodedata
 import zlib
 from collections.abc import Callable, Iterator, Mapping
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from pairclean import schema
-from pairclean.errors import ShardReadError
+from pairclean.errors import ShardReadError, ShardTimeoutError
 from pairclean.uris import open_shard
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "RawSample",
     "PairSample",
     "ReadStats",
+    "Deadline",
     "ReadOptions",
     "DEFAULT_MAX_MEMBER_BYTES",
     "MAX_CAPTION_CHARS",
@@ -151,15 +153,41 @@ class _Member:
 
 
 class _Counting:
-    """A read-only stream that counts the object's bytes (before any gunzip)."""
+    """A read-only stream that counts the object's bytes (before any gunzip) and, given a
+    ``deadline`` (``time.monotonic()`` seconds), refuses reads after it (``ShardTimeoutError``).
 
-    def __init__(self, fh: BinaryIO) -> None:
-        self.fh, self.count = fh, 0
+    The deadline is checked here, on the compressed bytes, because that is where a shard's
+    time goes that no batch boundary sees: a 1 GB ``.tar.gz`` of zeros expands to about 1 TB
+    that the tar stream must decompress to skip, in one member, before any pair is yielded."""
+
+    def __init__(self, fh: BinaryIO, uri: str = "", deadline: Deadline | None = None) -> None:
+        self.fh, self.count, self.uri, self.deadline = fh, 0, uri, deadline
 
     def read(self, n: int = -1) -> bytes:
+        if self.deadline is not None:
+            self.deadline.check(self.uri)
         data = self.fh.read(n)
         self.count += len(data)
         return data
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When a shard's time is up: ``at`` in ``time.monotonic()`` seconds, ``limit_s`` the
+    limit it came from (for the message)."""
+
+    at: float
+    limit_s: float
+
+    @classmethod
+    def after(cls, limit_s: float) -> Deadline:
+        """The deadline ``limit_s`` seconds from now."""
+        return cls(time.monotonic() + limit_s, limit_s)
+
+    def check(self, uri: str) -> None:
+        """Raise ``ShardTimeoutError`` naming ``uri`` once the deadline has passed."""
+        if time.monotonic() > self.at:
+            raise ShardTimeoutError(f"shard {uri!r} took longer than its {self.limit_s:g} s limit (--shard-timeout)", uri=uri)
 
 
 class _FirstRead:
@@ -297,11 +325,12 @@ def _decompressed(counted: _Counting) -> tuple[Any, bool]:
 
 
 def _iter_members(fh: BinaryIO, uri: str, max_member_bytes: int | None,
-                  wanted: Callable[[str], bool] | None = None) -> Iterator[_Member]:
+                  wanted: Callable[[str], bool] | None = None, deadline: Deadline | None = None) -> Iterator[_Member]:
     """The members of a shard in tar order; ``wanted(name)`` False: the member's data is not
-    read (``data`` is ``b""``: its name still counts)."""
+    read (``data`` is ``b""``: its name still counts). ``deadline``: ``ShardTimeoutError``
+    once it has passed (checked at every read of the shard's bytes)."""
     size = _known_size(fh)
-    counted = _Counting(fh)
+    counted = _Counting(fh, uri, deadline)
     info_cls, last_header = _header_recorder(uri)
     try:
         stream, compressed = _decompressed(counted)
@@ -358,10 +387,11 @@ def iter_raw_samples(uri: str, options: ReadOptions | None = None) -> Iterator[R
 
 
 def iter_raw_samples_from(fh: BinaryIO, uri: str, options: ReadOptions | None = None,
-                          fields: Callable[[str], bool] | None = None) -> Iterator[RawSample]:
+                          fields: Callable[[str], bool] | None = None, deadline: Deadline | None = None) -> Iterator[RawSample]:
     """``iter_raw_samples`` over a stream the caller opened (``uri`` names it in errors).
 
-    ``fields(field)`` False: that field's bytes are not read (it is in ``files`` as ``b""``)."""
+    ``fields(field)`` False: that field's bytes are not read (it is in ``files`` as ``b""``).
+    ``deadline``: ``ShardTimeoutError`` once it has passed."""
     opts = options or ReadOptions()
 
     def wanted(name: str) -> bool:
@@ -374,7 +404,7 @@ def iter_raw_samples_from(fh: BinaryIO, uri: str, options: ReadOptions | None = 
     issue: tuple[str, str] | None = None
     seen: set[str] = set()
     idx = 0
-    for member in _iter_members(fh, uri, opts.max_member_bytes, wanted if fields is not None else None):
+    for member in _iter_members(fh, uri, opts.max_member_bytes, wanted if fields is not None else None, deadline):
         parts = split_member_name(member.name)
         if parts is None:
             continue
@@ -580,18 +610,21 @@ class ReadStats:
     bytes: int | None = None
 
 
-def iter_pairs(uri: str, options: ReadOptions | None = None, stats: ReadStats | None = None) -> Iterator[PairSample]:
+def iter_pairs(uri: str, options: ReadOptions | None = None, stats: ReadStats | None = None,
+               deadline: Deadline | None = None) -> Iterator[PairSample]:
     """The pairs of one shard in tar order (see ``iter_raw_samples`` for the errors); fields
-    no pair uses are not read (``pair_fields``). ``stats`` is filled in as the shard is opened."""
+    no pair uses are not read (``pair_fields``). ``stats`` is filled in as the shard is opened.
+    ``deadline``: ``ShardTimeoutError`` once it has passed (checked at every read)."""
     opts = options or ReadOptions()
     with open_shard(uri, opts.storage_options) as fh:
         if stats is not None:
             stats.bytes = _known_size(fh)
-        yield from iter_pairs_from(fh, uri, opts)
+        yield from iter_pairs_from(fh, uri, opts, deadline)
 
 
-def iter_pairs_from(fh: BinaryIO, uri: str, options: ReadOptions | None = None) -> Iterator[PairSample]:
+def iter_pairs_from(fh: BinaryIO, uri: str, options: ReadOptions | None = None,
+                    deadline: Deadline | None = None) -> Iterator[PairSample]:
     """``iter_pairs`` over a stream the caller opened (e.g. one bounded in bytes and time)."""
     opts = options or ReadOptions()
-    for sample in iter_raw_samples_from(fh, uri, opts, fields=pair_fields(opts.caption_field)):
+    for sample in iter_raw_samples_from(fh, uri, opts, fields=pair_fields(opts.caption_field), deadline=deadline):
         yield to_pair(sample, opts.caption_field)

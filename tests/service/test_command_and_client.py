@@ -93,6 +93,24 @@ def test_the_contrast_option_reaches_the_score_command_and_is_checked() -> None:
         JobRequest(shards=["/data/a.tar"], output="/data/out", options={"contrast": "maybe"})
 
 
+def test_every_job_gets_a_shard_time_limit_its_own_or_the_operators() -> None:
+    """A job that set no ``shard_timeout`` ran its shards unbounded in time (a .tar.gz that
+    expands a thousandfold held the job slot for hours); now it gets the operator's."""
+    from pairclean_service.runner import score_command
+    from pairclean_service.schemas import JobRequest
+    from pairclean_service.settings import ServiceSettings
+    from pairclean_workers.cli import build_parser
+
+    plain = JobRequest(shards=["/data/a.tar"], output="/data/out").model_dump()
+    cmd = score_command(plain, ServiceSettings())
+    assert cmd[cmd.index("--shard-timeout") + 1] == "3600.0"
+    assert build_parser().parse_args(cmd[3:]).shard_timeout == 3600.0  # the CLI takes it as given
+    own = JobRequest(shards=["/data/a.tar"], output="/data/out", options={"shard_timeout": 60}).model_dump()
+    cmd = score_command(own, ServiceSettings(shard_timeout_s=120))
+    assert cmd.count("--shard-timeout") == 1 and cmd[cmd.index("--shard-timeout") + 1] == "60.0"
+    assert "--shard-timeout" not in score_command(plain, ServiceSettings(shard_timeout_s=None))
+
+
 def test_the_judge_options_reach_the_score_command_and_are_checked() -> None:
     import pydantic
 

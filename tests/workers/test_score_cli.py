@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -40,7 +41,7 @@ def test_score_writes_one_keyed_parquet_per_shard_with_metadata(make_shards, tmp
     out = tmp_path / "out"
     assert _score([str(s) for s in shards], out, "--shard-timeout", "5", "--num-actors", "3") == 0
     # the Ray executor's options do nothing here (TINY runs --executor local): said, not ignored
-    assert "--num-actors, --shard-timeout: Ray executor options, not applied with --executor local" in caplog.text
+    assert "--num-actors: Ray executor options, not applied with --executor local" in caplog.text  # a limit applies
     for shard in shards:
         stem = shard.name[: -len(".tar")]
         rows = _rows(out, stem)
@@ -506,3 +507,55 @@ def test_sigterm_stops_a_run_like_ctrl_c_one_line_lock_released_and_the_rerun_re
     rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0 and f"resuming: {done} of 40 shards already committed" in rerun.stderr
     assert len(list(out.glob("*.parquet"))) == 40 and 0 < done < 40
+
+
+def _zero_bomb(path: Path, jpg: bytes, caption: str, gib: int) -> Path:
+    """A ``.tar.gz`` of one pair and an unused field of ``gib`` GiB of zeros: the same gzip
+    member of 512 MiB of zeros repeated (a multi-member gzip reads as their concatenation),
+    so the file is about 1 MB a GiB and takes seconds to expand."""
+    import gzip
+    import io
+    import tarfile
+
+    head = io.BytesIO()
+    for name, data in (("a.jpg", jpg), ("a.txt", caption.encode())):
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        head.write(info.tobuf(tarfile.PAX_FORMAT) + data + bytes(-len(data) % 512))
+    big = tarfile.TarInfo("a.npy")
+    big.size = gib * 2**30
+    head.write(big.tobuf(tarfile.PAX_FORMAT))
+    chunk = gzip.compress(bytes(512 * 2**20), compresslevel=9)
+    end = bytes(1024)
+    end += bytes(-(head.tell() + big.size + len(end)) % tarfile.RECORDSIZE)
+    with open(path, "wb") as fh:
+        fh.write(gzip.compress(head.getvalue()))
+        for _ in range(gib * 2):
+            fh.write(chunk)
+        fh.write(gzip.compress(end))
+    return path
+
+
+def test_a_shard_past_its_time_limit_fails_under_the_local_executor_too(make_shards, tmp_path: Path) -> None:
+    """``--shard-timeout`` did nothing with ``--executor local`` (the default of the README's
+    job and of small runs): a .tar.gz that expands a thousandfold held the job for as long as
+    it took. Now the shard fails once its limit has passed, named with the limit, and the job
+    goes on with the others."""
+    good = make_shards(n_shards=2, per_shard=4)
+    first = _rows_of_tar(good[0])
+    bomb = _zero_bomb(tmp_path / "shards" / "part-00002.tar.gz", first["jpg"], first["txt"], gib=24)
+    out = tmp_path / "out"
+    assert _score([str(g) for g in good] + [str(bomb)], out, "--shard-timeout", "4", "--max-failed-fraction", "0.5") == 4
+    failed = OutputDir(str(out)).quarantined()
+    assert list(failed) == ["part-00002"]
+    assert "took longer than its 4 s limit (--shard-timeout)" in failed["part-00002"]["error"]
+    assert [r["stem"] for r in _manifest(out)] == ["part-00000", "part-00001"]
+
+
+def _rows_of_tar(path: Path) -> dict[str, Any]:
+    """The first sample's jpg bytes and caption of a plain tar shard."""
+    import tarfile
+
+    with tarfile.open(path) as tar:
+        members = {m.name.rsplit(".", 1)[1]: tar.extractfile(m).read() for m in tar.getmembers()[:4] if m.isfile()}  # type: ignore[union-attr]
+    return {"jpg": members["jpg"], "txt": members["txt"].decode()}

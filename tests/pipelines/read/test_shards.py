@@ -381,3 +381,65 @@ def test_round_5_reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr("pairclean.embed.shard.BATCH_IMAGE_BYTES", 1000)
     rows = [PairSample(f"{i}", i, b"\xff" * 400, "c", "ok") for i in range(7)]
     assert [len(b) for b in _batches("mem", ScoreOptions(batch_size=32), rows)] == [3, 3, 1]
+
+
+def test_a_shard_past_its_deadline_stops_mid_member_not_after_it(tmp_path: Path) -> None:
+    """A .tar.gz of zeros expands a thousandfold, all of it decompressed to be skipped, in one
+    member and before any pair is yielded: nothing between pairs or batches sees that time.
+    With a deadline the reader stops inside the member (``ShardTimeoutError``, one line naming
+    the shard and the limit); without one it reads the shard whole."""
+    import tarfile
+    import time
+
+    from pairclean.errors import ShardTimeoutError
+    from pairclean.read.shards import Deadline
+
+    class _Zeros(io.RawIOBase):
+        def __init__(self, n: int) -> None:
+            self.left = n
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, b: bytearray) -> int:  # type: ignore[override]
+            k = min(len(b), self.left)
+            b[:k] = bytes(k)
+            self.left -= k
+            return k
+
+    path = tmp_path / "bomb.tar.gz"
+    size = 512 * 2**20
+    with tarfile.open(path, "w:gz", compresslevel=1) as tar:
+        for name, data in (("a.jpg", b"\xff" * 10), ("a.txt", b"a caption")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        info = tarfile.TarInfo("a.npy")  # a field no pair reads: skipped, so decompressed
+        info.size = size
+        tar.addfile(info, io.BufferedReader(_Zeros(size)))
+    assert path.stat().st_size < size // 100
+    reads: list[int] = []
+    from pairclean.read import shards as shards_mod
+
+    real = shards_mod._Counting.read
+
+    def counted(self: object, n: int = -1) -> bytes:
+        data = real(self, n)  # type: ignore[arg-type]
+        reads.append(len(data))
+        return data
+
+    shards_mod._Counting.read = counted  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ShardTimeoutError) as caught:
+            list(iter_pairs(str(path), deadline=Deadline(time.monotonic() + 0.05, 0.05)))
+        cut_at = sum(reads)
+        reads.clear()
+        assert [p.key for p in iter_pairs(str(path))] == ["a"]
+        whole = sum(reads)
+    finally:
+        shards_mod._Counting.read = real  # type: ignore[method-assign]
+    message = str(caught.value)
+    assert "\n" not in message and str(path) in message and "0.05 s limit" in message
+    assert cut_at < whole // 2  # stopped inside the member, not after reading it all
+    with pytest.raises(ShardTimeoutError):  # a deadline already past: not a byte of it
+        list(iter_pairs(str(path), deadline=Deadline(time.monotonic() - 1, 1)))
