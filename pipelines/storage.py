@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairclean.errors import InputError, UnsupportedSchemeError
-from pairclean.uris import LOCAL_WRITE_ROOTS_ENV, check_local_root, raw_scheme
+from pairclean.uris import LOCAL_WRITE_ROOTS_ENV, check_local_below, check_local_root, raw_scheme
 
 __all__ = ["OUTPUT_SCHEMES", "Store", "WriteInfo", "parquet_bytes", "write_file_atomic", "sha256_file"]
 
@@ -174,8 +174,11 @@ class Store:
     def put(self, name: str, data: bytes) -> WriteInfo:
         """Write ``data`` as ``name``, complete or not at all; replaces an existing object."""
         if self.local:
-            write_file_atomic(self.path(name), data, check_folder=lambda folder, fd: check_local_root(
-                folder, LOCAL_WRITE_ROOTS_ENV, "output", fh=fd, roots=self.roots))
+            path = self.path(name)
+            write_file_atomic(path, data, check_folder=lambda folder, fd: check_local_root(
+                folder, LOCAL_WRITE_ROOTS_ENV, "output", fh=fd, roots=self.roots),
+                check_new=lambda fd, names: check_local_below(
+                    os.path.dirname(path), fd, names, LOCAL_WRITE_ROOTS_ENV, "output", roots=self.roots))
         else:
             try:
                 self.fs.pipe_file(self.path(name), data)
@@ -290,19 +293,20 @@ class Store:
         return removed
 
 
-def write_file_atomic(final: str | os.PathLike[str], data: bytes, check_folder: Callable[[str, int], None] | None = None) -> None:
+def write_file_atomic(final: str | os.PathLike[str], data: bytes, check_folder: Callable[[str, int], None] | None = None,
+                      check_new: Callable[[int, Sequence[str]], None] | None = None) -> None:
     """Write a local file complete or not at all: hidden temporary, fsync, rename.
 
     Everything happens relative to the folder opened once (a descriptor): the temporary is
     created ``O_EXCL | O_NOFOLLOW`` there and renamed there, so a link swapped in for the
     folder, or planted at the temporary's name, after a check cannot redirect the write.
     ``check_folder(path, fd)``: raises unless the folder opened is one the caller may write
-    (``Store``'s roots)."""
+    (``Store``'s roots). Missing folders are made first (``_open_folder``); ``check_new(fd,
+    names)`` raises unless the folders ``names`` may be made below the folder open as ``fd``."""
     final = os.fspath(final)
     folder = os.path.dirname(final) or "."
     name = os.path.basename(final)
-    os.makedirs(folder, exist_ok=True)
-    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    dfd = _open_folder(folder, check_new)
     try:
         if check_folder is not None:
             check_folder(folder, dfd)
@@ -326,6 +330,41 @@ def write_file_atomic(final: str | os.PathLike[str], data: bytes, check_folder: 
             os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def _open_folder(folder: str, check_new: Callable[[int, Sequence[str]], None] | None = None) -> int:
+    """A descriptor of local ``folder``, its missing folders made first.
+
+    They are made from the nearest folder that exists, held by a descriptor: each is made
+    and opened relative to its parent's descriptor and never through a link
+    (``O_NOFOLLOW``), after ``check_new(fd, names)`` approved them. ``os.makedirs`` walked
+    the path by name, so a link swapped in after a caller's check of the path made folders
+    wherever it led."""
+    missing: list[str] = []
+    head = os.path.abspath(folder)
+    while True:
+        try:
+            fd = os.open(head, os.O_RDONLY | os.O_DIRECTORY)
+            break
+        except FileNotFoundError:
+            head, part = os.path.split(head)
+            if not part:
+                raise
+            missing.append(part)
+    try:
+        names = missing[::-1]
+        if names and check_new is not None:
+            check_new(fd, names)
+        for part in names:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, 0o777, dir_fd=fd)
+            child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0), dir_fd=fd)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:

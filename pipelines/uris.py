@@ -45,6 +45,7 @@ __all__ = [
     "LOCAL_WRITE_ROOTS_ENV",
     "local_roots",
     "check_local_root",
+    "check_local_below",
     "SocketWatch",
     "watched_opener",
     "SHARD_EXTENSIONS",
@@ -507,7 +508,7 @@ def check_local_root(path: str, env: str, what: str, fh: BinaryIO | int | None =
     if roots is None:
         return
     real = os.path.realpath(path)
-    inside = any(root == "/" or real == root or real.startswith(root + "/") for root in roots)
+    inside = _inside(real, roots)
     if inside and fh is not None:
         try:
             opened, there = os.fstat(fh if isinstance(fh, int) else fh.fileno()), os.stat(real)
@@ -515,6 +516,33 @@ def check_local_root(path: str, env: str, what: str, fh: BinaryIO | int | None =
         except (OSError, ValueError):
             inside = False
     if not inside:
+        raise InputError(f"{what} {path!r} is outside the locations this job may use", uri=path)
+
+
+def _inside(real: str, roots: Sequence[str]) -> bool:
+    """Whether the resolved path ``real`` is one of ``roots`` or below one."""
+    return any(root == "/" or real == root or real.startswith(root + "/") for root in roots)
+
+
+def check_local_below(path: str, folder_fd: int, names: Sequence[str], env: str, what: str,
+                      roots: Sequence[str] | None = None) -> None:
+    """``InputError`` unless the folders ``names`` (one inside the other) would be made inside
+    a root of ``$env`` (``roots``: these instead), made below the folder open as ``folder_fd``.
+
+    That folder is located by its descriptor (``/proc/self/fd``), not by a path, so a link
+    swapped in after it was opened cannot move the check away from where the folders will
+    be made (relative to that descriptor). ``path`` (the folder meant, as given) names it in
+    the message; where it resolves is never said."""
+    roots = [os.path.normpath(r) for r in roots] if roots is not None else local_roots(env)
+    if roots is None:
+        return
+    try:
+        real = os.readlink(f"/proc/self/fd/{folder_fd}")
+    except OSError:  # no /proc (not Linux): its path now, if it is still the folder opened
+        real = ""
+    if not real.startswith("/"):
+        raise InputError(f"{what} {path!r} cannot be located to be made: not made", uri=path)
+    if not _inside(os.path.join(real, *names), roots):
         raise InputError(f"{what} {path!r} is outside the locations this job may use", uri=path)
 
 

@@ -329,6 +329,14 @@ def test_what_is_opened_is_checked_again_after_the_path_was(tmp_path: Path, monk
             attempt()
     assert (victim / "t.parquet").read_bytes() == b"SECRET" and not (victim / "x.parquet").exists()
     assert store.get("absent.parquet") is None and store.put("own.parquet", b"ok").bytes == 2
+    # Folders a write makes are made below the folder opened, never through a link: makedirs
+    # walked the path by name and made victim/new/deeper before the descriptor check refused.
+    with pytest.raises(InputError, match="outside the locations"):
+        store.put("sub/new/deeper/x.parquet", b"x")
+    assert sorted(p.name for p in victim.iterdir()) == ["t.parquet"]
+    fresh = Store(str(tmp_path / "out" / "fresh"), roots=[str(tmp_path / "out" / "fresh")])
+    assert fresh.put("state/records/a.json", b"{}").bytes == 2  # its own folder, made from its parent
+    assert (tmp_path / "out" / "fresh" / "state" / "records" / "a.json").read_bytes() == b"{}"
 
 
 def _only_descriptors(path: str, env: str, what: str, fh: object = None, roots: object = None) -> None:
