@@ -33,6 +33,7 @@ __all__ = [
     "STATUS_DUPLICATE_KEY",
     "STATUS_LINK_MEMBER",
     "STATUS_JUDGE_ERROR",
+    "STATUS_BAD_KEY",
     "COL_KEY",
     "COL_SHARD",
     "COL_IDX",
@@ -103,6 +104,9 @@ IMAGE_EXTS: Final = ("jpg", "jpeg", "png", "webp")
 STATUS_LINK_MEMBER: Final = "link_member"
 #: The judge (``--judge``) failed on this pair (its error says why); the shard goes on.
 STATUS_JUDGE_ERROR: Final = "judge_error"
+#: A sample whose key (its member names) is not UTF-8: the key column shows its bytes
+#: escaped (``\xff``), so the row is written; a trainer cannot join on it, so it is not scored.
+STATUS_BAD_KEY: Final = "bad_key"
 STATUSES: Final = (
     STATUS_OK,
     STATUS_DECODE_ERROR,
@@ -113,6 +117,7 @@ STATUSES: Final = (
     STATUS_DUPLICATE_KEY,
     STATUS_LINK_MEMBER,
     STATUS_JUDGE_ERROR,
+    STATUS_BAD_KEY,
 )
 
 COL_KEY: Final = "key"

@@ -86,6 +86,7 @@ class JobSpec:
         """Shard URI -> output stem; raises ``InputError`` when two shards would collide."""
         seen: dict[str, str] = {}
         for uri in self.shards:
+            _check_utf8_name(uri)
             stem = shard_stem(uri)
             if not stem or stem[0] in "._":
                 # pyarrow.dataset, pandas and Spark skip files named so as hidden or private:
@@ -105,6 +106,17 @@ class JobSpec:
         return {uri: stem for stem, uri in seen.items()}
 
 
+def _check_utf8_name(uri: str) -> None:
+    """``InputError`` for a shard whose name is not UTF-8 (a local file name decoded with
+    ``surrogateescape``, found by a glob): its table, records and rows are named after it, in
+    UTF-8, so it failed the job at its first write, with a traceback."""
+    try:
+        uri.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = uri.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        raise InputError(f"shard '{shown}': its name is not UTF-8 (bytes shown escaped); rename it", uri=shown) from None
+
+
 def _same_local_file(a: str, b: str) -> bool:
     """Whether two local shard URIs name one file (``k/x.tar`` and ``./k/x.tar``)."""
     if scheme_of(a) not in LOCAL_SCHEMES or scheme_of(b) not in LOCAL_SCHEMES:
@@ -120,13 +132,24 @@ def spec_digest(spec: JobSpec) -> str:
     return hashlib.sha256(json.dumps(spec.to_json(), sort_keys=True).encode()).hexdigest()
 
 
+def _shards_diff(before: list[str], now: list[str]) -> str:
+    """What differs between two shard lists, naming the first shard that does ("3 before, 3
+    now" named no difference when a relative path was typed from another folder)."""
+    where = f"{len(before)} before, {len(now)} now"
+    for i, (x, y) in enumerate(zip(before, now)):
+        if x != y:
+            hint = " (a relative path? give them as the first run did)" if os.path.basename(x) == os.path.basename(y) else ""
+            return f"shards: {where}; shard {i + 1} was {x!r}, now {y!r}{hint}"
+    return f"shards: {where}"
+
+
 def spec_diff(old: JobSpec, new: JobSpec) -> str:
     a, b = asdict(old), asdict(new)  # every field (to_json leaves out an unused judge's)
     changed = [k for k in a if a[k] != b[k]]
     parts = []
     for key in changed[:4]:
         if key == "shards":
-            parts.append(f"shards: {len(a[key])} before, {len(b[key])} now")
+            parts.append(_shards_diff(a[key], b[key]))
         else:
             parts.append(f"{key}: {a[key]!r} before, {b[key]!r} now")
     return "; ".join(parts)

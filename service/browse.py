@@ -286,7 +286,9 @@ class Browser:
         self._outputs: _Lru[str, _Output] = _Lru(64)
         self._scans: _Lru[tuple[str, str, str], ShardScan] = _Lru(2048)
         self._tables: _Lru[tuple[str, str, str], _Table] = _Lru(32, 256 * 2**20, lambda t: t.view.nbytes)
-        self._captions: _Lru[tuple[str, int, int], str] = _Lru(4096)
+        # keyed by the json field read too: one shard, two tenants' jobs reading two fields of
+        # one json member (alice's "caption", bob's "alt") showed alice whichever came first
+        self._captions: _Lru[tuple[str, int, int, str | None], str] = _Lru(4096)
         self._thumbs: _Lru[tuple[str, int, int, str], bytes] = _Lru(2048, 32 * 2**20, len)
         self.placeholder = placeholder_png()
         self.thumbs = ThumbnailPool(settings.ui_thumbnail_threads, settings.ui_thumbnail_queue, settings.ui_thumbnail_timeout_s)
@@ -428,7 +430,7 @@ class Browser:
 
     def _caption(self, record: ShardRecord, offset: int, size: int, caption_field: str | None, deadline: float) -> str | None:
         """The caption from its tar member (None when it cannot be read; shown as such)."""
-        key = (record.shard, offset, size)
+        key = (record.shard, offset, size, caption_field)
         got = self._captions.get(key)
         if got is not None:
             return got

@@ -414,6 +414,8 @@ def iter_raw_samples_from(fh: BinaryIO, uri: str, options: ReadOptions | None = 
             # and 400 keys of a million characters (a 0.5 MB .tar.gz) took 3.4 GB into the table.
             raise ShardReadError(f"unreadable tar {uri!r}: a sample key of {len(key)} characters, over the "
                                  f"{MAX_KEY_CHARS}-character limit", uri=uri)
+        key, utf8 = _utf8_key(key)
+        ext = _utf8_key(ext)[0]  # shown in rows' errors ("its fields: ..."), which are written too
         if key != current_key:
             if current_key is not None:
                 yield RawSample(current_key, idx, files, issue, spans)
@@ -421,6 +423,8 @@ def iter_raw_samples_from(fh: BinaryIO, uri: str, options: ReadOptions | None = 
             current_key, files, spans, issue = key, {}, {}, None
             if key in seen:
                 issue = (schema.STATUS_DUPLICATE_KEY, f"key {key!r} appeared earlier in the shard")
+            elif not utf8:
+                issue = (schema.STATUS_BAD_KEY, "the sample's key is not UTF-8 (its bytes are shown escaped)")
             seen.add(key)
         if member.issue is not None or member.data is None:
             issue = issue or member.issue
@@ -599,6 +603,18 @@ def pair_fields(caption_field: str | None) -> Callable[[str], bool]:
     member = schema.caption_member(caption_field)
     used = frozenset(IMAGE_EXTS) | {"txt", "json"} | ({member} if member else set())
     return used.__contains__
+
+
+def _utf8_key(key: str) -> tuple[str, bool]:
+    """(the key as the table writes it, whether it is UTF-8). Member names are decoded with
+    ``surrogateescape``: a name that is not UTF-8 holds lone surrogates, which no Parquet or
+    JSON writer takes (one such sample failed its whole job, every time). Its bytes are
+    written escaped instead (``\\xff``), and the sample becomes a ``bad_key`` row."""
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return key.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"), False
+    return key, True
 
 
 @dataclass

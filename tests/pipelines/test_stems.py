@@ -56,3 +56,25 @@ def test_scorer_and_sampler_use_the_same_function(tmp_path) -> None:
 
     spec = JobSpec((str(tmp_path / "part-00000.tar"), "s3://b/part-00001.tar"), "m", None, None, "fp32", "gmm", 4, "paper", 0, 8, 10, None, True, 16)
     assert list(spec.stems().values()) == ["part-00000", "part-00001"]
+
+
+def test_a_shard_name_that_is_not_utf8_is_refused_and_a_changed_list_is_named(tmp_path) -> None:
+    """A glob found a file named with a stray byte: its table is named after it, and the job
+    died writing it, with a traceback. A resume typed from another folder was refused as
+    "shards: 3 before, 3 now", naming no difference."""
+    import dataclasses
+
+    from pairclean.spec import JobSpec, spec_diff
+
+    base = JobSpec(shards=(), model="m", checkpoint=None, pretrained=None, precision="fp32", beta_recipe="gmm", beta_k=8,
+                   weighting="osa", seed=0, batch_size=4, max_pixels=1, caption_field=None, embeddings=False,
+                   calibration_pairs=8)
+
+    def spec(shards: list[str]) -> JobSpec:
+        return dataclasses.replace(base, shards=tuple(shards))
+
+    with pytest.raises(InputError, match=r"'/d/b\\xffad.tar': its name is not UTF-8") as caught:
+        spec(["/d/good.tar", "/d/b\udcffad.tar"]).stems()
+    str(caught.value).encode("utf-8")
+    said = spec_diff(spec(["/abs/s/a.tar", "/abs/s/b.tar"]), spec(["/abs/s/a.tar", "s/b.tar"]))
+    assert "shard 2 was '/abs/s/b.tar', now 's/b.tar' (a relative path?" in said, said

@@ -25,3 +25,17 @@ def test_captions_are_read_where_the_job_read_them(tmp_path: Path) -> None:
         offset, size = pair.caption_span
         shown = browser._caption(record, offset, size, field, time.monotonic() + 10)  # type: ignore[arg-type]
         assert shown == expected
+
+
+def test_two_jobs_reading_two_fields_of_one_json_each_see_their_own(tmp_path: Path) -> None:
+    """The caption cache was keyed by the member alone: bob's job reading ``alt`` of a shard
+    that alice's job reads ``caption`` of put bob's text on alice's pages and in her audit
+    queue, whichever page was opened first."""
+    sample = {"__key__": "a/0", "jpg": b"\xff\xd8 not decoded here", "json": {"caption": "alice's field", "alt": "BOB-CHOSEN TEXT"}}
+    shard = str(write_shard(tmp_path / "s.tar", [sample]))
+    browser = Browser(ServiceSettings(allowed_inputs=[str(tmp_path)]))
+    record = SimpleNamespace(shard=shard)
+    for field in ("alt", "caption", "alt"):
+        offset, size = next(iter_pairs(shard, ReadOptions(caption_field=field))).caption_span
+        shown = browser._caption(record, offset, size, field, time.monotonic() + 10)  # type: ignore[arg-type]
+        assert shown == ("BOB-CHOSEN TEXT" if field == "alt" else "alice's field")

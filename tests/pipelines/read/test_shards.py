@@ -443,3 +443,22 @@ def test_a_shard_past_its_deadline_stops_mid_member_not_after_it(tmp_path: Path)
     assert cut_at < whole // 2  # stopped inside the member, not after reading it all
     with pytest.raises(ShardTimeoutError):  # a deadline already past: not a byte of it
         list(iter_pairs(str(path), deadline=Deadline(time.monotonic() - 1, 1)))
+
+
+def test_a_key_that_is_not_utf8_is_a_row_with_its_bytes_escaped(tmp_path: Path) -> None:
+    """Member names are decoded with surrogateescape: one sample named with a stray byte held
+    lone surrogates, which no Parquet or JSON writer takes, and failed its whole job with a
+    traceback (every time, so a shard author could kill every job that read the shard)."""
+    import tarfile
+
+    path = tmp_path / "s.tar"
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT, encoding="utf-8", errors="surrogateescape") as tar:
+        for name, data in (("k\udcff.jpg", b"\xff"), ("k\udcff.txt", b"a caption"), ("k\udcff.x\udcfe", b"?"),
+                           ("fine.jpg", b"\xff"), ("fine.txt", b"fine")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    pairs = list(iter_pairs(str(path)))
+    assert [(p.key, p.status) for p in pairs] == [("k\\xff", schema.STATUS_BAD_KEY), ("fine", "ok")]
+    for p in pairs:
+        (p.key + (p.error or "")).encode("utf-8")  # writable as it is
