@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+import threading
+import zlib
 from typing import Any
 
 from fastapi import HTTPException
@@ -37,6 +39,7 @@ __all__ = ["EXPORT_COLUMNS", "MAX_LABELS_PER_REQUEST", "REPEAT_EVERY", "Auditor"
 #: One label in this many is a blind repeat of an earlier one (when there is one to repeat).
 REPEAT_EVERY = 10
 MAX_LABELS_PER_REQUEST = 500
+_LOCKS = 64
 EXPORT_COLUMNS = ("key", "shard", "label", "who", "labelled_at", "position", "stratum", "inclusion_probability")
 
 
@@ -45,6 +48,9 @@ class Auditor:
 
     def __init__(self, settings: ServiceSettings, store: JobStore, browser: Browser, metrics: Metrics) -> None:
         self.settings, self.store, self.browser, self.metrics = settings, store, browser, metrics
+        # Striped rather than one per job: bounded whatever the number of jobs. Per API
+        # process: replicas sharing one store can still race (the store has no lock of its own).
+        self._locks = [threading.Lock() for _ in range(_LOCKS)]
 
     # -- the queue ----------------------------------------------------------------------------
     def queue(self, job: JobRow, create: bool = True) -> dict[str, Any] | None:
@@ -112,7 +118,19 @@ class Auditor:
 
     def add(self, job: JobRow, who: Principal, items: list[dict[str, Any]]) -> dict[str, Any]:
         """Store labels ``{"position": int, "key": str, "label": ...}``; 422 for a pair not
-        in the queue (or a key that does not match its position), 409 past the job's cap."""
+        in the queue (or a key that does not match its position), 409 past the job's cap.
+
+        One job's labels are checked and stored under one lock (per API process): checked
+        apart, 24 copies of one request sent at once were all stored, and counted as blind
+        repeats that agreed with themselves."""
+        with self._lock_of(job.id):
+            return self._add(job, who, items)
+
+    def _lock_of(self, job_id: str) -> threading.Lock:
+        """One of ``_LOCKS`` striped locks, the same for every request on ``job_id``."""
+        return self._locks[zlib.crc32(job_id.encode()) % len(self._locks)]
+
+    def _add(self, job: JobRow, who: Principal, items: list[dict[str, Any]]) -> dict[str, Any]:
         doc = self.queue(job)
         assert doc is not None
         queue = doc["queue"]
@@ -141,8 +159,9 @@ class Auditor:
         return {"stored": len(rows), "already_stored": already}
 
     def undo(self, job: JobRow, who: Principal) -> dict[str, Any] | None:
-        """Remove ``who``'s latest label on the job."""
-        return self.store.undo_label(job.id, who.name)
+        """Remove ``who``'s latest label on the job (each undo another label, even sent at once)."""
+        with self._lock_of(job.id):
+            return self.store.undo_label(job.id, who.name)
 
     # -- figures ------------------------------------------------------------------------------
     def report(self, job: JobRow, doc: dict[str, Any] | None = None, labels: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
@@ -157,8 +176,7 @@ class Auditor:
         given = [Label(lab["key"], lab["label"], queue[lab["position"]]["shard"], lab["who"], f"{lab['labelled_at']}#{lab['id']:012d}")
                  for lab in labels]
         report = audit_report(doc, given)
-        if report["status"] == "ok":
-            self.metrics.audit_estimate(report["noise_rate"], report["labels"]["decisive_pairs"])
+        self.metrics.audit_reports.labels(status="ok" if report["status"] == "ok" else "needs_labels").inc()
         return report
 
     def summary(self, job: JobRow, doc: dict[str, Any], labels: list[dict[str, Any]]) -> str:

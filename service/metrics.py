@@ -35,13 +35,12 @@ class Metrics:
         self.requeued = Counter("pairclean_jobs_requeued_total", "RUNNING jobs of a lost replica taken over: queued again to resume, or cancelled as asked", registry=r)
         self.requests = Counter("pairclean_http_requests_total", "HTTP requests, by route group and status class", ["route", "code"], registry=r)
         self.latency = Histogram("pairclean_http_request_seconds", "HTTP request latency", ["route"], registry=r)
-        # The audit loop (issue 22): labels stored, and the latest audit estimate this replica
-        # computed (any job: a job id is never a label).
+        # The audit loop (issue 22): labels stored and reports computed, never a figure of one
+        # job: /metrics answers without a key, and the latest estimate (with its interval and
+        # label counts) was one tenant's result shown to anyone.
         self.audit_labels = Counter("pairclean_audit_labels_total", "Human audit labels stored, by label", ["label"], registry=r)
-        self.audit_noise = Gauge("pairclean_audit_noise_rate", "Noise rate of the latest audit estimate, with its 95% interval",
-                                 ["bound"], registry=r)
-        self.audit_pairs = Gauge("pairclean_audit_labelled_pairs", "Pairs with a decisive label behind the latest audit estimate",
-                                 registry=r)
+        self.audit_reports = Counter("pairclean_audit_reports_total", "Audit reports computed, by outcome (ok, needs_labels)",
+                                     ["status"], registry=r)
 
     def jobs_by_state(self, counts: dict[str, int]) -> None:
         for state, count in counts.items():
@@ -72,12 +71,6 @@ class Metrics:
             if keep and sim is not None and not math.isnan(sim):
                 self.similarities.observe(sim)
                 self.weights.observe(weight)
-
-    def audit_estimate(self, interval: dict[str, float], pairs: int) -> None:
-        """Export an audit's noise-rate estimate (``bound``: estimate, lower, upper)."""
-        for bound in ("estimate", "lower", "upper"):
-            self.audit_noise.labels(bound=bound).set(interval[bound])
-        self.audit_pairs.set(pairs)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

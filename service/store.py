@@ -325,15 +325,19 @@ class JobStore:
             return int(conn.execute(select(func.count()).select_from(audit_labels).where(audit_labels.c.job_id == job_id)).scalar() or 0)
 
     def undo_label(self, job_id: str, who: str) -> dict[str, Any] | None:
-        """Remove ``who``'s latest label on the job; returns it (None when there is none)."""
-        with self.engine.begin() as conn:
-            r = conn.execute(select(audit_labels.c.id, audit_labels.c.position, audit_labels.c.key, audit_labels.c.label)
-                             .where(audit_labels.c.job_id == job_id, audit_labels.c.who == who)
-                             .order_by(audit_labels.c.id.desc()).limit(1)).first()
-            if r is None:
-                return None
-            conn.execute(delete(audit_labels).where(audit_labels.c.id == r.id))
-        return dict(r._mapping)
+        """Remove ``who``'s latest label on the job; returns it (None when there is none).
+
+        The label returned is the one this call deleted: another undo (of another replica)
+        that deleted it first sends this one on to the next latest."""
+        while True:
+            with self.engine.begin() as conn:
+                r = conn.execute(select(audit_labels.c.id, audit_labels.c.position, audit_labels.c.key, audit_labels.c.label)
+                                 .where(audit_labels.c.job_id == job_id, audit_labels.c.who == who)
+                                 .order_by(audit_labels.c.id.desc()).limit(1)).first()
+                if r is None:
+                    return None
+                if conn.execute(delete(audit_labels).where(audit_labels.c.id == r.id)).rowcount == 1:
+                    return dict(r._mapping)
 
     def ping(self) -> bool:
         """Whether the store answers and, for a SQLite file, is still the file it opened and

@@ -23,6 +23,8 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, Response
 from pydantic import BaseModel, Field
 
+from pairclean.read.shards import MAX_KEY_CHARS
+
 from ..audit import MAX_LABELS_PER_REQUEST, Auditor
 from ..charts import reliability_svg
 from ..dependencies import Caller, JobId, Store, job_or_404
@@ -40,7 +42,10 @@ class LabelIn(BaseModel):
     model_config = {"extra": "forbid"}
 
     position: int = Field(ge=0, le=100_000)
-    key: str = Field(min_length=1, max_length=1024)
+    #: any key a shard may hold (``MAX_KEY_CHARS``, each character at most 4 once escaped as
+    #: a ``bad_key``): a longer one was queued and could never be labelled (422), so the page
+    #: served that pair for ever
+    key: str = Field(min_length=1, max_length=4 * MAX_KEY_CHARS)
     label: Literal["clean", "noisy", "unsure"]
 
 
@@ -114,7 +119,7 @@ async def _json_post(request: Request) -> Any:
         raise HTTPException(415, "send JSON")
     try:
         return await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # 100 kB of "[[[..." nests past the parser's stack: 500 before
         raise HTTPException(400, "unreadable JSON") from None
 
 

@@ -67,9 +67,11 @@ def test_label_the_queue_over_http_and_get_the_figures(demo_service, job: str, t
     assert report["noisy_flag"]["recall"]["estimate"] == 1.0
     assert report["self_agreement"]["repeats"] == repeats and report["self_agreement"]["agreement"] == 1.0
 
-    # /metrics: the estimate, with bounded labels (never a job id)
+    # /metrics (no key): counts with bounded labels, never a job's figures nor its id
     text = HTTP.get(f"{demo_service.url}/metrics").text
-    assert re.search(r'pairclean_audit_noise_rate\{bound="estimate"\} 0\.4\b', text)
+    assert re.search(r'pairclean_audit_reports_total\{status="ok"\} [1-9]', text)
+    assert not [line for line in text.splitlines() if line.startswith("pairclean_audit") and "_total" not in line
+                and "_created" not in line]
     assert re.search(r'pairclean_audit_labels_total\{label="noisy"\} \d', text)
     assert job not in text
 
@@ -131,3 +133,37 @@ def test_page_posts_are_csrf_safe(demo_service, job: str) -> None:
         page = client.get(f"/ui/jobs/{job}/audit")
         assert page.status_code == 200 and "script-src 'self'" in page.headers["content-security-policy"]
         assert "<script src=\"/ui/static/audit.js\">" in page.text
+
+
+def test_labels_sent_at_once_are_stored_once_and_undos_remove_one_each(demo_service) -> None:
+    """Round 6: "already labelled?" and the insert ran apart, so 24 copies of one request sent
+    at once were all stored (and counted as blind repeats agreeing with themselves); undos sent
+    at once reported one label removed twice. A 100 kB ``[[[...`` body got the page's POSTs a
+    500 and a traceback in the log; a key over 1,024 characters was queued but could never be
+    labelled (422), so the page served that pair for ever."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    job = demo_service.audit_job("audit-races")
+    base, h = f"{demo_service.url}/v1/jobs/{job}/audit", _h(demo_service)
+    item = HTTP.get(f"{base}/next", headers=h).json()
+    body = {"labels": [{"position": item["position"], "key": item["key"], "label": "clean"}]}
+    with ThreadPoolExecutor(24) as pool:
+        replies = list(pool.map(lambda _: HTTP.post(f"{base}/labels", headers=h, json=body), range(24)))
+    assert all(r.status_code == 201 for r in replies), [r.text for r in replies]
+    assert sum(r.json()["stored"] for r in replies) == 1
+    assert HTTP.get(f"{base}/next", headers=h).json()["progress"]["labels"] == 1
+    for _ in range(3):
+        nxt = HTTP.get(f"{base}/next", headers=h).json()
+        HTTP.post(f"{base}/labels", headers=h, json={"labels": [{"position": nxt["position"], "key": nxt["key"], "label": "noisy"}]})
+    with ThreadPoolExecutor(6) as pool:
+        undone = [r.json()["removed"] for r in pool.map(lambda _: HTTP.post(f"{base}/labels:undo", headers=h), range(6))]
+    ids = [u["id"] for u in undone if u is not None]
+    assert len(ids) == 4 and len(set(ids)) == 4 and undone.count(None) == 2, undone
+    long_key = {"labels": [{"position": 0, "key": "k" * 5000, "label": "clean"}]}
+    r = HTTP.post(f"{base}/labels", headers=h, json=long_key)
+    assert r.status_code == 422 and "no such pair" in r.text  # a key of any length a shard may hold is read
+    with httpx.Client(base_url=demo_service.url, timeout=120) as client:
+        assert client.post("/ui/login", data={"api_key": demo_service.keys["team-a"], "next": "/ui/jobs"}).status_code == 303
+        for url in (f"/ui/jobs/{job}/audit/labels.json", f"/ui/jobs/{job}/audit/undo.json"):
+            r = client.post(url, content="[" * 100_000, headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and r.json()["detail"] == "unreadable JSON"
