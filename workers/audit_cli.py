@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -68,6 +69,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
             raise InputError("--sample needs --out queue.csv (where to write the pairs to label)")
         if args.threshold is not None or args.target or args.no_apply:
             raise InputError("--threshold, --target and --no-apply go with --labels")
+        # Checked before the draw: a refused --out used to leave the job's sample replaced
+        # (--resample) with the new queue written nowhere, so filled-in labels stopped counting.
+        _check_queue_target(args.queue_out, args.out, storage)
         queue = run.make_queue(out, args.sample, args.seed, resample=args.resample)
         _write_new(args.queue_out, run.queue_csv(queue), storage)
         design = run.read_design(out)["design"]
@@ -99,23 +103,51 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_new(path: str, data: bytes, storage: dict[str, Any]) -> None:
-    """Write the queue file, refusing to replace a file that is not an unlabelled queue
+#: A queue file larger than this is not one pairclean wrote (5,000 pairs take about 1 MB):
+#: it is not read whole to find out.
+_MAX_QUEUE_BYTES = 64 * 2**20
+
+
+def _check_queue_target(path: str, out_uri: str, storage: dict[str, Any]) -> None:
+    """``InputError`` unless the queue may be written at ``path``: not inside the score folder
+    (readers take every file in it as a table: a ``q.csv`` there broke
+    ``pyarrow.dataset.dataset(OUT)``), and not over a file other than an unlabelled queue
     (someone's labels, or any other file, is left untouched)."""
     import csv
     import io
 
     import fsspec
     from pairclean.errors import InputError
+    from pairclean.uris import LOCAL_SCHEMES, local_path, scheme_of
 
     fs, _, (target,) = fsspec.get_fs_token_paths(path, storage_options=storage)
-    if fs.exists(target):
-        old = fs.cat_file(target)
+    if scheme_of(path) == scheme_of(out_uri):
+        local = scheme_of(path) in LOCAL_SCHEMES
+        folder = os.path.realpath(local_path(out_uri)) if local else out_uri.rstrip("/")
+        where = os.path.realpath(local_path(path)) if local else path
+        if where.startswith(folder.rstrip("/") + "/"):
+            raise InputError(f"--out {path} is inside the score folder {out_uri}, which readers take whole as its tables: "
+                             "write the queue elsewhere")
+    if not fs.exists(target):
+        return
+    if fs.size(target) > _MAX_QUEUE_BYTES:
+        raise InputError(f"--out {path} exists and is not an audit queue; it is left untouched")
+    old = fs.cat_file(target)
+    if not old.startswith(b"key,shard,similarity,p_clean,stratum"):
+        raise InputError(f"--out {path} exists and is not an audit queue; it is left untouched")
+    try:
         rows = list(csv.DictReader(io.StringIO(old.decode("utf-8", "replace"))))
-        if not old.startswith(b"key,shard,similarity,p_clean,stratum"):
-            raise InputError(f"--out {path} exists and is not an audit queue; it is left untouched")
-        if any((r.get("label") or "").strip() for r in rows):
-            raise InputError(f"--out {path} already holds labels; it is left untouched (write the new queue elsewhere)")
+    except csv.Error:
+        raise InputError(f"--out {path} exists and is not an audit queue; it is left untouched") from None
+    if any((r.get("label") or "").strip() for r in rows):
+        raise InputError(f"--out {path} already holds labels; it is left untouched (write the new queue elsewhere)")
+
+
+def _write_new(path: str, data: bytes, storage: dict[str, Any]) -> None:
+    """Write the queue file (``_check_queue_target`` has approved ``path``)."""
+    import fsspec
+
+    fs, _, (target,) = fsspec.get_fs_token_paths(path, storage_options=storage)
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     if "file" in protocols:
         from pairclean.storage import write_file_atomic

@@ -234,7 +234,7 @@ def run_job(
 def _run(spec: JobSpec, out: OutputDir, stems: dict[str, str], make_source: Callable[[], ShardSource],
          lock: RunLock, progress: Progress | None, max_failed_fraction: float) -> JobReport:
     committed = out.committed()
-    changed = _changed_since_committed(spec.shards, stems, committed)
+    changed = _changed_since_committed(spec.shards, stems, committed) | _tables_changed(spec.shards, stems, out, committed)
     if changed:  # uncommitted before they are read again: should one now fail, its old rows are not read as current
         out.withdraw({stems[uri] for uri in changed})
         committed = out.committed()
@@ -282,6 +282,27 @@ def _changed_since_committed(uris: Sequence[str], stems: dict[str, str], committ
             continue
         if size != record.size:
             log.warning("shard %s changed since it was committed (%d bytes then, %d now): scoring it again", uri, record.size, size)
+            changed.add(uri)
+    return changed
+
+
+def _tables_changed(uris: Sequence[str], stems: dict[str, str], out: OutputDir, committed: dict[str, ShardRecord]) -> set[str]:
+    """The shards whose committed table is gone or has another size than pairclean wrote
+    (deleted, or edited by hand): a resume called such a job finished, and every reader then
+    failed on it, or read the edited rows. They are scored again, saying so (a table someone
+    else wrote in its place is never replaced: that shard then fails, naming it). Local
+    folders only, as for the shards themselves: a request per table on every resume."""
+    if not out.store.local:
+        return set()
+    changed = set()
+    for uri in uris:
+        record = committed.get(stems[uri])
+        if record is None:
+            continue
+        size = out.store.size(record.output)
+        if size != record.bytes:
+            now = "it is gone" if size is None else f"{record.bytes} bytes written, {size} now"
+            log.warning("the table of shard %s changed since it was committed (%s): scoring it again", uri, now)
             changed.add(uri)
     return changed
 

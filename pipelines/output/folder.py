@@ -346,13 +346,15 @@ class OutputDir:
         """Delete what this job's records say it wrote (and nothing else); returns the names.
 
         Data files without a completion record (a crash before the commit) are deleted
-        only when their own metadata names this job as their writer.
+        only when their own metadata names this job as their writer; those with one, only
+        while they are still pairclean's (a file a user put in a table's place is kept).
         """
         doc = self.read_job_doc() or {}
         names: list[str] = []
         committed = self.committed()
         for record in committed.values():
-            names += [record.output] + ([record.emb_output] if record.emb_output else [])
+            # a table the records name but someone replaced with a file of their own is theirs
+            names += [n for n in (record.output, record.emb_output) if n and (not self.store.exists(n) or self.written_by(n))]
         names += self._stray_outputs(doc.get("spec_sha256"), set(names))
         names += [f"{schema.COMPLETIONS_DIR}/{n}" for n in self.store.list(schema.COMPLETIONS_DIR)]
         names += [f"{schema.FAILED_DIR}/{n}" for n in self.store.list(schema.FAILED_DIR)]
@@ -671,8 +673,32 @@ class OutputDir:
 
     def read_scores(self, record: ShardRecord, columns: list[str] | None = None) -> pa.Table:
         """The score table of a committed shard; ``InputError`` naming the file when it is
-        not readable Parquet or lacks a column a score table has."""
-        return self._read_table(record.output, columns or None, _SCORE_COLUMNS)
+        not readable Parquet, lacks a column a score table has, or is not the table its
+        record describes: another number of rows (rows deleted by hand), rows of another
+        shard (a table copied under this one's name), a key twice that is not a
+        ``duplicate_key`` row. Such tables were read as they were: ``export`` counted a
+        shard's rows twice, ``rescore`` died on mismatched arrays."""
+        table = self._read_table(record.output, columns or None, _SCORE_COLUMNS)
+        where = self.store.url(record.output)
+        fix = "score the job again with the same arguments to replace it" if self.store.local else "score the shard again"
+        if table.num_rows != record.rows:
+            raise InputError(f"{where} holds {table.num_rows} rows, and the record of shard {record.shard!r} {record.rows}: "
+                             f"the table was changed after pairclean wrote it ({fix})", uri=where)
+        if schema.COL_SHARD in table.column_names:
+            others = [u for u in table.column(schema.COL_SHARD).unique().to_pylist() if u != record.shard]
+            if others:
+                raise InputError(f"{where}: its rows belong to shard {others[0]!r}, not {record.shard!r} (a table copied "
+                                 f"under another shard's name; {fix})", uri=where)
+        if schema.COL_KEY in table.column_names:
+            keys = table.column(schema.COL_KEY).to_pylist()
+            if len(set(keys)) != len(keys):
+                statuses = table.column(schema.COL_STATUS).to_pylist() if schema.COL_STATUS in table.column_names else None
+                seen: set[str] = set()
+                for i, key in enumerate(keys):
+                    if key in seen and (statuses is None or statuses[i] != schema.STATUS_DUPLICATE_KEY):
+                        raise InputError(f"{where}: key {key!r} appears more than once; the table is damaged ({fix})", uri=where)
+                    seen.add(key)
+        return table
 
     def read_all_scores(self, columns: list[str] | None = None) -> pa.Table:
         """Every committed score table as one table, shards in spec order (only committed

@@ -151,3 +151,29 @@ def test_bad_input_is_one_line_and_touches_nothing(job: Path, tmp_path: Path, ca
     assert "already has an audit sample of 5 pairs" in capsys.readouterr().err and design.read_bytes() == before
     assert main(["audit", str(job), "--sample", "8", "--seed", "5", "--out", str(tmp_path / "q2.csv"), "--resample"]) == 0
     assert len(json.loads(design.read_text())["queue"]) == 8
+
+
+def test_a_refused_queue_file_leaves_the_sample_as_it_was(job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Round 6: ``--resample`` replaced the job's sample before ``--out`` was refused (a queue
+    already holding labels), so the new queue was written nowhere and the labels stopped
+    counting; a queue written into the score folder broke reading it as one dataset; a
+    non-CSV ``--out`` ended in a csv traceback."""
+    import pyarrow.dataset as ds
+
+    queue = tmp_path / "queue.csv"
+    assert main(["audit", str(job), "--sample", "5", "--out", str(queue)]) == 0
+    labelled = _label(queue, queue, set())
+    design = schema.local_side_path(job, "_pairclean/audit/design.json")
+    before = design.read_bytes()
+    assert main(["audit", str(job), "--sample", "8", "--seed", "1", "--resample", "--out", str(labelled)]) == 1
+    assert "already holds labels" in capsys.readouterr().err and design.read_bytes() == before
+    inside = job / "q.csv"
+    assert main(["audit", str(job), "--sample", "5", "--out", str(inside)]) == 1
+    assert "inside the score folder" in capsys.readouterr().err and not inside.exists() and design.read_bytes() == before
+    assert ds.dataset(str(job)).count_rows() > 0
+    shard = next(job.glob("*.parquet"))
+    copy = tmp_path / "not-a-queue.csv"
+    copy.write_bytes(b"key,shard,similarity,p_clean,stratum\n\"" + b"\0" * 10 + shard.read_bytes())
+    assert main(["audit", str(job), "--sample", "5", "--out", str(copy)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not an audit queue" in err

@@ -559,3 +559,49 @@ def _rows_of_tar(path: Path) -> dict[str, Any]:
     with tarfile.open(path) as tar:
         members = {m.name.rsplit(".", 1)[1]: tar.extractfile(m).read() for m in tar.getmembers()[:4] if m.isfile()}  # type: ignore[union-attr]
     return {"jpg": members["jpg"], "txt": members["txt"].decode()}
+
+
+def test_tables_changed_by_hand_are_named_and_a_resume_scores_them_again(
+        make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    """Round 6: the records hold each table's rows, size and sha256, and nothing compared them.
+    A table copied over another's made ``export`` count one shard twice and skip the other; rows
+    deleted by hand were exported short and crashed ``rescore``; a deleted table left a job that
+    a resume called finished and every reader then failed on."""
+    import shutil
+
+    shards = make_shards(n_shards=3, per_shard=6)
+    out = tmp_path / "out"
+    assert _score([str(s) for s in shards], out) == 0
+    tables = {stem: (out / f"{stem}.parquet").read_bytes() for stem in ("part-00000", "part-00001", "part-00002")}
+    table = pq.read_table(out / "part-00002.parquet")
+    pq.write_table(table.slice(0, 4), out / "part-00002.parquet")  # its pairclean metadata kept
+    capsys.readouterr()
+    assert main(["rescore", str(out), "--beta-recipe", "gmm", "--weighting", "paper"]) == 1
+    assert "part-00002.parquet holds 4 rows, and the record of shard" in capsys.readouterr().err
+    shutil.copy(out / "part-00000.parquet", out / "part-00001.parquet")
+    assert main(["export", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "part-00001.parquet: its rows belong to shard" in err
+    (out / "part-00001.parquet").unlink()
+    assert _score([str(s) for s in shards], out) == 0
+    assert "the table of shard" in caplog.text and "scoring it again" in caplog.text
+    for stem, data in tables.items():
+        assert (out / f"{stem}.parquet").read_bytes() == data  # scored again, byte for byte
+    assert main(["export", str(out)]) == 0
+
+
+def test_overwrite_keeps_a_file_a_user_put_in_a_tables_place(make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--overwrite`` deleted whatever lay at a path the records list: a user's own file put
+    in a table's place went with the job's files. It is kept, and named."""
+    import pyarrow as pa
+
+    shards = make_shards(n_shards=2, per_shard=6)
+    out = tmp_path / "out"
+    assert _score([str(s) for s in shards], out) == 0
+    mine = out / "part-00000.parquet"
+    pq.write_table(pa.table({"key": ["my", "own"], "note": ["kept", "please"]}), mine)
+    data = mine.read_bytes()
+    capsys.readouterr()
+    assert _score([str(s) for s in shards], out, "--overwrite") == 1
+    assert mine.read_bytes() == data
+    assert "part-00000.parquet exists and was not written by pairclean; it is left untouched" in capsys.readouterr().err
