@@ -327,6 +327,37 @@ def weight_stage(
     )
 
 
+def _unit_float32(weights: NDArray[np.floating[Any]] | Iterable[float]) -> NDArray[np.float32]:
+    """The weights checked (a non-empty 1-D array, finite, >= 0, one > 0) in their own
+    precision, then (unless float32 already) scaled to a largest weight of 1 and stored as
+    float32 (4 bytes a weight).
+
+    Scaling first, because the draw depends only on ratios: cast as given, float64 weights
+    of 1e-60 all became 0 ("no positive weight") and 1e39 became inf ("not finite"). A weight
+    still too small for float32 against the largest keeps the smallest float32 above 0: it
+    is drawn last, never dropped."""
+    given = np.asarray(weights)
+    raw = given if given.dtype == np.float32 else np.asarray(given, dtype=np.float64)
+    if raw.ndim != 1 or raw.size == 0:
+        raise ValueError("weights must be a non-empty 1-D array")
+    if not np.all(np.isfinite(raw)) or (raw < 0).any():
+        raise ValueError("weights must be finite and non-negative")
+    top = raw.max()
+    if not top > 0:
+        raise ValueError("at least one weight must be positive")
+    if raw.dtype == np.float32:
+        return raw.astype(np.float32, copy=False)  # storable as they are: no copy of 50 million weights
+    w: NDArray[np.float32] = (raw / top).astype(np.float32)
+    w[(w == 0) & (raw > 0)] = np.finfo(np.float32).smallest_subnormal
+    return w
+
+
+def _check_seed(value: int, what: str) -> None:
+    """``ValueError`` unless ``value`` is a whole number >= 0 (numpy's generators take no other)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{what} must be a whole number >= 0, not {value!r}")
+
+
 class WeightedSampler:
     """Indices of a map-style dataset drawn in proportion to ``weights``, sliced per rank.
 
@@ -356,15 +387,10 @@ class WeightedSampler:
         world_size: int = 1,
         seed: int = 0,
     ) -> None:
-        w = np.asarray(weights, dtype=np.float32)
-        if w.ndim != 1 or w.size == 0:
-            raise ValueError("weights must be a non-empty 1-D array")
-        if not np.all(np.isfinite(w)) or (w < 0).any():
-            raise ValueError("weights must be finite and non-negative")
-        if not (w > 0).any():
-            raise ValueError("at least one weight must be positive")
+        w = _unit_float32(weights)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        _check_seed(seed, "seed")
         if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer))
                                         or num_samples < 0):
             raise ValueError(f"num_samples must be a whole number >= 0, not {num_samples!r}")
@@ -381,7 +407,8 @@ class WeightedSampler:
         self._chunk_sums = np.array([w[i : i + _CHUNK].sum(dtype=np.float64) for i in range(0, w.size, _CHUNK)])
 
     def set_epoch(self, epoch: int) -> None:
-        """Draw a different, reproducible sequence for ``epoch``."""
+        """Draw a different, reproducible sequence for ``epoch`` (a whole number >= 0)."""
+        _check_seed(epoch, "epoch")
         self.epoch = epoch
 
     def __len__(self) -> int:

@@ -54,12 +54,24 @@ def add_executor_args(p: _Adder, actors: str, executor_note: str = "") -> None:
                    help="ray (default: a local Ray, or --ray-address" + (f"; {executor_note}" if executor_note else "")
                    + ") or local (this process only)")
     p.add_argument("--ray-address", default=None, help="existing Ray cluster (default: $RAY_ADDRESS, else start one here)")
-    p.add_argument("--num-actors", type=int, default=None, help=actors)
+    p.add_argument("--num-actors", type=positive_int, default=None, help=actors)
 
 
 def add_threads_arg(p: _Adder, what: str) -> None:
     """``--threads N``: ``what`` names the threads it sets and their default."""
-    p.add_argument("--threads", type=int, default=None, help=what)
+    p.add_argument("--threads", type=positive_int, default=None, help=what)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (``--threads -2`` ended in torch's
+    traceback, ``--num-actors 0`` was taken)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {text}")
+    return value
 
 
 def fraction(text: str) -> float:

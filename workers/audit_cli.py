@@ -15,6 +15,8 @@ import os
 import sys
 from typing import Any
 
+from pairclean_workers.args import seed
+
 __all__ = ["add_audit_parser", "cmd_audit"]
 
 
@@ -26,7 +28,7 @@ def add_audit_parser(sub: Any) -> None:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--sample", type=int, help="draw this many pairs to label (stratified by p_clean, no key twice)")
     mode.add_argument("--labels", help="a labels file (CSV or Parquet with columns key,label[,shard]; label clean|noisy|unsure)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sample (the same seed gives the same queue)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the sample (the same seed gives the same queue)")
     p.add_argument("--out", dest="queue_out", default=None, help="with --sample: where to write the queue CSV")
     p.add_argument("--resample", action="store_true",
                    help="with --sample: replace the job's earlier audit sample (labels of its pairs stop counting)")

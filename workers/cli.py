@@ -34,6 +34,7 @@ from pairclean_workers.args import (
     add_seed_arg,
     add_storage_arg,
     add_threads_arg,
+    positive_seconds,
     storage_options,
 )
 
@@ -70,17 +71,6 @@ def _non_negative(text: str) -> int:
         value = -1
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    """argparse type: a finite number of seconds > 0 (a usage error, exit 2, otherwise)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
     return value
 
 
@@ -122,14 +112,14 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     judge_group.add_argument("--judge", default="auto", choices=("auto", "off", "band", "all"),
                              help="off: OSA only; band: the judge on the pairs of the band --judge-budget buys; all: on every pair; "
                                   "auto (default): %s (see README, The judge)" % DEFAULT_JUDGE_MODE)
-    judge_group.add_argument("--judge-budget", type=float, default=DEFAULT_JUDGE_BUDGET,
+    judge_group.add_argument("--judge-budget", type=fraction, default=DEFAULT_JUDGE_BUDGET,
                              help="fraction of pairs the band holds under --judge band (chosen on the calibration pairs)")
     judge_group.add_argument("--judge-checkpoint", default=None, help="judge weights file (default: the shipped one, for pairclean-lite)")
     ray_group = score.add_argument_group("execution")
     add_executor_args(ray_group, "scoring actors (default: one per GPU, else one per 2 CPUs)")
     ray_group.add_argument("--cpus-per-actor", type=float, default=1.0, help="CPUs Ray reserves for each actor; its decode pool has as many threads (on GPU nodes: the CPUs per GPU)")
-    ray_group.add_argument("--max-retries", type=int, default=3, help="retries of a shard whose worker died or timed out")
-    ray_group.add_argument("--shard-timeout", type=_positive_seconds, default=None,
+    ray_group.add_argument("--max-retries", type=_non_negative, default=3, help="retries of a shard whose worker died or timed out")
+    ray_group.add_argument("--shard-timeout", type=positive_seconds, default=None,
                            help="seconds one shard may take: under Ray its worker is then killed and the shard retried; "
                                 "with --executor local the shard fails then (a failed shard, as an unreadable one)")
 

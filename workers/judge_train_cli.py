@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pairclean.errors import InputError
+from pairclean_workers.args import seed
 
 __all__ = ["add_judge_train_parser", "cmd_train_judge"]
 
@@ -56,7 +57,7 @@ def add_judge_train_parser(sub: Any) -> None:
     p.add_argument("--layers", type=int, default=base.layers)
     p.add_argument("--lr", type=float, default=base.lr)
     p.add_argument("--batch", type=int, default=base.batch)
-    p.add_argument("--seed", type=int, default=base.seed, help="seed of the data (edits) and of the first member")
+    p.add_argument("--seed", type=seed, default=base.seed, help="seed of the data (edits) and of the first member")
     p.add_argument("--members", type=int, default=DEFAULT_MEMBERS,
                    help="judges trained from seeds SEED, SEED+1, ... whose logits are averaged (1: one judge)")
     p.add_argument("--colours", choices=("on", "off"), default="on" if base.colours else "off",

@@ -706,7 +706,7 @@ class OutputDir:
         tables = [self.read_scores(record, columns) for record in self.iter_committed()]
         if not tables:
             raise InputError(f"{self.uri} holds no committed shard")
-        return pa.concat_tables(tables, promote_options="default")
+        return pa.concat_tables(tables, promote_options="permissive")  # a table re-saved by pandas or polars holds large_string
 
     def has_embeddings(self, record: ShardRecord) -> bool:
         """Whether the shard's sidecar was written."""

@@ -127,6 +127,19 @@ def test_a_zero_weight_is_never_drawn_beside_a_tiny_one() -> None:
         assert list(WeightedSampler(weights, 1, replacement=False, seed=seed)) == [4]
 
 
+def test_weights_are_taken_in_their_own_precision_and_seeds_checked() -> None:
+    """Round 6: float64 weights were cast to float32 first: 1e-60s became "no positive weight",
+    1e39 "not finite", and two 1e-50s beside a 1 could not be drawn without replacement."""
+    assert sorted(WeightedSampler(np.array([1e-60, 2e-60, 3e-60]), 3, replacement=False)) == [0, 1, 2]
+    assert list(WeightedSampler(np.array([0.0, 1e39]), 2)) == [1, 1]
+    assert sorted(WeightedSampler([1e-50, 1.0, 1e-50], 3, replacement=False)) == [0, 1, 2]
+    for bad in ({"seed": -1}, {"seed": 1.5}):
+        with pytest.raises(ValueError, match="whole number >= 0"):
+            WeightedSampler([1.0], **bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="epoch must be"):
+        WeightedSampler([1.0]).set_epoch(-1)
+
+
 @pytest.mark.slow
 def test_sampler_handles_50_million_weights_in_bounded_memory() -> None:
     code = """

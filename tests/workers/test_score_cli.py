@@ -236,7 +236,8 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
         assert not (tmp_path / "o4").exists()
     # A fraction outside [0, 1] and a lock that never expires are usage errors (exit 2, one line)
     for flag, value in (("--max-failed-fraction", "2"), ("--max-failed-fraction", "-1"), ("--lock-ttl", "-5"), ("--lock-ttl", "nan"),
-                        ("--seed", "-1")):
+                        ("--seed", "-1"), ("--threads", "-2"), ("--num-actors", "0"), ("--max-retries", "-1"),
+                        ("--judge-budget", "nan"), ("--shard-timeout", "inf")):
         with pytest.raises(SystemExit) as usage:
             main(["score", *good, "--out", str(tmp_path / "o4"), *TINY, flag, value])
         assert usage.value.code == 2 and f"argument {flag}: expected" in capsys.readouterr().err
