@@ -226,17 +226,19 @@ class Label:
     labelled_at: str = ""
 
 
-def parse_labels(rows: Sequence[dict[str, Any]], where: str = "labels") -> list[Label]:
+def parse_labels(rows: Sequence[dict[str, Any]], where: str = "labels", escaped: bool = True) -> list[Label]:
     """Check and convert label rows: ``key`` and ``label`` required, ``label`` one of
     ``LABELS`` (case and spaces ignored); rows with an empty label are skipped (an unfilled
-    queue row). ``InputError`` names the first bad line."""
+    queue row). ``InputError`` names the first bad line. ``escaped``: text cells as
+    ``csv_bytes`` writes them (one leading ``'`` taken off); a Parquet file's are as they are.
+    Keys keep their spaces (``_key_candidates``)."""
     out = []
     for line, row in enumerate(rows, start=2):
-        key = _cell(row.get("key")).strip()
+        key = _cell(row.get("key")) if escaped else str(row.get("key") or "")
         label = str(row.get("label") or "").strip().lower()
         if not label:
             continue
-        if not key:
+        if not key.strip():
             raise InputError(f"{where}, line {line}: no key")
         if label not in LABELS:
             raise InputError(f"{where}, line {line}: label must be one of {', '.join(LABELS)}")
@@ -265,6 +267,7 @@ def read_labels(path: str, storage_options: dict[str, Any] | None = None) -> lis
         except (pa.ArrowInvalid, OSError) as exc:
             raise InputError(f"--labels {path} is not a readable Parquet file") from exc
         rows: list[dict[str, Any]] = table.slice(0, MAX_LABEL_ROWS + 1).to_pylist()
+        escaped = False  # the service's Parquet export writes keys as they are
     else:
         try:
             text = data.decode("utf-8-sig")
@@ -274,13 +277,14 @@ def read_labels(path: str, storage_options: dict[str, Any] | None = None) -> lis
         if reader.fieldnames is None or not {"key", "label"} <= {f.strip() for f in reader.fieldnames}:
             raise InputError(f"--labels {path} needs a header with the columns key and label")
         reader.fieldnames = [f.strip() for f in reader.fieldnames]
+        escaped = True
         try:
             rows = [r for _, r in zip(range(MAX_LABEL_ROWS + 1), reader)]
         except csv.Error as exc:
             raise InputError(f"--labels {path}: {exc}") from exc
     if len(rows) > MAX_LABEL_ROWS:
         raise InputError(f"--labels {path} has more than {MAX_LABEL_ROWS:,} rows")
-    return parse_labels(rows, f"--labels {path}")
+    return parse_labels(rows, f"--labels {path}", escaped)
 
 
 # -- the report -----------------------------------------------------------------------------
@@ -301,6 +305,13 @@ class _Units:
     counts: dict[str, int]
 
 
+def _key_candidates(key: str) -> list[str]:
+    """The keys a label's ``key`` may mean, in order: as read (a key may begin or end with
+    spaces or tabs), then with surrounding spaces taken off (typed by hand). Stripping them
+    first lost the labels of real keys that had them."""
+    return list(dict.fromkeys(k for k in (key, key.strip()) if k))
+
+
 def _match(queue: list[dict[str, Any]], labels: list[Label]) -> _Units:
     by_key: dict[str, list[int]] = {}
     by_pair: dict[tuple[str, str], int] = {}
@@ -311,14 +322,21 @@ def _match(queue: list[dict[str, Any]], labels: list[Label]) -> _Units:
     given: dict[int, list[Label]] = {}
     outside = ambiguous = 0
     for lab in labels:
-        if lab.shard is not None:
-            pos = by_pair.get((lab.shard, lab.key))
-        else:
-            hits = by_key.get(lab.key, [])
-            if len(hits) > 1:
-                ambiguous += 1
-                continue
-            pos = hits[0] if hits else None
+        pos = None
+        for key in _key_candidates(lab.key):
+            if lab.shard is not None:
+                pos = by_pair.get((lab.shard, key))
+            else:
+                hits = by_key.get(key, [])
+                if len(hits) > 1:
+                    pos = -1
+                    break
+                pos = hits[0] if hits else None
+            if pos is not None:
+                break
+        if pos == -1:
+            ambiguous += 1
+            continue
         if pos is None:
             outside += 1
             continue

@@ -98,6 +98,22 @@ def _resolutions(noisy: np.ndarray, conflict: np.ndarray | None) -> list[np.ndar
     return [np.where(c, 0.0, y), np.where(c, 1.0, y)]
 
 
+def _flag_resolutions(noisy: np.ndarray, conflict: np.ndarray | None, f: np.ndarray) -> list[np.ndarray]:
+    """The resolutions of conflicting labels that bound a flag's precision, recall and F1.
+
+    The noise rate moves one way as conflicts are resolved (all clean, all noisy bound it);
+    recall and F1 do not: a conflict the flag caught raises them as noisy, one it missed
+    lowers them. So besides all clean and all noisy, conflicts resolved with the flag
+    (recall's largest) and against it (its smallest). Only the two ends had been tried: with
+    half of 400 labels in conflict, recall read [43%, 57%] where labels that fit gave 33-67%."""
+    ends = _resolutions(noisy, conflict)
+    if len(ends) == 1 or conflict is None:
+        return ends
+    c = np.asarray(conflict, dtype=bool)
+    y = np.asarray(noisy, dtype=np.float64)
+    return [*ends, np.where(c, f, y), np.where(c, 1.0 - f, y)]
+
+
 def _noise_rate_once(sizes: np.ndarray, strata: np.ndarray, y: np.ndarray, z: float) -> Interval:
     sizes = np.asarray(sizes, dtype=np.float64)
     total = sizes.sum()
@@ -190,7 +206,7 @@ def flag_quality(sizes: np.ndarray, strata: np.ndarray, noisy: np.ndarray, flagg
     labels, as population estimates with intervals."""
     f = np.asarray(flagged, dtype=np.float64)
     out: dict[str, list[Interval | None]] = {"precision": [], "recall": [], "f1": []}
-    for y in _resolutions(noisy, conflict):
+    for y in _flag_resolutions(noisy, conflict, f):
         out["precision"].append(ratio(sizes, strata, f * y, f, z))
         out["recall"].append(ratio(sizes, strata, f * y, y, z))
         out["f1"].append(ratio(sizes, strata, 2 * f * y, f + y, z))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pairclean.audit.run import QUEUE_COLUMNS, csv_bytes, read_labels
 
-HOSTILE_KEYS = ["plain/000", "cr\rsplit", "nl\nsplit", '=HYPERLINK("http://evil","click")', "+1+1", "-2", "@SUM(1)", "'quoted", 'a,"b"']
+HOSTILE_KEYS = ["plain/000", " spaced\t", "\u00a0nbsp", "cr\rsplit", "nl\nsplit", '=HYPERLINK("http://evil","click")', "+1+1", "-2", "@SUM(1)", "'quoted", 'a,"b"']
 
 
 def test_hostile_keys_survive_the_round_trip_and_never_start_a_formula(tmp_path: Path) -> None:
@@ -19,5 +19,23 @@ def test_hostile_keys_survive_the_round_trip_and_never_start_a_formula(tmp_path:
     path = tmp_path / "labels.csv"
     path.write_bytes(data)
     labels = read_labels(str(path))
-    assert [lab.key for lab in labels] == [k.strip() for k in HOSTILE_KEYS]
+    assert [lab.key for lab in labels] == HOSTILE_KEYS  # exactly: spaces kept, the escape taken off
     assert {lab.shard for lab in labels} == {"=cmd|' /C calc'!A0"} and {lab.label for lab in labels} == {"noisy"}
+
+
+def test_labels_match_their_keys_exactly_first_and_parquet_keys_are_taken_as_they_are(tmp_path: Path) -> None:
+    """Round 6: keys were stripped (a queue pairclean wrote lost the labels of keys with
+    spaces), and one leading ``'`` was taken off Parquet keys too, which the service exports
+    unescaped (every label of keys like ``'s0-photo`` fell outside the sample)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pairclean.audit.run import Label, _match
+
+    queue = [{"key": k, "shard": "s.tar", "stem": "s"} for k in (" a", "a", "'b", "c")]
+    path = tmp_path / "labels.parquet"
+    pq.write_table(pa.table({"key": [" a", "'b", "c "], "label": ["noisy", "clean", "clean"]}), path)
+    labels = read_labels(str(path))
+    assert [lab.key for lab in labels] == [" a", "'b", "c "]
+    units = _match(queue, labels + [Label("a", "clean")])
+    assert units.outside == 0 and sorted(units.positions.tolist()) == [0, 1, 2, 3]

@@ -69,6 +69,24 @@ def test_conflicting_labels_widen_the_interval_never_shrink_it() -> None:
         assert wide.upper - wide.lower > base.upper - base.lower
 
 
+def test_recall_with_conflicts_spans_every_resolution_that_fits_the_labels() -> None:
+    """Round 6: conflicts were tried only as all clean and all noisy, which bound precision
+    but not recall (a caught conflict raises it as noisy, a missed one lowers it)."""
+    sizes = np.array([10_000])
+    strata = np.zeros(40, dtype=np.int64)
+    flagged = np.r_[np.ones(20), np.zeros(20)].astype(bool)
+    y = np.r_[np.ones(10), np.zeros(10), np.ones(10), np.zeros(10)]  # 10 caught, 10 missed
+    conflict = np.zeros(40, bool)
+    conflict[[0, 1, 2, 3, 20, 21, 22, 23]] = True  # 4 caught, 4 missed are in doubt
+    got = stats.flag_quality(sizes, strata, y, flagged, conflict)["recall"]
+    assert got is not None
+    worst = stats.flag_quality(sizes, strata, np.where(conflict, 1.0 - flagged, y), flagged)["recall"]
+    best = stats.flag_quality(sizes, strata, np.where(conflict, flagged.astype(float), y), flagged)["recall"]
+    assert worst is not None and best is not None
+    assert got.lower <= worst.lower and got.upper >= best.upper
+    assert worst.estimate < 0.45 and best.estimate > 0.55  # 6/16 and 10/16: beyond the two ends' 0.5
+
+
 def test_precision_and_recall_in_one_stratum_are_the_plain_proportions() -> None:
     y = np.array([1, 1, 1, 0, 0, 0, 0, 1], dtype=float)
     flag = np.array([1, 1, 0, 1, 0, 0, 0, 0], dtype=bool)
