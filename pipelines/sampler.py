@@ -337,7 +337,8 @@ def _unit_float32(weights: NDArray[np.floating[Any]] | Iterable[float]) -> NDArr
     still too small for float32 against the largest keeps the smallest float32 above 0: it
     is drawn last, never dropped."""
     given = np.asarray(weights)
-    raw = given if given.dtype == np.float32 else np.asarray(given, dtype=np.float64)
+    wide = np.result_type(given.dtype, np.float64) if given.dtype.kind in "fiub" else np.dtype(np.float64)
+    raw = given if given.dtype == np.float32 else np.asarray(given, dtype=wide)  # longdouble stays longdouble
     if raw.ndim != 1 or raw.size == 0:
         raise ValueError("weights must be a non-empty 1-D array")
     if not np.all(np.isfinite(raw)) or (raw < 0).any():

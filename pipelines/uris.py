@@ -539,11 +539,25 @@ def check_local_below(path: str, folder_fd: int, names: Sequence[str], env: str,
     try:
         real = os.readlink(f"/proc/self/fd/{folder_fd}")
     except OSError:  # no /proc (not Linux): its path now, if it is still the folder opened
-        real = ""
+        real = _still_opened(path, len(names), folder_fd)
     if not real.startswith("/"):
         raise InputError(f"{what} {path!r} cannot be located to be made: not made", uri=path)
     if not _inside(os.path.join(real, *names), roots):
         raise InputError(f"{what} {path!r} is outside the locations this job may use", uri=path)
+
+
+def _still_opened(path: str, made: int, folder_fd: int) -> str:
+    """The resolved path of the folder ``made`` levels above ``path``, if it is the folder
+    open as ``folder_fd`` (same device and inode); "" otherwise."""
+    head = os.path.abspath(path)
+    for _ in range(made):
+        head = os.path.dirname(head)
+    real = os.path.realpath(head)
+    try:
+        opened, there = os.fstat(folder_fd), os.stat(real)
+    except OSError:
+        return ""
+    return real if (opened.st_dev, opened.st_ino) == (there.st_dev, there.st_ino) else ""
 
 
 def _check_read(uri: str) -> None:

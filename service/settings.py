@@ -34,7 +34,8 @@ class ServiceSettings(BaseSettings):
     ``shard_timeout_s``: the ``--shard-timeout`` of a job that gives none (its
     ``options.shard_timeout`` may ask for another, up to a day), so no shard of a tenant's
     job runs unbounded in time: one that expands a thousandfold fails after it instead of
-    holding a job slot for hours; None: jobs run with no limit unless they ask for one.
+    holding a job slot for hours; None (``none`` in the environment): jobs run with no
+    limit unless they ask for one.
     ``orphan_grace_s`` / ``orphan_check_s``: a RUNNING job launched by another replica whose
     signs of life (that replica's heartbeat in the store, the heartbeat in the job's run
     lock) have not changed for ``orphan_grace_s`` is queued again (CANCELLED where its
@@ -43,7 +44,8 @@ class ServiceSettings(BaseSettings):
     seconds, at least four times a grace. Keep the grace above the run lock's TTL (60 s).
     """
 
-    model_config = SettingsConfigDict(env_prefix="PAIRCLEAN_", extra="ignore")
+    # "none" in the environment is None (PAIRCLEAN_SHARD_TIMEOUT_S=none: no default limit)
+    model_config = SettingsConfigDict(env_prefix="PAIRCLEAN_", extra="ignore", env_parse_none_str="none")
 
     database_url: str = "sqlite:///pairclean-jobs.db"
     allowed_inputs: list[str] = Field(default_factory=list)

@@ -123,8 +123,8 @@ def _check_queue_target(path: str, out_uri: str, storage: dict[str, Any]) -> Non
     from pairclean.uris import LOCAL_SCHEMES, local_path, scheme_of
 
     fs, _, (target,) = fsspec.get_fs_token_paths(path, storage_options=storage)
-    if scheme_of(path) == scheme_of(out_uri):
-        local = scheme_of(path) in LOCAL_SCHEMES
+    local = scheme_of(path) in LOCAL_SCHEMES and scheme_of(out_uri) in LOCAL_SCHEMES  # a plain path and file:// alike
+    if local or scheme_of(path) == scheme_of(out_uri):
         folder = os.path.realpath(local_path(out_uri)) if local else out_uri.rstrip("/")
         where = os.path.realpath(local_path(path)) if local else path
         if where.startswith(folder.rstrip("/") + "/"):

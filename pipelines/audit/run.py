@@ -307,9 +307,10 @@ class _Units:
 
 def _key_candidates(key: str) -> list[str]:
     """The keys a label's ``key`` may mean, in order: as read (a key may begin or end with
-    spaces or tabs), then with surrounding spaces taken off (typed by hand). Stripping them
-    first lost the labels of real keys that had them."""
-    return list(dict.fromkeys(k for k in (key, key.strip()) if k))
+    spaces or tabs), then with surrounding spaces taken off (typed by hand), then without
+    the leading ``'`` of the queue CSV's formula escape (a Parquet file made from that CSV
+    keeps it). Stripping first lost the labels of real keys that had spaces."""
+    return list(dict.fromkeys(k for k in (key, key.strip(), _cell(key), _cell(key.strip())) if k))
 
 
 def _match(queue: list[dict[str, Any]], labels: list[Label]) -> _Units:

@@ -287,7 +287,7 @@ def _changed_since_committed(uris: Sequence[str], stems: dict[str, str], committ
 
 
 def _tables_changed(uris: Sequence[str], stems: dict[str, str], out: OutputDir, committed: dict[str, ShardRecord]) -> set[str]:
-    """The shards whose committed table is gone or has another size than pairclean wrote
+    """The shards whose committed table (or sidecar) is gone or has another size than pairclean wrote
     (deleted, or edited by hand): a resume called such a job finished, and every reader then
     failed on it, or read the edited rows. They are scored again, saying so (a table someone
     else wrote in its place is never replaced: that shard then fails, naming it). Local
@@ -299,11 +299,15 @@ def _tables_changed(uris: Sequence[str], stems: dict[str, str], out: OutputDir, 
         record = committed.get(stems[uri])
         if record is None:
             continue
-        size = out.store.size(record.output)
-        if size != record.bytes:
-            now = "it is gone" if size is None else f"{record.bytes} bytes written, {size} now"
-            log.warning("the table of shard %s changed since it was committed (%s): scoring it again", uri, now)
-            changed.add(uri)
+        for name, written, what in ((record.output, record.bytes, "table"), (record.emb_output, record.emb_bytes, "sidecar")):
+            if name is None or written is None:
+                continue
+            size = out.store.size(name)
+            if size != written:
+                now = "it is gone" if size is None else f"{written} bytes written, {size} now"
+                log.warning("the %s of shard %s changed since it was committed (%s): scoring it again", what, uri, now)
+                changed.add(uri)
+                break
     return changed
 
 

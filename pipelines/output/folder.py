@@ -689,13 +689,14 @@ class OutputDir:
             if others:
                 raise InputError(f"{where}: its rows belong to shard {others[0]!r}, not {record.shard!r} (a table copied "
                                  f"under another shard's name; {fix})", uri=where)
-        if schema.COL_KEY in table.column_names:
+        if schema.COL_KEY in table.column_names and schema.COL_STATUS in table.column_names:
+            # (without statuses a shard's own duplicate_key rows cannot be told from damage)
             keys = table.column(schema.COL_KEY).to_pylist()
             if len(set(keys)) != len(keys):
-                statuses = table.column(schema.COL_STATUS).to_pylist() if schema.COL_STATUS in table.column_names else None
+                statuses = table.column(schema.COL_STATUS).to_pylist()
                 seen: set[str] = set()
                 for i, key in enumerate(keys):
-                    if key in seen and (statuses is None or statuses[i] != schema.STATUS_DUPLICATE_KEY):
+                    if key in seen and statuses[i] != schema.STATUS_DUPLICATE_KEY:
                         raise InputError(f"{where}: key {key!r} appears more than once; the table is damaged ({fix})", uri=where)
                     seen.add(key)
         return table

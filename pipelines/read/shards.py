@@ -538,7 +538,7 @@ def _caption_value(value: Any) -> str | None:
         return None
     if isinstance(value, (list, dict, bool)):
         raise ValueError(f"json caption is a{'n object' if isinstance(value, dict) else ' ' + type(value).__name__}, not text")
-    return str(value)
+    return _utf8_key(str(value))[0]
 
 
 def caption_text(caption: str) -> str:
@@ -561,7 +561,9 @@ def _blank(text: str) -> bool:
 
 
 def _opt_str(value: Any) -> str | None:
-    return None if value is None else str(value)
+    """A json ``uid``/``url`` as text; a lone surrogate (``"\\udcff"`` is valid JSON) escaped,
+    as a key's bytes are (``_utf8_key``): no Parquet writer takes it, and the job died."""
+    return None if value is None else _utf8_key(str(value))[0]
 
 
 def to_pair(sample: RawSample, caption_field: str | None = None) -> PairSample:

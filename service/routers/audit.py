@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, Response
 from pydantic import BaseModel, Field
 
@@ -131,16 +132,20 @@ async def audit_page_label(request: Request, job_id: JobId, who: ViewerApi, stor
     except ValueError:
         raise HTTPException(422, "a label is {position, key, label} with label clean, noisy or unsure") from None
     job = job_or_404(store, job_id, who)
-    _auditor(request).add(job, who, [item.model_dump()])
-    return _auditor(request).next_item(job, who)
+    auditor = _auditor(request)
+    # In the thread pool, as the /v1 routes: the labels' lock (and the store) must never
+    # hold the event loop, which answers every other request.
+    await run_in_threadpool(auditor.add, job, who, [item.model_dump()])
+    return await run_in_threadpool(auditor.next_item, job, who)
 
 
 @router.post("/ui/jobs/{job_id}/audit/undo.json", include_in_schema=False)
 async def audit_page_undo(request: Request, job_id: JobId, who: ViewerApi, store: Store) -> dict[str, Any]:
     await _json_post(request)
     job = job_or_404(store, job_id, who)
-    _auditor(request).undo(job, who)
-    return _auditor(request).next_item(job, who)
+    auditor = _auditor(request)
+    await run_in_threadpool(auditor.undo, job, who)
+    return await run_in_threadpool(auditor.next_item, job, who)
 
 
 @router.get("/ui/jobs/{job_id}/audit/labels.csv", include_in_schema=False)

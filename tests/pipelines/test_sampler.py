@@ -133,6 +133,9 @@ def test_weights_are_taken_in_their_own_precision_and_seeds_checked() -> None:
     assert sorted(WeightedSampler(np.array([1e-60, 2e-60, 3e-60]), 3, replacement=False)) == [0, 1, 2]
     assert list(WeightedSampler(np.array([0.0, 1e39]), 2)) == [1, 1]
     assert sorted(WeightedSampler([1e-50, 1.0, 1e-50], 3, replacement=False)) == [0, 1, 2]
+    if np.finfo(np.longdouble).max > 1e400:  # x86's 80-bit long double
+        huge = np.array(["1e400", "3e400"], dtype=np.longdouble)
+        assert sorted(WeightedSampler(huge, 2, replacement=False)) == [0, 1]
     for bad in ({"seed": -1}, {"seed": 1.5}):
         with pytest.raises(ValueError, match="whole number >= 0"):
             WeightedSampler([1.0], **bad)  # type: ignore[arg-type]

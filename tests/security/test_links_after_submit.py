@@ -337,6 +337,22 @@ def test_what_is_opened_is_checked_again_after_the_path_was(tmp_path: Path, monk
     fresh = Store(str(tmp_path / "out" / "fresh"), roots=[str(tmp_path / "out" / "fresh")])
     assert fresh.put("state/records/a.json", b"{}").bytes == 2  # its own folder, made from its parent
     assert (tmp_path / "out" / "fresh" / "state" / "records" / "a.json").read_bytes() == b"{}"
+    # Without /proc (macOS, some containers) the folder opened is located by its path, if
+    # that is still the folder opened: writes that make folders work there too.
+    import os as _os
+
+    real_readlink = _os.readlink
+
+    def no_proc(path: str, *args: object, **kwargs: object) -> str:
+        if str(path).startswith("/proc/self/fd/"):
+            raise FileNotFoundError(path)
+        return real_readlink(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("os.readlink", no_proc)
+    assert fresh.put("emb/new/b.json", b"{}").bytes == 2
+    with pytest.raises(InputError, match="outside the locations"):
+        store.put("sub/other/x.parquet", b"x")
+    assert sorted(p.name for p in victim.iterdir()) == ["t.parquet"]
 
 
 def _only_descriptors(path: str, env: str, what: str, fh: object = None, roots: object = None) -> None:

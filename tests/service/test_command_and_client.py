@@ -109,6 +109,11 @@ def test_every_job_gets_a_shard_time_limit_its_own_or_the_operators() -> None:
     cmd = score_command(own, ServiceSettings(shard_timeout_s=120))
     assert cmd.count("--shard-timeout") == 1 and cmd[cmd.index("--shard-timeout") + 1] == "60.0"
     assert "--shard-timeout" not in score_command(plain, ServiceSettings(shard_timeout_s=None))
+    import os
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {"PAIRCLEAN_SHARD_TIMEOUT_S": "none"}):
+        assert ServiceSettings().shard_timeout_s is None  # an operator can turn the default off
 
 
 def test_the_judge_options_reach_the_score_command_and_are_checked() -> None:

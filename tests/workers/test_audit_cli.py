@@ -170,6 +170,8 @@ def test_a_refused_queue_file_leaves_the_sample_as_it_was(job: Path, tmp_path: P
     inside = job / "q.csv"
     assert main(["audit", str(job), "--sample", "5", "--out", str(inside)]) == 1
     assert "inside the score folder" in capsys.readouterr().err and not inside.exists() and design.read_bytes() == before
+    assert main(["audit", str(job), "--sample", "5", "--out", f"file://{inside}"]) == 1  # a plain path and file:// alike
+    assert "inside the score folder" in capsys.readouterr().err and not inside.exists()
     assert ds.dataset(str(job)).count_rows() > 0
     shard = next(job.glob("*.parquet"))
     copy = tmp_path / "not-a-queue.csv"

@@ -606,3 +606,28 @@ def test_overwrite_keeps_a_file_a_user_put_in_a_tables_place(make_shards, tmp_pa
     assert _score([str(s) for s in shards], out, "--overwrite") == 1
     assert mine.read_bytes() == data
     assert "part-00000.parquet exists and was not written by pairclean; it is left untouched" in capsys.readouterr().err
+
+
+def test_review_of_round_6_duplicate_keys_json_surrogates_and_sidecars(dev_images: list, tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """The read checks refused a shard's own duplicate_key rows when ``columns`` left out
+    ``status``; a json url holding a lone surrogate (valid JSON) still killed the job; a
+    sidecar deleted by hand was not scored again on resume."""
+    from pairclean.lite.evaldata import write_shard
+
+    def sample(key: str, i: int) -> dict:
+        return {"__key__": key, "jpg": dev_images[i].path.read_bytes(), "txt": dev_images[i].captions[0],
+                "json": '{"url": "http://x/\\udcff", "uid": "u\\udcfe"}'}
+
+    shard = write_shard(tmp_path / "s0.tar", [sample("a", 0), sample("b", 1), sample("a", 2), sample("c", 3)])
+    out = tmp_path / "out"
+    assert _score([str(shard)], out) == 0
+    rows = pairclean.read_scores(str(out)).to_pylist()
+    assert [r["status"] for r in rows].count(schema.STATUS_DUPLICATE_KEY) == 1
+    assert (rows[0]["url"], rows[0]["uid"]) == ("http://x/\\xff", "u\\xfe")  # written, the stray bytes escaped
+    assert pairclean.read_scores(str(out), columns=["key", "weight"]).num_rows == 4
+    sidecar = next((tmp_path / f"out{schema.SIDE_SUFFIX}").rglob("emb/*.parquet"))
+    data = sidecar.read_bytes()
+    sidecar.unlink()
+    assert _score([str(shard)], out) == 0
+    assert "the sidecar of shard" in caplog.text and sidecar.read_bytes() == data

@@ -39,3 +39,6 @@ def test_labels_match_their_keys_exactly_first_and_parquet_keys_are_taken_as_the
     assert [lab.key for lab in labels] == [" a", "'b", "c "]
     units = _match(queue, labels + [Label("a", "clean")])
     assert units.outside == 0 and sorted(units.positions.tolist()) == [0, 1, 2, 3]
+    # a Parquet file made from the queue CSV (pandas) keeps its formula escape: matched too
+    escaped = [{"key": "-k", "shard": "s.tar", "stem": "s"}]
+    assert _match(escaped, [Label("'-k", "noisy")]).outside == 0
