@@ -65,12 +65,16 @@ def add_threads_arg(p: _Adder, what: str) -> None:
 def positive_int(text: str) -> int:
     """An argparse type: a whole number of at least 1 (``--threads -2`` ended in torch's
     traceback, ``--num-actors 0`` was taken)."""
+    return _whole_at_least(text, 1)
+
+
+def _whole_at_least(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {text}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least {least}, not {text}")
     return value
 
 
@@ -109,13 +113,7 @@ def add_lock_ttl_arg(p: _Adder) -> None:
 
 def seed(text: str) -> int:
     """An argparse type: a whole number of at least 0 (numpy's generators take no negative seed)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 0, not {text}")
-    return value
+    return _whole_at_least(text, 0)
 
 
 def add_seed_arg(p: _Adder, default: int | None = 0, what: str = "random seed") -> None:
