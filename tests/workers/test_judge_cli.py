@@ -190,8 +190,11 @@ def test_resume_with_the_judge_on_and_a_changed_judge_is_refused(make_shards, tm
 
 def test_bad_judge_flags_are_clear_errors(make_shards, tmp_path: Path, judge_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
     shards = make_shards(n_shards=1, per_shard=4)
-    assert _score(shards, tmp_path / "a", "--judge", "band", "--judge-budget", "1.5", "--judge-checkpoint", str(judge_file)) == 1
-    assert "--judge-budget" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:  # not a fraction: a usage error
+        _score(shards, tmp_path / "a", "--judge", "band", "--judge-budget", "1.5", "--judge-checkpoint", str(judge_file))
+    assert usage.value.code == 2 and "argument --judge-budget: expected a fraction" in capsys.readouterr().err
+    assert _score(shards, tmp_path / "a", "--judge", "band", "--judge-budget", "0", "--judge-checkpoint", str(judge_file)) == 1
+    assert "--judge-budget must be in (0, 1]" in capsys.readouterr().err
     assert _score(shards, tmp_path / "b", "--judge", "all", "--judge-checkpoint", str(tmp_path / "nope.safetensors")) == 1
     assert "judge weights not found" in capsys.readouterr().err
     # the shipped judge reads pairclean-lite's towers: auto turns it off for another model
