@@ -44,7 +44,7 @@ def add_service_parsers(sub: Any) -> None:
     serve = sub.add_parser("serve", help="run the REST service (settings from PAIRCLEAN_* variables)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--state-dir", default="pairclean-service", help="job logs and shard lists")
+    serve.add_argument("--state-dir", default="pairclean-service", help="job logs, shard lists and bug reports")
     serve.add_argument("--demo", action="store_true",
                        help="also score the bundled demo sample as a job of owner 'demo' and print its page and a login key")
     key = sub.add_parser("apikey", help="create an API key (printed once, stored hashed in the job database)")

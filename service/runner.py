@@ -32,6 +32,7 @@ from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.output.report import p_clean_sum
 from pairclean.uris import LOCAL_READ_ROOTS_ENV, LOCAL_WRITE_ROOTS_ENV
 from pairclean.job.lifecycle import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, state_for_exit
+from pairclean_workers.cli import BUG_REPORT_DIR_ENV
 
 from .metrics import Metrics
 from .security import OutputMoved, checked_output, job_roots, local_roots_of
@@ -96,6 +97,8 @@ class JobRunner:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.lists = state_dir / "shard-lists"
         self.lists.mkdir(parents=True, exist_ok=True)
+        # Tracebacks of job processes' bugs: the operator's, never in a job's log (tenants read those)
+        self.bugs = state_dir / "bug-reports"
         self.running: dict[str, _Running] = {}
         #: Who launches this runner's jobs: stable over restarts of this replica, distinct
         #: between replicas (each has its own state folder: the job logs live there).
@@ -238,6 +241,7 @@ class JobRunner:
         # (and this job's own shard list file: not the folder, which holds every tenant's)
         env[LOCAL_READ_ROOTS_ENV] = json.dumps([*local_roots_of(self.settings.allowed_inputs), os.path.realpath(shard_list)])
         env[LOCAL_WRITE_ROOTS_ENV] = json.dumps(job_roots(job.request["output"]))
+        env[BUG_REPORT_DIR_ENV] = str(self.bugs)
         with open(log_path, "ab") as out:
             return subprocess.Popen(score_command(job.request, self.settings, shard_list), stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True, env=env)

@@ -538,6 +538,8 @@ def main(argv: Sequence[str] | None = None, extend: Callable[[Any], None] | None
         return code
     except Exception as exc:
         if not _from_storage_client(exc):
+            if os.environ.get(BUG_REPORT_DIR_ENV):
+                return _report_bug(exc, os.environ[BUG_REPORT_DIR_ENV])
             raise  # a bug: its traceback is what a report needs
         # Object-storage clients raise their own types (botocore's NoCredentialsError is no
         # OSError): a setup problem of the user's, one line like the others.
@@ -546,6 +548,28 @@ def main(argv: Sequence[str] | None = None, extend: Callable[[Any], None] | None
         first = str(exc).splitlines()[0] if str(exc) else ""
         print(f"error: object storage: {type(exc).__name__}: {first}", file=sys.stderr)
         return EXIT_ERROR
+
+
+#: Set by the service for the job processes it starts: a folder of its own where the
+#: traceback of a bug goes (a tenant reads the job's output through ``/jobs/{id}/logs``,
+#: which showed it, with the server's source paths).
+BUG_REPORT_DIR_ENV = "PAIRCLEAN_BUG_REPORT_DIR"
+
+
+def _report_bug(exc: Exception, folder: str) -> int:
+    """Keep the traceback of ``exc`` in ``folder`` and say so in one line (``EXIT_ERROR``)."""
+    import traceback
+
+    name = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}.txt"
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as fh:
+            fh.write("".join(traceback.format_exception(exc)))
+        kept = f"the operator has its traceback ({name})"
+    except OSError:
+        kept = "its traceback could not be kept"
+    print(f"error: internal error (a bug, not the input): {type(exc).__name__}; {kept}", file=sys.stderr)
+    return EXIT_ERROR
 
 
 #: Packages whose exceptions mean "the storage service or its credentials", not a bug here.

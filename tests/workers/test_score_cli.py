@@ -631,3 +631,27 @@ def test_review_of_round_6_duplicate_keys_json_surrogates_and_sidecars(dev_image
     sidecar.unlink()
     assert _score([str(shard)], out) == 0
     assert "the sidecar of shard" in caplog.text and sidecar.read_bytes() == data
+
+
+def test_a_bug_in_a_service_job_keeps_its_traceback_out_of_the_tenants_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A job process's bug printed its traceback, which ``/jobs/{id}/logs`` showed the tenant
+    with the server's source paths. In a job the service starts, it goes to the operator's
+    folder and the log gets one line; run by hand, the traceback is printed as before."""
+    from pairclean_workers.cli import BUG_REPORT_DIR_ENV
+
+    def extend(sub: object) -> None:
+        sub.add_parser("boom")  # type: ignore[attr-defined]
+
+    def boom(_: object) -> int:
+        raise RuntimeError("a bug at /srv/secret/path.py")
+
+    with pytest.raises(RuntimeError):
+        main(["boom"], extend, {"boom": boom})
+    monkeypatch.setenv(BUG_REPORT_DIR_ENV, str(tmp_path / "bugs"))
+    capsys.readouterr()
+    assert main(["boom"], extend, {"boom": boom}) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal error (a bug, not the input): RuntimeError" in err and "/srv/secret" not in err
+    (kept,) = (tmp_path / "bugs").iterdir()
+    assert "a bug at /srv/secret/path.py" in kept.read_text() and kept.name in err
