@@ -22,6 +22,8 @@ imported here). ``import pairclean.sampler`` is safe in any training environment
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import math
 import os
 from collections.abc import Iterable, Iterator
@@ -33,8 +35,8 @@ import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
 from pairclean.errors import InputError
-from pairclean.schema import IMAGE_EXTS, REWRITE_FILE, STATUS_DUPLICATE_KEY, checked_weights, local_side_path
-from pairclean.uris import shard_stem
+from pairclean.schema import FAILED_DIR, IMAGE_EXTS, JOB_FILE, REWRITE_FILE, STATUS_DUPLICATE_KEY, checked_weights, local_side_path
+from pairclean.uris import LOCAL_SCHEMES, local_path, scheme_of, shard_stem
 
 __all__ = [
     "MISSING_POLICIES",
@@ -46,6 +48,8 @@ __all__ = [
     "weight_stage",
     "WeightedSampler",
 ]
+
+log = logging.getLogger(__name__)
 
 MODES = ("loss", "sample", "keep", "pseudo")
 MISSING_POLICIES = ("error", "skip", "default")
@@ -63,24 +67,50 @@ class WeightStore:
     """
 
     def __init__(self, output_dir: str | os.PathLike[str], max_cached_shards: int = 64) -> None:
-        self.root = Path(output_dir)
+        self.root = Path(_local_folder(os.fspath(output_dir)))
         if not self.root.is_dir():
             raise FileNotFoundError(f"pairclean output folder not found: {self.root}")
+        if not Path(local_side_path(self.root, JOB_FILE)).is_file():
+            # Any folder used to do: with missing="default" a typo (the shards' folder, the
+            # side folder, an empty one) trained every sample at the default weight, silently.
+            raise InputError(f"{self.root} is not a pairclean output folder (no {local_side_path(self.root, JOB_FILE)}): "
+                             "give the --out of `pairclean score`", uri=str(self.root))
         if Path(local_side_path(self.root, REWRITE_FILE)).exists():  # OutputDir.check_tables_whole, without the store
             raise InputError(f"{self.root}: a pairclean rescore, refine or audit was interrupted while rewriting the tables "
                              "(some hold its weights, some the earlier ones): run it again before training", uri=str(self.root))
         self.max_cached = max_cached_shards
         self._cache: dict[str, tuple[dict[str, tuple[float, bool]], dict[str, int]]] = {}
+        self._warned: set[str] = set()
 
     def _load(self, stem: str) -> tuple[dict[str, tuple[float, bool]], dict[str, int]]:
         if stem in self._cache:
             return self._cache[stem]
         path = self.root / f"{stem}.parquet"
         rows = self._read(path, stem) if path.exists() else ({}, {})
+        if not path.exists():
+            self._say_missing(stem)
         if len(self._cache) >= self.max_cached:
             self._cache.pop(next(iter(self._cache)))  # shards stream in order: drop the oldest
         self._cache[stem] = rows
         return rows
+
+    def why_missing(self, stem: str) -> str:
+        """Why shard ``stem`` has no table here: its scoring failed (with the error recorded),
+        or the job never scored a shard of that name."""
+        failed = Path(local_side_path(self.root, f"{FAILED_DIR}/{stem}.json"))
+        if failed.is_file():
+            try:
+                error = str(json.loads(failed.read_text()).get("error", "")).splitlines()[0]
+            except (ValueError, OSError, AttributeError, IndexError):
+                error = "see its failure record"
+            return f"its scoring failed ({error}); score it again, or leave the shard out of training"
+        return "the job scored no shard of that name (another folder's, or renamed since?)"
+
+    def _say_missing(self, stem: str) -> None:
+        """Warn once per shard that has no table (its samples then follow ``missing``)."""
+        if stem not in self._warned:
+            self._warned.add(stem)
+            log.warning("no pairclean table for shard %r in %s: %s", stem, self.root, self.why_missing(stem))
 
     @staticmethod
     def _read(path: Path, stem: str) -> tuple[dict[str, tuple[float, bool]], dict[str, int]]:
@@ -154,6 +184,16 @@ class WeightStore:
         state = self.__dict__.copy()
         state["_cache"] = {}
         return state
+
+
+def _local_folder(uri: str) -> str:
+    """A local folder from a path or ``file://`` URI; one-line ``InputError`` for another scheme
+    (``file:///x`` was taken as the relative path ``file:/x``: "not found")."""
+    scheme = scheme_of(uri)
+    if scheme in LOCAL_SCHEMES:
+        return local_path(uri)
+    raise InputError(f"{uri}: WeightStage reads a local output folder, not {scheme}://; copy the folder here first "
+                     "(pairclean.read_scores reads it where it is)", uri=uri)
 
 
 def _repeated_keys(keys: list[str], statuses: list[str] | None) -> set[str] | str:
@@ -283,9 +323,9 @@ class WeightStage:
             self.store.check_image(sample, url, key)
         else:
             if self.missing == "error":
-                raise KeyError(
-                    f"no pairclean weight for key {key!r} of shard {url!r} (stem {shard_stem(url)!r}) in {self.store.root}"
-                )
+                stem = shard_stem(url)
+                why = self.store.why_missing(stem) if not (self.store.root / f"{stem}.parquet").exists() else "the shard's table has no such key"
+                raise KeyError(f"no pairclean weight for key {key!r} of shard {url!r} (stem {stem!r}) in {self.store.root}: {why}")
             if self.missing == "skip":
                 return None
             found = (self.default, False)

@@ -8,6 +8,7 @@ recipe X gives the same weights as scoring with recipe X from the start.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -28,6 +29,8 @@ from pairclean.job.work import has_word_check, judged_p_clean, osa_p_clean, refi
 from pairclean.output.tables import float_column, output_metadata, read_embeddings, scores_table
 
 __all__ = ["rescore"]
+
+log = logging.getLogger(__name__)
 
 
 def _embeddings(out: OutputDir, records: list[ShardRecord], limit: int) -> tuple[np.ndarray, np.ndarray]:
@@ -81,6 +84,18 @@ def rescore(
         lock.release()
 
 
+def _warn_audit_replaced(out: OutputDir, tables: list[tuple[ShardRecord, pa.Table]]) -> None:
+    """Say so when the tables carry an audit's recalibrated ``p_clean`` (``p_clean_model``
+    beside it): the rewrite replaces it with the new calibration's, as a fresh score would.
+    It did so without a word, and the labels' work looked lost."""
+    from pairclean.audit.run import COL_P_CLEAN_MODEL  # (the audit imports the job modules)
+
+    audited = sum(1 for _, t in tables if COL_P_CLEAN_MODEL in t.column_names)
+    if audited:
+        log.warning("%d of %d tables hold p_clean recalibrated by an audit: the rescore replaces it with the new "
+                    "calibration's; run `pairclean audit %s --labels FILE` again to recalibrate", audited, len(tables), out.uri)
+
+
 def _rescore_locked(out: OutputDir, old_spec: JobSpec, lock: RunLock, *, beta_recipe: str, weighting: str, beta_k: int | None,
                     random_beta: Callable[[JobSpec], float] | None, contrast: bool | None) -> Calibration:
     old_judge = _old_judge(out, old_spec)
@@ -90,6 +105,7 @@ def _rescore_locked(out: OutputDir, old_spec: JobSpec, lock: RunLock, *, beta_re
     if not committed:
         raise InputError(f"{out.uri} holds no committed shard")
     tables = [(record, out.read_scores(record)) for record in committed]
+    _warn_audit_replaced(out, tables)
     ok_sims = [
         t.column(schema.COL_SIMILARITY).to_numpy()[
             schema.ok_mask(t)

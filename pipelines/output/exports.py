@@ -26,11 +26,13 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+from numpy.typing import NDArray
 
 from pairclean import schema
 from pairclean.errors import InputError
 from pairclean.output.folder import OutputDir
-from pairclean.uris import LOCAL_WRITE_ROOTS_ENV, check_local_root
+from pairclean.uris import LOCAL_WRITE_ROOTS_ENV, check_local_root, shard_stem
 
 log = logging.getLogger(__name__)
 
@@ -114,12 +116,15 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
         table = out.read_scores(record)
         name = PurePosixPath(record.shard).name
         ok = schema.ok_mask(table)
-        clean = ok & ~table.column(schema.COL_NOISY).to_numpy(zero_copy_only=False).astype(bool)
+        # A key the shard holds twice names two samples a trainer cannot tell apart: its first
+        # (ok) copy is not kept nor weighted either, as WeightStage gives it weight 0.
+        twice = _repeated(table)
+        clean = ok & ~twice & ~table.column(schema.COL_NOISY).to_numpy(zero_copy_only=False).astype(bool)
         sizes[name] = table.num_rows if sizes_of == "all" else int(clean.sum())
         report.rows += table.num_rows
         report.kept += int(clean.sum())
         # Checked as the trainer's WeightStage checks them: NaN would make the JSON invalid.
-        sums[name] = float(schema.checked_weights(table.column(schema.COL_WEIGHT), out.store.url(record.output)).sum())
+        sums[name] = float(schema.checked_weights(table.column(schema.COL_WEIGHT), out.store.url(record.output))[~twice].sum())
         folder = _local_folder(record.shard)
         if folder is not None and folder not in shard_folders:
             shard_folders.append(folder)
@@ -139,6 +144,7 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
                 bad.append((uid, key, record.shard))
     if not sizes:
         raise InputError(f"{out.uri} holds no committed shard")
+    _note_unscored(out, report)
     has_uid = bool(keep or bad)
     if bad and not keep:
         # No uid is DataComp's (the demo's are names): no keep list, the rest is written.
@@ -202,6 +208,30 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
             f"{report.written['sizes.json']} to {where}/ (or pass --sizes-beside-shards / --sizes-dir DIR)"
         )
     return report
+
+
+def _repeated(table: pa.Table) -> NDArray[np.bool_]:
+    """Rows whose key the shard holds more than once (every copy, the first ok one included)."""
+    keys = table.column(schema.COL_KEY).to_pylist()
+    statuses = table.column(schema.COL_STATUS).to_pylist()
+    twice = {k for k, st in zip(keys, statuses) if st == schema.STATUS_DUPLICATE_KEY}
+    return np.fromiter((k in twice for k in keys), dtype=bool, count=len(keys))
+
+
+def _note_unscored(out: OutputDir, report: ExportReport) -> None:
+    """A note naming the job's shards that are in none of the files (failed, or not scored
+    yet): open_clip's ``get_dataset_size`` raised a bare ``KeyError`` on the first of them,
+    and the kept count described only the scored shards, without a word."""
+    spec = out.read_spec()
+    committed = out.committed()
+    failed = out.quarantined()
+    missing = [u for u in (spec.shards if spec is not None else []) if shard_stem(u) not in committed]
+    if missing:
+        named = ", ".join(PurePosixPath(u).name for u in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        why = f"{sum(1 for u in missing if shard_stem(u) in failed)} failed scoring, the others are not scored yet"
+        report.notes.append(f"{len(missing)} of the job's {len(spec.shards) if spec else 0} shards are in none of these files "
+                            f"({why}): {named}; leave them out of the training URLs (open_clip's sizes.json has no entry "
+                            "for them) or score them again")
 
 
 def _refuse_kept_beside_shards(copies: Sequence[str], shard_folders: Sequence[str], kept: int) -> None:

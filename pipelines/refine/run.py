@@ -252,6 +252,11 @@ def _heads_name(method: str, sha: str) -> str:
     return f"{HEADS_DIR}/{method}-{sha[:12]}.safetensors"
 
 
+def _heads_file(method: str, sha: str) -> str:
+    """The heads file as it lies beside the output folder: ``OUT.pairclean/state/heads/...``."""
+    return f"OUT{schema.SIDE_SUFFIX}/{schema.side_name(_heads_name(method, sha))}"
+
+
 def _referee(calibration: Calibration | None, sample: Sample) -> np.ndarray | None:
     """The judge's ratios of the sample as the ensemble's referee, where the job's judge has
     its word check on (the guard trusts it on this corpus); else None."""
@@ -324,7 +329,9 @@ def refine_doc(heads: Heads, sha: str, p_map: dict[str, Any] | None = None) -> d
     else:
         how = "the raw score mapped onto OSA's p_clean by quantiles, times the judge's word check where the job has one"
     return {"method": heads.method, "settings": heads.doc.get("settings"), "sample_pairs": heads.doc.get("sample_pairs"),
-            "seed": heads.doc.get("seed"), "heads_sha256": sha, "heads": _heads_name(heads.method, sha),
+            # where the file lies, relative to OUT's parent: the logical "_pairclean/..." name
+            # it is stored under named no file a user could find
+            "seed": heads.doc.get("seed"), "heads_sha256": sha, "heads": _heads_file(heads.method, sha),
             "score_column": score_column(heads.method), "p_clean": how,
             **({"p_clean_map": p_map} if p_map is not None else {}),
             **({"choice": heads.doc["choice"]} if "choice" in heads.doc else {}),

@@ -84,6 +84,39 @@ def test_stage_missing_policies(scored) -> None:
     assert list(weight_stage(out, "loss", missing="default", default=0.5)(extra))[0]["weight"] == 0.5
 
 
+def test_the_stage_takes_only_an_output_folder_and_says_why_a_shard_has_no_table(
+        scored, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Round 7: any folder that existed was taken, so with ``missing="default"`` a typo (the
+    shards' folder, the side folder, an empty one) trained every sample at the default weight;
+    a shard whose scoring failed did the same without a word; ``file://`` folders were "not found"."""
+    from pairclean.errors import InputError
+    from pairclean_workers.cli import main
+
+    out, shards = scored
+    for wrong in (shards[0].parent, Path(f"{out}{schema.SIDE_SUFFIX}"), tmp_path):
+        with pytest.raises(InputError, match="is not a pairclean output folder"):
+            WeightStage(wrong, "loss", missing="default")
+    with pytest.raises(InputError, match="reads a local output folder, not s3://"):
+        WeightStage("s3://bucket/out", "loss")
+    assert len(list(WeightStage(f"file://{out}", "loss")(_samples(shards)))) == 20
+    junk = tmp_path / "sh-00002.tar"
+    junk.write_bytes(b"not a tar" * 100)
+    part = tmp_path / "part"
+    assert main(["score", *map(str, shards), str(junk), "--out", str(part), "--model", "pairclean-tiny-test",
+                 "--executor", "local", "--no-progress", "--max-failed-fraction", "0.5"]) == 4
+    lost = [{"__key__": "k2-000", "__url__": str(junk)}]
+    with pytest.raises(KeyError, match="its scoring failed"):
+        list(WeightStage(part, "loss")(lost))
+    assert list(WeightStage(part, "loss", missing="default", default=0.5)(lost))[0][schema_weight_key()] == 0.5
+    assert "no pairclean table for shard 'sh-00002'" in caplog.text and "its scoring failed" in caplog.text
+
+
+def schema_weight_key() -> str:
+    from pairclean.sampler import WEIGHT_KEY
+
+    return WEIGHT_KEY
+
+
 def test_sampler_frequencies_follow_weights() -> None:
     weights = np.array([0.0, 1.0, 2.0, 3.0, 4.0], dtype=np.float32)
     sampler = WeightedSampler(weights, num_samples=200_000, seed=3)

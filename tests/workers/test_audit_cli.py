@@ -44,7 +44,8 @@ def _label(queue: Path, dest: Path, swapped: set[str], take: int | None = None, 
     return dest
 
 
-def test_sample_label_estimate_and_recalibrate(job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_sample_label_estimate_and_recalibrate(job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               caplog: pytest.LogCaptureFixture) -> None:
     swapped, _ = _demo_truth(str(job))
     queue = tmp_path / "queue.csv"
     assert main(["audit", str(job), "--sample", "10", "--seed", "3", "--out", str(queue)]) == 0
@@ -85,6 +86,14 @@ def test_sample_label_estimate_and_recalibrate(job: Path, tmp_path: Path, capsys
     assert main(["audit", str(job), "--labels", str(labels)]) == 0
     assert "0 rewritten, 1 already done" in capsys.readouterr().out
     assert hashlib.sha256((job / "demo-000000.parquet").read_bytes()).hexdigest() == digest
+
+    # a rescore replaces the recalibrated p_clean, as a fresh score would: said, not silent (round 7)
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        assert main(["rescore", str(job), "--beta-recipe", "gmm", "--weighting", "p-clean"]) == 0
+    assert "1 of 1 tables hold p_clean recalibrated by an audit" in caplog.text
+    assert "p_clean_model" not in pq.read_table(job / "demo-000000.parquet").column_names
 
 
 def test_too_few_labels_say_how_many_more(job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -96,7 +96,8 @@ def test_refine_planted_job_local_is_good_deterministic_and_idempotent(tmp_path:
     assert table.schema.names[:11] == ["key", "shard", "idx", "status", "error", "similarity", "weight", "noisy", "p_clean", "ncr_score"][:11]
     meta = json.loads(table.schema.metadata[schema.META_KEY])
     assert meta["refine"]["method"] == "ncr" and meta["refine"]["seed"] == 5 and meta["refine"]["sample_pairs"] == 396
-    heads = schema.local_side_path(tmp_path / "a", meta["refine"]["heads"])  # a logical name: OUT.pairclean/state/heads/
+    assert meta["refine"]["heads"].startswith(f"OUT{schema.SIDE_SUFFIX}/state/heads/")  # where it lies, OUT named so
+    heads = Path(str(tmp_path / "a") + meta["refine"]["heads"][len("OUT"):])
     assert hashlib.sha256(heads.read_bytes()).hexdigest() == meta["refine"]["heads_sha256"]
     rows = pq.read_table(tmp_path / "a", columns=["key", "status", "p_clean", "ncr_score", "weight", "noisy"]).to_pylist()
     ok = [r for r in rows if r["status"] == "ok"]

@@ -609,7 +609,8 @@ def test_overwrite_keeps_a_file_a_user_put_in_a_tables_place(make_shards, tmp_pa
 
 
 def test_review_of_round_6_duplicate_keys_json_surrogates_and_sidecars(dev_images: list, tmp_path: Path,
-                                                                        caplog: pytest.LogCaptureFixture) -> None:
+                                                                        caplog: pytest.LogCaptureFixture,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """The read checks refused a shard's own duplicate_key rows when ``columns`` left out
     ``status``; a json url holding a lone surrogate (valid JSON) still killed the job; a
     sidecar deleted by hand was not scored again on resume."""
@@ -626,6 +627,13 @@ def test_review_of_round_6_duplicate_keys_json_surrogates_and_sidecars(dev_image
     assert [r["status"] for r in rows].count(schema.STATUS_DUPLICATE_KEY) == 1
     assert (rows[0]["url"], rows[0]["uid"]) == ("http://x/\\xff", "u\\xfe")  # written, the stray bytes escaped
     assert pairclean.read_scores(str(out), columns=["key", "weight"]).num_rows == 4
+    # export counts a repeated key as WeightStage weighs it: neither copy kept (round 7)
+    capsys.readouterr()
+    assert main(["export", str(out)]) == 0
+    ok_once = [r for r in rows if r["key"] != "a" and r["status"] == "ok" and not r["noisy"]]
+    assert f"kept pairs (ok, not noisy): {len(ok_once)} of 4" in capsys.readouterr().out
+    sums = json.loads(schema.local_side_path(out, f"{schema.EXPORT_DIR}/shard_weights.json").read_text())
+    assert sums["s0.tar"] == pytest.approx(sum(r["weight"] for r in rows if r["key"] != "a"), abs=1e-5)
     sidecar = next((tmp_path / f"out{schema.SIDE_SUFFIX}").rglob("emb/*.parquet"))
     data = sidecar.read_bytes()
     sidecar.unlink()
@@ -655,3 +663,18 @@ def test_a_bug_in_a_service_job_keeps_its_traceback_out_of_the_tenants_log(tmp_p
     assert err.count("\n") == 1 and "internal error (a bug, not the input): RuntimeError" in err and "/srv/secret" not in err
     (kept,) = (tmp_path / "bugs").iterdir()
     assert "a bug at /srv/secret/path.py" in kept.read_text() and kept.name in err
+
+
+def test_export_of_a_partial_job_names_the_shards_in_none_of_its_files(make_shards, tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Round 7: export of a job with a failed shard said nothing, and open_clip then failed on
+    its sizes.json with a bare KeyError for that shard."""
+    good = make_shards(n_shards=2, per_shard=4)
+    junk = good[0].parent / "junk.tar"
+    junk.write_bytes(b"not a tar" * 100)
+    out = tmp_path / "out"
+    assert _score([str(g) for g in good] + [str(junk)], out, "--max-failed-fraction", "0.5") == 4
+    capsys.readouterr()
+    assert main(["export", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "note: 1 of the job's 3 shards are in none of these files (1 failed scoring" in said and "junk.tar" in said
