@@ -65,6 +65,10 @@ __all__ = [
     "MANIFEST_DIR",
     "COMPLETIONS_DIR",
     "FAILED_DIR",
+    "AUDIT_DIR",
+    "AUDIT_DESIGN_FILE",
+    "AUDIT_APPLIED_DIR",
+    "AUDIT_REPORT_FILE",
     "LOCK_FILE",
     "EXPORTS_FILE",
     "CONTRAST_BANK_FILE",
@@ -177,6 +181,12 @@ CALIBRATION_FILE: Final = f"{STATE_DIR}/calibration.json"
 MANIFEST_DIR: Final = f"{STATE_DIR}/manifest"
 COMPLETIONS_DIR: Final = f"{STATE_DIR}/completions"
 FAILED_DIR: Final = f"{STATE_DIR}/failed"
+#: The audit's sample (``design.json``), the applied recalibrations and its report
+#: (``pairclean.audit.run``): ``--overwrite`` deletes them with the tables they describe.
+AUDIT_DIR: Final = f"{STATE_DIR}/audit"
+AUDIT_DESIGN_FILE: Final = f"{AUDIT_DIR}/design.json"
+AUDIT_APPLIED_DIR: Final = f"{AUDIT_DIR}/applied"
+AUDIT_REPORT_FILE: Final = f"{STATE_DIR}/audit.json"
 LOCK_FILE: Final = f"{STATE_DIR}/lock.json"
 EXPORTS_FILE: Final = f"{STATE_DIR}/exports.json"
 #: Present while ``rescore``, ``refine`` or ``audit`` rewrites the tables: a run killed midway

@@ -91,8 +91,8 @@ class ShardScorer:
     def model_info(self) -> dict[str, Any]:
         return self.work.model_info
 
-    def calibrate(self, uris: Sequence[str]) -> CalibrationOutcome:
-        return self.work.calibrate(uris)
+    def calibrate(self, uris: Sequence[str], time_limit_s: float | None = None) -> CalibrationOutcome:
+        return self.work.calibrate(uris, time_limit_s)
 
     def score(self, uri: str, calibration: Calibration) -> Any:
         return self.work.score(uri, calibration)
@@ -307,7 +307,10 @@ class RaySource:
         for attempt in range(1, self.options.max_retries + 2):
             actor = self.actors[0]
             try:
-                return get_result(actor.calibrate.remote(list(uris)))  # a PaircleanError as itself, one line
+                # The calibration reads its shards in one task: each is held to --shard-timeout by
+                # the reader itself (killing the task would retry the whole phase), as under the
+                # local executor; without it a huge first shard was read whole, and calibrated on.
+                return get_result(actor.calibrate.remote(list(uris), self.options.shard_timeout_s))
             except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError) as exc:
                 log.warning("worker lost during calibration (attempt %d): %s", attempt, exc)
                 if self.actors[0] is actor:

@@ -67,10 +67,10 @@ __all__ = [
 #: The model's own ``p_clean``, kept beside the recalibrated one.
 COL_P_CLEAN_MODEL = "p_clean_model"
 LABELS = ("clean", "noisy", "unsure")
-AUDIT_DIR = f"{schema.STATE_DIR}/audit"
-DESIGN_FILE = f"{AUDIT_DIR}/design.json"
-APPLIED_DIR = f"{AUDIT_DIR}/applied"
-REPORT_FILE = f"{schema.STATE_DIR}/audit.json"
+AUDIT_DIR = schema.AUDIT_DIR
+DESIGN_FILE = schema.AUDIT_DESIGN_FILE
+APPLIED_DIR = schema.AUDIT_APPLIED_DIR
+REPORT_FILE = schema.AUDIT_REPORT_FILE
 #: A labels file is read up to this many bytes and rows (a few hundred labels is the use).
 MAX_LABEL_BYTES = 64 * 2**20
 MAX_LABEL_ROWS = 1_000_000

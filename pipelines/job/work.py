@@ -361,16 +361,18 @@ class ShardWork:
         """beta of the random-inputs recipe for this estimator (cached on disk)."""
         return float(random_beta_fn(self.estimator, self.spec.beta_k, self.spec.seed)())
 
-    def calibrate(self, uris: Sequence[str]) -> CalibrationOutcome:
+    def calibrate(self, uris: Sequence[str], time_limit_s: float | None = None) -> CalibrationOutcome:
         """The calibration phase over ``uris`` (in shard order); see the module docstring.
 
-        Shards that cannot be read are reported as failed outcomes (attempts 1); any other
-        exception propagates (the caller retries the whole phase, which is deterministic).
+        Shards that cannot be read (or take longer than ``time_limit_s``, else the options'
+        limit) are reported as failed outcomes (attempts 1); any other exception propagates
+        (the caller retries the whole phase, which is deterministic).
         """
+        options = self.options if time_limit_s is None else replace(self.options, time_limit_s=time_limit_s)
         dim = int(self.model_info["embed_dim"])
         if not needs_corpus(self.spec.beta_recipe, self.spec.weighting) and self.judge is None:
-            _check_first_shard_readable(uris, self.options.read, self.spec.caption_field, self.spec.max_pixels,
-                                        self.options.time_limit_s)
+            _check_first_shard_readable(uris, options.read, self.spec.caption_field, self.spec.max_pixels,
+                                        options.time_limit_s)
             return CalibrationOutcome(calibrate_on([], self.spec, self.random_beta, dim))
         held: list[ShardResult] = []
         outcomes: list[tuple[str, ShardResult | None, str | None]] = []
@@ -379,7 +381,7 @@ class ShardWork:
             if ok >= self.spec.calibration_pairs:
                 break
             try:
-                result = score_shard(uri, self.estimator, self.options, judge=self.judge)
+                result = score_shard(uri, self.estimator, options, judge=self.judge)
             except InputError as exc:
                 outcomes.append((uri, None, str(exc)))
                 continue

@@ -363,6 +363,10 @@ class OutputDir:
             names += list(json.loads(exports).get("written", [])) + [schema.EXPORTS_FILE]
         names += [f"{schema.MANIFEST_DIR}/{n}" for n in self.store.list(schema.MANIFEST_DIR)]
         names += self._pseudo_outputs()
+        # The audit's sample and report describe the tables being deleted: labels made for
+        # them recalibrated the new job's tables (pairs it does not even hold).
+        names += [schema.AUDIT_DESIGN_FILE, schema.AUDIT_REPORT_FILE]
+        names += [f"{schema.AUDIT_APPLIED_DIR}/{n}" for n in self.store.list(schema.AUDIT_APPLIED_DIR)]
         names += [schema.REWRITE_FILE, schema.CALIBRATION_FILE, schema.CONTRAST_BANK_FILE, schema.JOB_FILE]
         removed = [n for n in names if self.store.rm(n)]
         self._compacted, self._pending, self._failed_stems = {}, {}, set()
@@ -400,6 +404,13 @@ class OutputDir:
         temporaries a killed write of ours left."""
         self.check_tables_whole(resuming=verb)
         self.remove_temporaries()
+        for record in self.iter_committed():
+            # Before anything is rewritten: a table another tool wrote in place (its metadata
+            # gone) crashed a rescore halfway, with a traceback and the rewrite left marked.
+            if self.store.exists(record.output) and not self.written_by(record.output):
+                where = self.store.url(record.output)
+                raise InputError(f"{where} has no pairclean metadata (rewritten by another tool?): it is not rewritten; "
+                                 "put back the table pairclean wrote, or score the job again into a new folder", uri=where)
 
     def check_tables_whole(self, resuming: str | None = None) -> None:
         """``InputError`` when a rewrite of the tables was interrupted (some tables hold the

@@ -188,3 +188,18 @@ def test_a_refused_queue_file_leaves_the_sample_as_it_was(job: Path, tmp_path: P
     assert main(["audit", str(job), "--sample", "5", "--out", str(copy)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not an audit queue" in err
+
+
+def test_overwrite_drops_the_audit_sample_of_the_tables_it_deletes(job: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Round 7: ``score --overwrite`` kept the old job's audit sample, so labels made for
+    tables it deleted (pairs the new job does not even hold) recalibrated the new ones."""
+    from pairclean_workers.cli import sample_shard
+
+    queue = tmp_path / "queue.csv"
+    assert main(["audit", str(job), "--sample", "6", "--out", str(queue)]) == 0
+    labels = _label(queue, tmp_path / "labels.csv", set())
+    assert main(["score", sample_shard(), "--out", str(job), "--no-progress", "--executor", "local", "--overwrite"]) == 0
+    capsys.readouterr()
+    assert main(["audit", str(job), "--labels", str(labels)]) == 1
+    assert "no audit sample yet" in capsys.readouterr().err

@@ -678,3 +678,39 @@ def test_export_of_a_partial_job_names_the_shards_in_none_of_its_files(make_shar
     assert main(["export", str(out)]) == 0
     said = capsys.readouterr().out
     assert "note: 1 of the job's 3 shards are in none of these files (1 failed scoring" in said and "junk.tar" in said
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_under_ray_the_calibrations_shards_are_held_to_the_time_limit_too(make_shards, tmp_path: Path) -> None:
+    """Round 7: Ray's driver times shards out by killing their task, and the calibration reads
+    its shards in one task, so a huge first shard was read whole and calibrated on under Ray
+    (SUCCEEDED) where the local executor set it aside (PARTIAL): different weights."""
+    good = make_shards(n_shards=2, per_shard=4)
+    first = _rows_of_tar(good[0])
+    bomb = _zero_bomb(tmp_path / "shards" / "a-bomb.tar.gz", first["jpg"], first["txt"], gib=24)
+    out = tmp_path / "out"
+    ray = [a for a in TINY if a not in ("--executor", "local")] + ["--executor", "ray", "--num-actors", "1"]
+    code = main(["score", str(bomb), *map(str, good), "--out", str(out), *ray, "--shard-timeout", "4", "--max-failed-fraction", "0.5"])
+    assert code == 4
+    failed = OutputDir(str(out)).quarantined()
+    assert list(failed) == ["a-bomb"] and "took longer than its 4 s limit" in failed["a-bomb"]["error"]
+
+
+def test_a_rewrite_refuses_a_table_another_tool_wrote_before_rewriting_anything(make_shards, tmp_path: Path,
+                                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Round 7: a table rewritten by the user's own tool (same rows, no pairclean metadata)
+    crashed ``rescore`` halfway with a traceback, its rewrite left marked: every verb then
+    refused the folder."""
+    shards = make_shards(n_shards=3, per_shard=4)
+    out = tmp_path / "out"
+    assert _score([str(s) for s in shards], out) == 0
+    first = (out / "part-00000.parquet").read_bytes()
+    table = pq.read_table(out / "part-00001.parquet")
+    pq.write_table(table.replace_schema_metadata(None), out / "part-00001.parquet")
+    capsys.readouterr()
+    assert main(["rescore", str(out), "--beta-recipe", "gmm", "--weighting", "paper"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "part-00001.parquet has no pairclean metadata" in err
+    assert (out / "part-00000.parquet").read_bytes() == first  # nothing rewritten
+    assert main(["export", str(out)]) == 0  # and no rewrite left marked
