@@ -529,8 +529,11 @@ def main(argv: Sequence[str] | None = None, extend: Callable[[Any], None] | None
         # is a file, a full disk): one line for the user, the stack only with -v.
         if args.verbose:
             log.exception("job failed")
-        where = f": {exc.filename}" if exc.filename else ""
-        print(f"error: {exc.strerror or exc}{where}", file=sys.stderr)
+        # An object store's refusal often names no object ("Forbidden"): say what was worked on
+        out = getattr(args, "out", None)
+        where = f": {exc.filename}" if exc.filename else (f" (working on {out})" if out else "")
+        hint = "; check the credentials and permissions" if isinstance(exc, PermissionError) else ""
+        print(f"error: {exc.strerror or exc}{where}{hint}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt as exc:
         what, code = ("terminated (SIGTERM)", 143) if isinstance(exc, Terminated) else ("interrupted", 130)

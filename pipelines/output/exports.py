@@ -32,7 +32,7 @@ from numpy.typing import NDArray
 from pairclean import schema
 from pairclean.errors import InputError
 from pairclean.output.folder import OutputDir
-from pairclean.uris import LOCAL_WRITE_ROOTS_ENV, check_local_root, shard_stem
+from pairclean.uris import LOCAL_SCHEMES, LOCAL_WRITE_ROOTS_ENV, check_local_root, local_path, scheme_of, shard_stem
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,7 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
     no_uid = 0  # kept pairs without a uid (never in the keep file)
     bad: list[tuple[str, str, str]] = []  # (uid, key, shard) of kept pairs with a non-DataComp uid
     shard_folders: list[str] = []
+    remote_shards = 0
     for record in out.iter_committed():
         table = out.read_scores(record)
         name = PurePosixPath(record.shard).name
@@ -128,6 +129,7 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
         folder = _local_folder(record.shard)
         if folder is not None and folder not in shard_folders:
             shard_folders.append(folder)
+        remote_shards += folder is None
         if schema.COL_UID not in table.column_names:
             no_uid += int(clean.sum())
             continue
@@ -174,14 +176,22 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
             f"datacomp_keep.npy not written: it needs DataComp uids (32 hex digits in each sample's json 'uid'), "
             f"and these shards have none{example}"
         )
+    for folder in sizes_dirs:
+        if scheme_of(folder) not in LOCAL_SCHEMES:  # was taken as a local path: "cannot write into '/here/s3:/b'"
+            raise InputError(f"--sizes-dir {folder}: copies of sizes.json are written to local folders only; copy "
+                             f"{out.store.url(schema.EXPORT_DIR)}/sizes.json there yourself")
+    if sizes_beside_shards and remote_shards:
+        report.notes.append(f"sizes.json is not written beside shards in object storage ({remote_shards} shards): copy "
+                            f"{out.store.url(schema.EXPORT_DIR)}/sizes.json to their folder yourself")
     # absolute: the record (and a refresh run from another folder) must name the same files
-    copies = list(dict.fromkeys([os.path.abspath(d) for d in (*sizes_dirs, *(shard_folders if sizes_beside_shards else []))]))
+    copies = list(dict.fromkeys([os.path.abspath(local_path(d)) for d in (*sizes_dirs, *(shard_folders if sizes_beside_shards else []))]))
     if sizes_of == "kept":
         _refuse_kept_beside_shards(copies, shard_folders, report.kept)
     previous = _previous_copies(out)
     for folder in copies:  # every refusal before the first write
         _check_sizes_target(Path(folder), previous)
     names = [f"{schema.EXPORT_DIR}/{name}" for name in files]
+    _refuse_foreign_exports(out, names)
     targets = {str(Path(f) / "sizes.json"): hashlib.sha256(files["sizes.json"]).hexdigest() for f in copies}
     # Record first: a crash after some writes still leaves every written name listed, and a
     # copy outside is recorded with both its old and its new checksum until it is written,
@@ -208,6 +218,20 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
             f"{report.written['sizes.json']} to {where}/ (or pass --sizes-beside-shards / --sizes-dir DIR)"
         )
     return report
+
+
+def _refuse_foreign_exports(out: OutputDir, names: list[str]) -> None:
+    """``InputError`` when a file at one of ``names`` was not written by an export of this job
+    (its record lists what it wrote): a user's own ``sizes.json`` put there was replaced."""
+    earlier = out.store.get(schema.EXPORTS_FILE)
+    try:
+        ours = set(json.loads(earlier).get("written", [])) if earlier is not None else set()
+    except (ValueError, AttributeError):
+        ours = set()
+    for name in names:
+        if name not in ours and out.store.exists(name):
+            raise InputError(f"{out.store.url(name)} exists and pairclean did not write it: it is left untouched "
+                             "(move it away, then export again)", uri=out.store.url(name))
 
 
 def _repeated(table: pa.Table) -> NDArray[np.bool_]:
@@ -292,8 +316,6 @@ def write_exports(out: OutputDir, **options: object) -> dict[str, str]:
 
 def _local_folder(uri: str) -> str | None:
     """The folder of a local shard (plain path or file://); None for remote ones."""
-    from pairclean.uris import LOCAL_SCHEMES, local_path, scheme_of
-
     try:
         if scheme_of(uri) not in LOCAL_SCHEMES:
             return None

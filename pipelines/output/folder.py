@@ -455,7 +455,14 @@ class OutputDir:
     def read_calibration(self) -> Calibration | None:
         """The frozen calibration, once a run has computed it."""
         data = self.store.get(schema.CALIBRATION_FILE)
-        return Calibration(**json.loads(data)) if data is not None else None
+        if data is None:
+            return None
+        try:
+            return Calibration(**json.loads(data))
+        except (ValueError, TypeError) as exc:  # a traceback of 34 lines before
+            where = self.store.url(schema.CALIBRATION_FILE)
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise InputError(f"{where} is damaged ({first}); restore it, or score into a new folder", uri=where) from None
 
     def write_calibration(self, calibration: Calibration) -> None:
         """Freeze the calibration (atomically)."""
@@ -541,9 +548,15 @@ class OutputDir:
             return self._compacted  # nothing new since the last look
         records: dict[str, ShardRecord] = {}
         # Later segments win: a merge that crashed before deleting leaves duplicates only.
-        for data in self._get_many([f"{schema.MANIFEST_DIR}/{n}" for n in segments]):
+        for name, data in zip(segments, self._get_many([f"{schema.MANIFEST_DIR}/{n}" for n in segments])):
             if data is not None:
-                records.update((r.stem, r) for r in _table_records(pq.read_table(pa.BufferReader(data))))
+                try:
+                    records.update((r.stem, r) for r in _table_records(pq.read_table(pa.BufferReader(data))))
+                except (pa.ArrowException, ValueError, TypeError, KeyError) as exc:  # tracebacks of 40 lines before
+                    where = self.store.url(f"{schema.MANIFEST_DIR}/{name}")
+                    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                    raise InputError(f"{where} (completion records) is damaged ({first}); restore it, or score into a "
+                                     "new folder", uri=where) from None
         self._compacted, self._segments = records, segments
         return records
 

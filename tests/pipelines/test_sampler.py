@@ -314,6 +314,8 @@ def test_export_sizes_where_open_clip_looks_and_never_over_foreign_files(scored,
         export(OutputDir(str(out)), sizes_dirs=[str(tmp_path)])
     assert foreign.read_text() == '{"mine": 1}' and not exported.exists()  # nothing written
     beside.unlink()
+    with pytest.raises(InputError, match="--sizes-dir s3://b/sizes: copies of sizes.json are written to local folders only"):
+        export(OutputDir(str(out)), sizes_dirs=["s3://b/sizes"])  # was "cannot write into '/here/s3:/b/sizes'" (round 7)
 
 
 def test_read_scores_for_notebooks(scored) -> None:

@@ -674,10 +674,17 @@ def test_export_of_a_partial_job_names_the_shards_in_none_of_its_files(make_shar
     junk.write_bytes(b"not a tar" * 100)
     out = tmp_path / "out"
     assert _score([str(g) for g in good] + [str(junk)], out, "--max-failed-fraction", "0.5") == 4
+    mine = schema.local_side_path(out, f"{schema.EXPORT_DIR}/sizes.json")
+    mine.parent.mkdir(parents=True)
+    mine.write_text('{"my": "own"}')  # a user's file where export writes: never replaced (round 7)
     capsys.readouterr()
+    assert main(["export", str(out)]) == 1
+    assert "sizes.json exists and pairclean did not write it" in capsys.readouterr().err and mine.read_text() == '{"my": "own"}'
+    mine.unlink()
     assert main(["export", str(out)]) == 0
     said = capsys.readouterr().out
     assert "note: 1 of the job's 3 shards are in none of these files (1 failed scoring" in said and "junk.tar" in said
+    assert main(["export", str(out)]) == 0  # its own files it replaces
 
 
 @pytest.mark.ray
@@ -714,3 +721,40 @@ def test_a_rewrite_refuses_a_table_another_tool_wrote_before_rewriting_anything(
     assert err.count("\n") == 1 and "part-00001.parquet has no pairclean metadata" in err
     assert (out / "part-00000.parquet").read_bytes() == first  # nothing rewritten
     assert main(["export", str(out)]) == 0  # and no rewrite left marked
+
+
+def test_damaged_state_files_are_one_line(make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Round 7: a damaged calibration or completion-record file gave tracebacks of 34-44 lines."""
+    import shutil
+
+    shards = make_shards(n_shards=2, per_shard=4)
+    out = tmp_path / "out"
+    assert _score([str(s) for s in shards], out) == 0
+    side = Path(f"{out}{schema.SIDE_SUFFIX}")
+    shutil.copytree(side, tmp_path / "kept")
+    calibration = schema.local_side_path(out, schema.CALIBRATION_FILE)
+    calibration.write_text('{"beta": 0.1, "trunc')
+    capsys.readouterr()
+    assert _score([str(s) for s in shards], out) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "calibration.json is damaged" in err
+    shutil.rmtree(side)
+    shutil.copytree(tmp_path / "kept", side)
+    segment = next(schema.local_side_path(out, schema.MANIFEST_DIR).glob("*.parquet"))
+    segment.write_bytes(segment.read_bytes()[:40])
+    for verb in (["inspect", str(out)], ["export", str(out)]):
+        assert main(verb) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "(completion records) is damaged" in err
+
+
+def test_an_object_stores_refusal_names_what_was_worked_on(capsys: pytest.CaptureFixture[str]) -> None:
+    """Round 7: wrong credentials for an S3 output printed only "error: Forbidden"."""
+    def extend(sub: Any) -> None:
+        sub.add_parser("put").add_argument("--out")
+
+    def put(_: object) -> int:
+        raise PermissionError(13, "Forbidden")
+
+    assert main(["put", "--out", "s3://bucket/out"], extend, {"put": put}) == 1
+    assert capsys.readouterr().err == "error: Forbidden (working on s3://bucket/out); check the credentials and permissions\n"
