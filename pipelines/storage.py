@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import io
 import os
+import stat
 import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -259,6 +260,29 @@ class Store:
             return []
         base = self.path(folder).rstrip("/") + "/"
         return sorted({e.rstrip("/")[len(base):] for e in entries if e.rstrip("/").startswith(base)} - {""})
+
+    def sizes(self, folder: str = "") -> dict[str, int]:
+        """Size in bytes of each file directly inside ``folder`` (one listing, also on object
+        stores: a resume compares every table with its record without a request per table);
+        {} when the folder does not exist. Links and sub-folders are left out."""
+        try:
+            if self.local:
+                fd = self._open_checked(self.path(folder), os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    out = {}
+                    for name in os.listdir(fd):
+                        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                        if stat.S_ISREG(st.st_mode):
+                            out[name] = st.st_size
+                    return out
+                finally:
+                    os.close(fd)
+            entries = self.fs.ls(self.path(folder), detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        base = self.path(folder).rstrip("/") + "/"
+        return {e["name"].rstrip("/")[len(base):]: int(e["size"]) for e in entries
+                if e.get("type") == "file" and e["name"].startswith(base) and e.get("size") is not None}
 
     def open_read(self, name: str) -> Any:
         """A binary file object for ``name`` (random access; for Parquet footers)."""

@@ -290,10 +290,9 @@ def _tables_changed(uris: Sequence[str], stems: dict[str, str], out: OutputDir, 
     """The shards whose committed table (or sidecar) is gone or has another size than pairclean wrote
     (deleted, or edited by hand): a resume called such a job finished, and every reader then
     failed on it, or read the edited rows. They are scored again, saying so (a table someone
-    else wrote in its place is never replaced: that shard then fails, naming it). Local
-    folders only, as for the shards themselves: a request per table on every resume."""
-    if not out.store.local:
-        return set()
+    else wrote in its place is never replaced: that shard then fails, naming it). One listing
+    a folder (``Store.sizes``), on object stores too."""
+    listed: dict[str, dict[str, int]] = {}
     changed = set()
     for uri in uris:
         record = committed.get(stems[uri])
@@ -302,7 +301,10 @@ def _tables_changed(uris: Sequence[str], stems: dict[str, str], out: OutputDir, 
         for name, written, what in ((record.output, record.bytes, "table"), (record.emb_output, record.emb_bytes, "sidecar")):
             if name is None or written is None:
                 continue
-            size = out.store.size(name)
+            folder, _, base = name.rpartition("/")
+            if folder not in listed:
+                listed[folder] = out.store.sizes(folder)
+            size = listed[folder].get(base)
             if size != written:
                 now = "it is gone" if size is None else f"{written} bytes written, {size} now"
                 log.warning("the %s of shard %s changed since it was committed (%s): scoring it again", what, uri, now)

@@ -78,6 +78,13 @@ def test_s3_in_s3_out_reads_as_one_dataset_and_resumes_after_kill_9(make_shards,
     # OUT on S3 reads as exactly the score tables
     dataset = ds.dataset("weights/job", filesystem=fs, format="parquet")
     assert dataset.schema.names == SCORE_COLUMNS and dataset.count_rows() == 40
+    # a table deleted by hand: the resume scores its shard again (one listing; round 7: on S3 it
+    # said "already done" and every reader then failed on the missing table)
+    kept = fs.cat_file("weights/job/00003.parquet")
+    fs.rm("weights/job/00003.parquet")
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "the table of shard" in again.stderr and "9 already done" in again.stdout, again.stderr[-2000:]
+    assert fs.cat_file("weights/job/00003.parquet") == kept
 
 
 # -- readers ---------------------------------------------------------------------------------
