@@ -159,12 +159,17 @@ def check_job(out: OutputDir) -> JobView:
         raise InputError(f"{out.uri} holds no committed shard: score it first", uri=out.uri)
     missing = [r.stem for r in records if not out.has_embeddings(r)]
     if missing:
-        raise InputError(
-            f"{out.uri}: {len(missing)} of {len(records)} shards have no embedding sidecar (e.g. {missing[0]}); "
-            "refine needs them: rescore the job with --embeddings", uri=out.uri)
+        spec = out.read_spec()
+        fix = ("a resume of the job's `pairclean score` scores a deleted sidecar again" if spec is not None and spec.embeddings
+               else "score the shards again into a new folder with --embeddings")
+        raise InputError(f"{out.uri}: {len(missing)} of {len(records)} shards have no embedding sidecar (e.g. {missing[0]}); "
+                         f"refine needs them: {fix}", uri=out.uri)
     models: dict[str, str] = {}
     model: dict[str, Any] = {}
     for r in records:
+        if not out.store.exists(r.output):  # its metadata would read as "another model" (None)
+            raise InputError(f"{out.store.url(r.output)} is missing (the folder's records name it): a resume of the "
+                             "job's `pairclean score` scores it again", uri=out.uri)
         meta = out.store.parquet_metadata(r.output) or {}
         doc = json.loads(meta.get(schema.META_KEY, b"{}"))
         model = doc.get("model") or {}
@@ -237,8 +242,8 @@ def check_finite(img: np.ndarray, txt: np.ndarray, where: str) -> None:
     bad = ~(np.isfinite(img).all(axis=1) & np.isfinite(txt).all(axis=1)) if len(img) else np.zeros(0, dtype=bool)
     if bad.any():
         raise InputError(f"{where}: {int(bad.sum())} of {len(img)} ok rows have NaN or infinite embeddings (first: row "
-                         f"{int(np.flatnonzero(bad)[0])} of the ok rows); the sidecar is damaged: rescore the job into a new "
-                         "folder with --embeddings", uri=where)
+                         f"{int(np.flatnonzero(bad)[0])} of the ok rows); the sidecar is damaged: score the shards again "
+                         "into a new folder with --embeddings", uri=where)
 
 
 def _fit_key(out: OutputDir, view: JobView, method: str, opts: RefineOptions) -> str:
