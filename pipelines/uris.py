@@ -118,7 +118,10 @@ def shard_stem(uri: str) -> str:
     # Lenient about the scheme (hf://, ais://...): a trainer may read from anywhere, and
     # the scorer validated its own URIs when it expanded them.
     parsed = urlparse(uri)
-    name = PurePosixPath(parsed.path if len(parsed.scheme) > 1 else uri).name
+    path = parsed.path
+    if parsed.fragment and parsed.scheme.lower() not in ("http", "https"):
+        path += "#" + parsed.fragment  # an object key may hold "#" (x#1.tar, x#2.tar were both "x")
+    name = PurePosixPath(path if len(parsed.scheme) > 1 else uri).name
     for suffix in _SHARD_SUFFIXES:
         if name.endswith(suffix):
             return name[: -len(suffix)]
