@@ -36,7 +36,7 @@ from numpy.typing import NDArray
 
 from pairclean.errors import InputError
 from pairclean.schema import FAILED_DIR, IMAGE_EXTS, JOB_FILE, REWRITE_FILE, STATUS_DUPLICATE_KEY, checked_weights, local_side_path
-from pairclean.uris import LOCAL_SCHEMES, local_path, scheme_of, shard_stem
+from pairclean.uris import local_path, shard_stem
 
 __all__ = [
     "MISSING_POLICIES",
@@ -187,11 +187,14 @@ class WeightStore:
 
 
 def _local_folder(uri: str) -> str:
-    """A local folder from a path or ``file://`` URI; one-line ``InputError`` for another scheme
-    (``file:///x`` was taken as the relative path ``file:/x``: "not found")."""
-    scheme = scheme_of(uri)
-    if scheme in LOCAL_SCHEMES:
+    """A local folder from a path or ``file://`` URI; one-line ``InputError`` for a URI of
+    another scheme (``file:///x`` was taken as the relative path ``file:/x``: "not found").
+    Anything without ``://`` is a path as given (``weights:v2`` is a folder name)."""
+    if uri.startswith("file://"):
         return local_path(uri)
+    if "://" not in uri:
+        return os.path.abspath(uri)  # absolute: pyarrow reads "weights:v2/x.parquet" as a URI
+    scheme = uri.split("://", 1)[0]
     raise InputError(f"{uri}: WeightStage reads a local output folder, not {scheme}://; copy the folder here first "
                      "(pairclean.read_scores reads it where it is)", uri=uri)
 

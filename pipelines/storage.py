@@ -264,14 +264,17 @@ class Store:
     def sizes(self, folder: str = "") -> dict[str, int]:
         """Size in bytes of each file directly inside ``folder`` (one listing, also on object
         stores: a resume compares every table with its record without a request per table);
-        {} when the folder does not exist. Links and sub-folders are left out."""
+        {} when the folder does not exist. Links count as what they lead to; sub-folders are left out."""
         try:
             if self.local:
                 fd = self._open_checked(self.path(folder), os.O_RDONLY | os.O_DIRECTORY)
                 try:
                     out = {}
                     for name in os.listdir(fd):
-                        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                        try:  # through links, as ``size`` reads them (a folder of cp -rs or DVC links)
+                            st = os.stat(name, dir_fd=fd)
+                        except OSError:  # a dangling link: as good as gone
+                            continue
                         if stat.S_ISREG(st.st_mode):
                             out[name] = st.st_size
                     return out

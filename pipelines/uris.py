@@ -118,10 +118,7 @@ def shard_stem(uri: str) -> str:
     # Lenient about the scheme (hf://, ais://...): a trainer may read from anywhere, and
     # the scorer validated its own URIs when it expanded them.
     parsed = urlparse(uri)
-    path = parsed.path
-    if parsed.fragment and parsed.scheme.lower() not in ("http", "https"):
-        path += "#" + parsed.fragment  # an object key may hold "#" (x#1.tar, x#2.tar were both "x")
-    name = PurePosixPath(path if len(parsed.scheme) > 1 else uri).name
+    name = PurePosixPath(_url_path(uri) if len(parsed.scheme) > 1 else uri).name
     for suffix in _SHARD_SUFFIXES:
         if name.endswith(suffix):
             return name[: -len(suffix)]
@@ -137,6 +134,15 @@ def shard_stems(urls: str | Sequence[str]) -> list[str]:
     return [shard_stem(u) for spec in specs for part in spec.split("::") for u in braceexpand.braceexpand(part)]
 
 
+def _url_path(uri: str) -> str:
+    """The path of ``uri``: an http(s) URL's without query and fragment, an object key's with
+    any "#" it holds (``s3://b/x#1.tar`` and ``x#2.tar`` were both ``x``)."""
+    parsed = urlparse(uri)
+    if parsed.fragment and parsed.scheme.lower() not in ("http", "https"):
+        return f"{parsed.path}#{parsed.fragment}"
+    return parsed.path
+
+
 def _pipe_target(uri: str) -> str:
     """The shard a ``pipe:`` command reads: its last argument that names a tar file."""
     import shlex
@@ -147,7 +153,7 @@ def _pipe_target(uri: str) -> str:
     except ValueError:
         args = command.split()
     for arg in reversed(args):
-        path = urlparse(arg).path if raw_scheme(arg) else arg
+        path = _url_path(arg) if raw_scheme(arg) else arg
         if path.endswith(_SHARD_SUFFIXES):
             return arg
     raise InputError(f"cannot tell which shard {uri!r} reads: no argument ends with .tar, .tar.gz or .tgz", uri=uri)

@@ -366,7 +366,9 @@ class OutputDir:
         # The audit's sample and report describe the tables being deleted: labels made for
         # them recalibrated the new job's tables (pairs it does not even hold).
         names += [schema.AUDIT_DESIGN_FILE, schema.AUDIT_REPORT_FILE]
-        names += [f"{schema.AUDIT_APPLIED_DIR}/{n}" for n in self.store.list(schema.AUDIT_APPLIED_DIR)]
+        # applied maps are kept a folder deeper: applied/<map sha12>/<stem>.json
+        names += [f"{schema.AUDIT_APPLIED_DIR}/{d}/{n}" for d in self.store.list(schema.AUDIT_APPLIED_DIR)
+                  for n in self.store.list(f"{schema.AUDIT_APPLIED_DIR}/{d}")]
         names += [schema.REWRITE_FILE, schema.CALIBRATION_FILE, schema.CONTRAST_BANK_FILE, schema.JOB_FILE]
         removed = [n for n in names if self.store.rm(n)]
         self._compacted, self._pending, self._failed_stems = {}, {}, set()

@@ -257,9 +257,11 @@ def _heads_name(method: str, sha: str) -> str:
     return f"{HEADS_DIR}/{method}-{sha[:12]}.safetensors"
 
 
-def _heads_file(method: str, sha: str) -> str:
-    """The heads file as it lies beside the output folder: ``OUT.pairclean/state/heads/...``."""
-    return f"OUT{schema.SIDE_SUFFIX}/{schema.side_name(_heads_name(method, sha))}"
+def _heads_file(method: str, sha: str, legacy: bool = False) -> str:
+    """The heads file where it lies: ``OUT.pairclean/state/heads/...`` beside the output
+    folder, or ``OUT/_pairclean/heads/...`` in a folder of the layout before it (``legacy``)."""
+    name = _heads_name(method, sha)
+    return f"OUT/{name}" if legacy else f"OUT{schema.SIDE_SUFFIX}/{schema.side_name(name)}"
 
 
 def _referee(calibration: Calibration | None, sample: Sample) -> np.ndarray | None:
@@ -323,7 +325,7 @@ def _obtain_heads(out: OutputDir, view: JobView, opts: RefineOptions, sample: Ca
     return fitted, data, True, seconds
 
 
-def refine_doc(heads: Heads, sha: str, p_map: dict[str, Any] | None = None) -> dict[str, Any]:
+def refine_doc(heads: Heads, sha: str, p_map: dict[str, Any] | None = None, legacy: bool = False) -> dict[str, Any]:
     """What a refined table's metadata records under ``refine``; ``p_map``: the quantile map
     of ``p_clean_map`` (None: the job has no calibration to map onto, the method's own
     ``p_clean`` is used)."""
@@ -336,7 +338,7 @@ def refine_doc(heads: Heads, sha: str, p_map: dict[str, Any] | None = None) -> d
     return {"method": heads.method, "settings": heads.doc.get("settings"), "sample_pairs": heads.doc.get("sample_pairs"),
             # where the file lies, relative to OUT's parent: the logical "_pairclean/..." name
             # it is stored under named no file a user could find
-            "seed": heads.doc.get("seed"), "heads_sha256": sha, "heads": _heads_file(heads.method, sha),
+            "seed": heads.doc.get("seed"), "heads_sha256": sha, "heads": _heads_file(heads.method, sha, legacy),
             "score_column": score_column(heads.method), "p_clean": how,
             **({"p_clean_map": p_map} if p_map is not None else {}),
             **({"choice": heads.doc["choice"]} if "choice" in heads.doc else {}),
@@ -526,7 +528,7 @@ def _refine_locked(out: OutputDir, view: JobView, options: RefineOptions, execut
     heads, data, fitted, fit_seconds = _obtain_heads(out, view, options, sample, calibration)
     sha = hashlib.sha256(data).hexdigest()
     p_map = None if calibration is None else p_clean_map(heads, sample(), calibration)
-    doc = refine_doc(heads, sha, p_map)
+    doc = refine_doc(heads, sha, p_map, out.legacy)
     todo, done = _plan(out, view.records, doc)
     t0 = time.perf_counter()
     pairs = 0

@@ -99,6 +99,18 @@ def test_the_stage_takes_only_an_output_folder_and_says_why_a_shard_has_no_table
     with pytest.raises(InputError, match="reads a local output folder, not s3://"):
         WeightStage("s3://bucket/out", "loss")
     assert len(list(WeightStage(f"file://{out}", "loss")(_samples(shards)))) == 20
+    import os
+
+    import shutil
+
+    shutil.copytree(out, tmp_path / "weights:v2")  # a folder name with a colon is a path, as before
+    shutil.copytree(f"{out}{schema.SIDE_SUFFIX}", tmp_path / f"weights:v2{schema.SIDE_SUFFIX}")
+    here = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        assert len(list(WeightStage("weights:v2", "loss")(_samples(shards)))) == 20
+    finally:
+        os.chdir(here)
     junk = tmp_path / "sh-00002.tar"
     junk.write_bytes(b"not a tar" * 100)
     part = tmp_path / "part"

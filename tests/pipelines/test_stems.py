@@ -19,6 +19,7 @@ STEMS = [
     ("gs://bucket/prefix/shard-001.tar", "shard-001"),
     ("gcs://bucket/prefix/shard-001.tar", "shard-001"),
     ("s3://bucket/hk/x#1.tar", "x#1"),  # "#" is part of an object's key, not a fragment (round 7)
+    ("pipe:aws s3 cp s3://bucket/hk/x#1.tar -", "x#1"),
     ("https://host/a/x-002.tar#part", "x-002"),
     ("https://host/d/00000.tar", "00000"),
     # query strings and fragments (Hugging Face, signed URLs)

@@ -197,8 +197,9 @@ def test_overwrite_drops_the_audit_sample_of_the_tables_it_deletes(job: Path, tm
     from pairclean_workers.cli import sample_shard
 
     queue = tmp_path / "queue.csv"
-    assert main(["audit", str(job), "--sample", "6", "--out", str(queue)]) == 0
-    labels = _label(queue, tmp_path / "labels.csv", set())
+    assert main(["audit", str(job), "--sample", "10", "--out", str(queue)]) == 0
+    labels = _label(queue, tmp_path / "labels.csv", _demo_truth(str(job))[0])
+    assert main(["audit", str(job), "--labels", str(labels)]) == 0  # applied: its records a folder deeper
     assert main(["score", sample_shard(), "--out", str(job), "--no-progress", "--executor", "local", "--overwrite"]) == 0
     capsys.readouterr()
     assert main(["audit", str(job), "--labels", str(labels)]) == 1

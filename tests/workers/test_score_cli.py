@@ -586,6 +586,13 @@ def test_tables_changed_by_hand_are_named_and_a_resume_scores_them_again(
     (out / "part-00001.parquet").unlink()
     assert _score([str(s) for s in shards], out) == 0
     assert "the table of shard" in caplog.text and "scoring it again" in caplog.text
+    # a table that is a link to the same bytes (cp -rs, DVC caches) is not "gone"
+    real = tmp_path / "cache.parquet"
+    (out / "part-00000.parquet").rename(real)
+    (out / "part-00000.parquet").symlink_to(real)
+    caplog.clear()
+    assert _score([str(s) for s in shards], out) == 0
+    assert "scoring it again" not in caplog.text and (out / "part-00000.parquet").is_symlink()
     for stem, data in tables.items():
         assert (out / f"{stem}.parquet").read_bytes() == data  # scored again, byte for byte
     assert main(["export", str(out)]) == 0

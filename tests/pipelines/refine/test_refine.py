@@ -241,3 +241,16 @@ def test_refined_p_clean_maps_by_quantiles_and_keeps_osa_where_a_method_failed()
     np.testing.assert_allclose(p[:3], [0.2, 0.5, 0.8], atol=1e-6)
     assert p[3] == pytest.approx(osa_p[3]) and np.isfinite(p).all()
     np.testing.assert_allclose(refined_p_clean(raw, scores, None, {"kind": "osa"}, cal), osa_p)
+
+
+def test_the_heads_file_is_named_where_it_lies_in_either_layout() -> None:
+    """Round 7's review: metadata named OUT.pairclean/state/heads/... in folders of the layout
+    before it too, where the heads lie in OUT/_pairclean/heads/."""
+    from pairclean.output.folder import OutputDir
+    from pairclean.refine.run import _heads_file, _heads_name
+
+    sha = "0123456789abcdef" * 4
+    assert _heads_file("ncr", sha) == "OUT.pairclean/state/heads/ncr-0123456789ab.safetensors"
+    assert _heads_file("ncr", sha, legacy=True) == f"OUT/{_heads_name('ncr', sha)}"
+    legacy = OutputDir("/nowhere/out", legacy=True)
+    assert legacy.store.url(_heads_name("ncr", sha)).endswith(_heads_file("ncr", sha, legacy=True)[len("OUT"):])
