@@ -154,8 +154,17 @@ def test_damaged_folders_are_one_line_errors_naming_the_file(folder: Path, verb:
 
 # -- the trainer's readers (a library, used inside training loops) ------------------------------
 
-def _weights_table(folder: Path, weights: list[float | None], keys: list[str] | None = None, shard: str | None = None) -> Path:
+def _output_folder(folder: Path) -> Path:
+    """An empty folder that WeightStage takes as a job's output (its side folder's job.json)."""
     folder.mkdir(parents=True, exist_ok=True)
+    job = Path(f"{folder}.pairclean/state/job.json")
+    job.parent.mkdir(parents=True, exist_ok=True)
+    job.write_text("{}")
+    return folder
+
+
+def _weights_table(folder: Path, weights: list[float | None], keys: list[str] | None = None, shard: str | None = None) -> Path:
+    _output_folder(folder)
     keys = keys or [f"k{i}" for i in range(len(weights))]
     columns = {"key": keys, "weight": pa.array(weights, type=pa.float32()), "noisy": [False] * len(keys)}
     if shard is not None:
@@ -188,8 +197,7 @@ def test_a_key_the_shard_held_twice_is_weighted_zero_not_a_broken_table(tmp_path
     row under that key; the trainer meets both samples and cannot tell them apart."""
     from pairclean.sampler import WEIGHT_KEY, WeightStage
 
-    folder = tmp_path / "w"
-    folder.mkdir()
+    folder = _output_folder(tmp_path / "w")
     pq.write_table(pa.table({"key": ["k0", "k1", "k0"], "weight": pa.array([0.9, 0.8, 0.0], type=pa.float32()),
                              "noisy": [False, False, True], "status": ["ok", "ok", "duplicate_key"]}), folder / "s-000.parquet")
     samples = [{"__key__": k, "__url__": "/data/s-000.tar"} for k in ("k0", "k1", "k0")]
