@@ -46,6 +46,9 @@ def weighted(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], Path,
     root = tmp_path_factory.mktemp("oc")
     out = root / "out"
     out.mkdir()
+    job = Path(f"{out}.pairclean/state/job.json")  # WeightStage takes only a job's output folder
+    job.parent.mkdir(parents=True)
+    job.write_text("{}")
     rng = np.random.default_rng(0)
     urls, rows = [], {}
     for s in range(N_SHARDS):
