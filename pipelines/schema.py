@@ -69,6 +69,7 @@ __all__ = [
     "AUDIT_DESIGN_FILE",
     "AUDIT_APPLIED_DIR",
     "AUDIT_REPORT_FILE",
+    "COL_P_CLEAN_MODEL",
     "LOCK_FILE",
     "EXPORTS_FILE",
     "CONTRAST_BANK_FILE",
@@ -187,6 +188,8 @@ AUDIT_DIR: Final = f"{STATE_DIR}/audit"
 AUDIT_DESIGN_FILE: Final = f"{AUDIT_DIR}/design.json"
 AUDIT_APPLIED_DIR: Final = f"{AUDIT_DIR}/applied"
 AUDIT_REPORT_FILE: Final = f"{STATE_DIR}/audit.json"
+#: The model's own ``p_clean``, kept beside the one an audit recalibrated (``pairclean audit --labels``).
+COL_P_CLEAN_MODEL: Final = "p_clean_model"
 LOCK_FILE: Final = f"{STATE_DIR}/lock.json"
 EXPORTS_FILE: Final = f"{STATE_DIR}/exports.json"
 #: Present while ``rescore``, ``refine`` or ``audit`` rewrites the tables: a run killed midway

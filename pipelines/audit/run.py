@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 #: The model's own ``p_clean``, kept beside the recalibrated one.
-COL_P_CLEAN_MODEL = "p_clean_model"
+COL_P_CLEAN_MODEL = schema.COL_P_CLEAN_MODEL
 LABELS = ("clean", "noisy", "unsure")
 AUDIT_DIR = schema.AUDIT_DIR
 DESIGN_FILE = schema.AUDIT_DESIGN_FILE

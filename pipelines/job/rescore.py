@@ -88,9 +88,7 @@ def _warn_audit_replaced(out: OutputDir, tables: list[tuple[ShardRecord, pa.Tabl
     """Say so when the tables carry an audit's recalibrated ``p_clean`` (``p_clean_model``
     beside it): the rewrite replaces it with the new calibration's, as a fresh score would.
     It did so without a word, and the labels' work looked lost."""
-    from pairclean.audit.run import COL_P_CLEAN_MODEL  # (the audit imports the job modules)
-
-    audited = sum(1 for _, t in tables if COL_P_CLEAN_MODEL in t.column_names)
+    audited = sum(1 for _, t in tables if schema.COL_P_CLEAN_MODEL in t.column_names)
     if audited:
         log.warning("%d of %d tables hold p_clean recalibrated by an audit: the rescore replaces it with the new "
                     "calibration's; run `pairclean audit %s --labels FILE` again to recalibrate", audited, len(tables), out.uri)
