@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 __all__ = [
     "PaircleanError",
+    "first_line",
     "InputError",
     "UnsupportedSchemeError",
     "ShardNotFoundError",
@@ -76,6 +77,13 @@ class SpecMismatchError(PaircleanError):
 
 class ModelLoadError(PaircleanError):
     """The estimator could not be built or its weights could not be loaded."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message, or its type's name when it has none: what a
+    one-line error quotes of a library's (pyarrow's run to dozens of lines)."""
+    text = str(exc)
+    return text.splitlines()[0] if text.strip() else type(exc).__name__
 
 
 def causes(exc: BaseException, limit: int = 5) -> Iterator[BaseException]:

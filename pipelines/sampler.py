@@ -34,8 +34,8 @@ import numpy as np
 import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
-from pairclean.errors import InputError
-from pairclean.schema import FAILED_DIR, IMAGE_EXTS, JOB_FILE, REWRITE_FILE, STATUS_DUPLICATE_KEY, checked_weights, local_side_path
+from pairclean.errors import InputError, first_line
+from pairclean.schema import FAILED_DIR, IMAGE_EXTS, JOB_FILE, REWRITE_FILE, checked_weights, local_side_path, repeated_keys
 from pairclean.uris import local_path, shard_stem
 
 __all__ = [
@@ -127,14 +127,14 @@ class WeightStore:
             optional = [c for c in ("shard", "status", "image_size") if c in names]
             table = pq.read_table(path, columns=["key", "weight", "noisy"] + optional)
         except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            first = first_line(exc)
             raise InputError(f"{where} is not a readable pairclean table with key, weight and noisy ({first})", uri=where) from None
         weights = checked_weights(table.column("weight"), where)
         keys = table.column("key").to_pylist()
         noisy = table.column("noisy")
         if table.column("key").null_count or noisy.null_count:
             raise InputError(f"{where}: null keys or noisy flags; the table is damaged", uri=where)
-        repeated = _repeated_keys(keys, table.column("status").to_pylist() if "status" in table.column_names else None)
+        repeated = repeated_keys(keys, table.column("status").to_pylist() if "status" in table.column_names else None)
         if isinstance(repeated, str):
             raise InputError(f"{where}: key {repeated!r} appears more than once; the table is damaged", uri=where)
         if "shard" in table.column_names:
@@ -197,21 +197,6 @@ def _local_folder(uri: str) -> str:
     scheme = uri.split("://", 1)[0]
     raise InputError(f"{uri}: WeightStage reads a local output folder, not {scheme}://; copy the folder here first "
                      "(pairclean.read_scores reads it where it is)", uri=uri)
-
-
-def _repeated_keys(keys: list[str], statuses: list[str] | None) -> set[str] | str:
-    """The keys a shard held more than once, as ``pairclean score`` writes them (the first
-    row as read, each later one with status ``duplicate_key``); or the first repeated key,
-    as a ``str``, when the repeats are not that (a damaged or hand-made table)."""
-    seen: set[str] = set()
-    repeated: set[str] = set()
-    for i, key in enumerate(keys):
-        if key in seen:
-            if statuses is None or statuses[i] != STATUS_DUPLICATE_KEY:
-                return key
-            repeated.add(key)
-        seen.add(key)
-    return repeated
 
 
 def _unit_hash(seed: int, rank: int, stem: str, key: str, epoch: int = 0) -> float:

@@ -84,6 +84,8 @@ __all__ = [
     "side_folder",
     "side_name",
     "local_side_path",
+    "utf8_text",
+    "repeated_keys",
 ]
 
 #: A shard of a job is committed (its completion record exists), quarantined (kept
@@ -238,6 +240,33 @@ def side_name(name: str) -> str | None:
     if folder is None:
         return None
     return f"{folder}{sep}{rest}"
+
+
+def utf8_text(text: str) -> tuple[str, bool]:
+    """(``text`` as a table or message can hold it, whether it was UTF-8 already). Names read
+    with ``surrogateescape`` (tar members, glob matches) and JSON's ``"\\udcff"`` hold lone
+    surrogates, which no Parquet or JSON writer takes: their bytes are escaped (``\\xff``)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"), False
+    return text, True
+
+
+def repeated_keys(keys: Sequence[str], statuses: Sequence[str] | None) -> set[str] | str:
+    """The keys a shard held more than once, as ``pairclean score`` writes them (the first
+    row as read, each later one with status ``duplicate_key``); or the first repeated key,
+    as a ``str``, when the repeats are not that (a damaged or hand-made table). One rule for
+    every reader: trainers' ``WeightStore``, ``OutputDir.read_scores`` and ``export``."""
+    seen: set[str] = set()
+    repeated: set[str] = set()
+    for i, key in enumerate(keys):
+        if key in seen:
+            if statuses is None or statuses[i] != STATUS_DUPLICATE_KEY:
+                return key
+            repeated.add(key)
+        seen.add(key)
+    return repeated
 
 
 def local_side_path(out: Any, name: str) -> Any:

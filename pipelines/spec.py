@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pairclean.errors import InputError
-from pairclean.schema import caption_member
+from pairclean.schema import caption_member, utf8_text
 from pairclean.uris import LOCAL_SCHEMES, local_path, scheme_of, shard_stem
 
 __all__ = ["JobSpec", "spec_digest", "spec_diff"]
@@ -110,11 +110,9 @@ def _check_utf8_name(uri: str) -> None:
     """``InputError`` for a shard whose name is not UTF-8 (a local file name decoded with
     ``surrogateescape``, found by a glob): its table, records and rows are named after it, in
     UTF-8, so it failed the job at its first write, with a traceback."""
-    try:
-        uri.encode("utf-8")
-    except UnicodeEncodeError:
-        shown = uri.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-        raise InputError(f"shard '{shown}': its name is not UTF-8 (bytes shown escaped); rename it", uri=shown) from None
+    shown, utf8 = utf8_text(uri)
+    if not utf8:
+        raise InputError(f"shard '{shown}': its name is not UTF-8 (bytes shown escaped); rename it", uri=shown)
 
 
 def _same_local_file(a: str, b: str) -> bool:

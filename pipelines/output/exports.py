@@ -237,8 +237,8 @@ def _refuse_foreign_exports(out: OutputDir, names: list[str]) -> None:
 def _repeated(table: pa.Table) -> NDArray[np.bool_]:
     """Rows whose key the shard holds more than once (every copy, the first ok one included)."""
     keys = table.column(schema.COL_KEY).to_pylist()
-    statuses = table.column(schema.COL_STATUS).to_pylist()
-    twice = {k for k, st in zip(keys, statuses) if st == schema.STATUS_DUPLICATE_KEY}
+    twice = schema.repeated_keys(keys, table.column(schema.COL_STATUS).to_pylist())
+    assert not isinstance(twice, str)  # read_scores refused such a table already
     return np.fromiter((k in twice for k in keys), dtype=bool, count=len(keys))
 
 

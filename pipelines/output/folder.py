@@ -47,7 +47,7 @@ from pairclean import __version__, schema
 from pairclean.calibrate.calibration import Calibration
 from pairclean.calibrate.contrast import Contrast
 from pairclean.calibrate.contrast import from_json as contrast_from_json
-from pairclean.errors import ForeignOutputError, InputError, SpecMismatchError
+from pairclean.errors import ForeignOutputError, InputError, SpecMismatchError, first_line
 from pairclean.spec import JobSpec, spec_diff, spec_digest
 from pairclean.storage import Store, WriteInfo
 from pairclean.uris import shard_stem
@@ -463,7 +463,7 @@ class OutputDir:
             return Calibration(**json.loads(data))
         except (ValueError, TypeError) as exc:  # a traceback of 34 lines before
             where = self.store.url(schema.CALIBRATION_FILE)
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            first = first_line(exc)
             raise InputError(f"{where} is damaged ({first}); restore it, or score into a new folder", uri=where) from None
 
     def write_calibration(self, calibration: Calibration) -> None:
@@ -556,7 +556,7 @@ class OutputDir:
                     records.update((r.stem, r) for r in _table_records(pq.read_table(pa.BufferReader(data))))
                 except (pa.ArrowException, ValueError, TypeError, KeyError) as exc:  # tracebacks of 40 lines before
                     where = self.store.url(f"{schema.MANIFEST_DIR}/{name}")
-                    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                    first = first_line(exc)
                     raise InputError(f"{where} (completion records) is damaged ({first}); restore it, or score into a "
                                      "new folder", uri=where) from None
         self._compacted, self._segments = records, segments
@@ -717,14 +717,9 @@ class OutputDir:
                                  f"under another shard's name; {fix})", uri=where)
         if schema.COL_KEY in table.column_names and schema.COL_STATUS in table.column_names:
             # (without statuses a shard's own duplicate_key rows cannot be told from damage)
-            keys = table.column(schema.COL_KEY).to_pylist()
-            if len(set(keys)) != len(keys):
-                statuses = table.column(schema.COL_STATUS).to_pylist()
-                seen: set[str] = set()
-                for i, key in enumerate(keys):
-                    if key in seen and statuses[i] != schema.STATUS_DUPLICATE_KEY:
-                        raise InputError(f"{where}: key {key!r} appears more than once; the table is damaged ({fix})", uri=where)
-                    seen.add(key)
+            twice = schema.repeated_keys(table.column(schema.COL_KEY).to_pylist(), table.column(schema.COL_STATUS).to_pylist())
+            if isinstance(twice, str):
+                raise InputError(f"{where}: key {twice!r} appears more than once; the table is damaged ({fix})", uri=where)
         return table
 
     def read_all_scores(self, columns: list[str] | None = None) -> pa.Table:
@@ -760,7 +755,7 @@ class OutputDir:
         except FileNotFoundError:
             raise InputError(f"{where} is missing (the folder's records name it)", uri=where) from None
         except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            first = first_line(exc)
             raise InputError(f"{where} is not a readable pairclean table ({first})", uri=where) from None
         lacking = [c for c in (columns or required) if c not in table.column_names]
         if lacking:

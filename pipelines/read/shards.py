@@ -414,8 +414,8 @@ def iter_raw_samples_from(fh: BinaryIO, uri: str, options: ReadOptions | None = 
             # and 400 keys of a million characters (a 0.5 MB .tar.gz) took 3.4 GB into the table.
             raise ShardReadError(f"unreadable tar {uri!r}: a sample key of {len(key)} characters, over the "
                                  f"{MAX_KEY_CHARS}-character limit", uri=uri)
-        key, utf8 = _utf8_key(key)
-        ext = _utf8_key(ext)[0]  # shown in rows' errors ("its fields: ..."), which are written too
+        key, utf8 = schema.utf8_text(key)
+        ext = schema.utf8_text(ext)[0]  # shown in rows' errors ("its fields: ..."), which are written too
         if key != current_key:
             if current_key is not None:
                 yield RawSample(current_key, idx, files, issue, spans)
@@ -538,7 +538,7 @@ def _caption_value(value: Any) -> str | None:
         return None
     if isinstance(value, (list, dict, bool)):
         raise ValueError(f"json caption is a{'n object' if isinstance(value, dict) else ' ' + type(value).__name__}, not text")
-    return _utf8_key(str(value))[0]
+    return schema.utf8_text(str(value))[0]
 
 
 def caption_text(caption: str) -> str:
@@ -562,8 +562,8 @@ def _blank(text: str) -> bool:
 
 def _opt_str(value: Any) -> str | None:
     """A json ``uid``/``url`` as text; a lone surrogate (``"\\udcff"`` is valid JSON) escaped,
-    as a key's bytes are (``_utf8_key``): no Parquet writer takes it, and the job died."""
-    return None if value is None else _utf8_key(str(value))[0]
+    as a key's bytes are (``schema.utf8_text``): no Parquet writer takes it, and the job died."""
+    return None if value is None else schema.utf8_text(str(value))[0]
 
 
 def to_pair(sample: RawSample, caption_field: str | None = None) -> PairSample:
@@ -605,18 +605,6 @@ def pair_fields(caption_field: str | None) -> Callable[[str], bool]:
     member = schema.caption_member(caption_field)
     used = frozenset(IMAGE_EXTS) | {"txt", "json"} | ({member} if member else set())
     return used.__contains__
-
-
-def _utf8_key(key: str) -> tuple[str, bool]:
-    """(the key as the table writes it, whether it is UTF-8). Member names are decoded with
-    ``surrogateescape``: a name that is not UTF-8 holds lone surrogates, which no Parquet or
-    JSON writer takes (one such sample failed its whole job, every time). Its bytes are
-    written escaped instead (``\\xff``), and the sample becomes a ``bad_key`` row."""
-    try:
-        key.encode("utf-8")
-    except UnicodeEncodeError:
-        return key.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"), False
-    return key, True
 
 
 @dataclass
