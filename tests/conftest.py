@@ -116,19 +116,26 @@ def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Any:
         server.stop()
 
 
+#: Words of the bundled sample's captions (and some), the tiny word grounding's vocabulary.
+SAMPLE_CAPTION_WORDS = ("dog", "cat", "man", "woman", "red", "blue", "two", "runs", "sits", "grass", "street", "beach",
+                        "ball", "car", "tree", "photo", "sample", "image", "of", "a", "the")
+
+
 @pytest.fixture
 def tiny_judge() -> Callable[..., Path]:
     """Writes a judge with random weights shaped for ``pairclean-tiny-test`` (issue 21 tests)."""
 
     def make(path: Path, seed: int = 0, platt_fine: tuple[float, float] | None = None, colour_bins: int = 0,
-             fine_rates: tuple[float, float] | None = None) -> Path:
+             fine_rates: tuple[float, float] | None = None, words: float | None = None) -> Path:
         """``platt_fine``: a near-miss map (the judge is then combined with OSA, not in its place);
         ``fine_rates``: its dev pass rates (the near-miss prior is then an adjusted count);
-        ``colour_bins``: it also reads the regions' colour make-up."""
+        ``colour_bins``: it also reads the regions' colour make-up; ``words``: the weight of a
+        word grounding (random weights, the bundled sample's caption words) in its logit."""
         import torch
 
         from pairclean.judge.model import Judge, JudgeConfig
         from pairclean.judge.runner import save_judge
+        from pairclean.judge.words import WordConfig, WordGrounding, WordModel, WordVocab
 
         torch.manual_seed(seed)
         config = JudgeConfig(text_dim=64, image_dim=64, regions=16, width=16, layers=1, heads=2, colour_bins=colour_bins)
@@ -137,7 +144,12 @@ def tiny_judge() -> Callable[..., Path]:
             extra["platt_fine"] = list(platt_fine)
         if fine_rates is not None:
             extra["fine_rates"] = list(fine_rates)
-        save_judge(str(path), Judge(config), (1.0, 0.0), TINY, extra)
+        grounding = None
+        if words is not None:
+            vocab = WordVocab.of(list(SAMPLE_CAPTION_WORDS), 1)
+            model = WordModel(WordConfig(vocab=len(vocab), image_dim=64, regions=16, width=16, layers=1, heads=2))
+            grounding = WordGrounding(model.eval(), vocab, words)
+        save_judge(str(path), Judge(config), (1.0, 0.0), TINY, extra, grounding)
         return path
 
     return make

@@ -36,6 +36,7 @@ DEFAULT_EDIT_WORDS = "core"
 def add_judge_train_parser(sub: Any) -> None:
     """Register the ``train-judge`` sub-command."""
     from pairclean.lite.judge_train import JudgeRecipe
+    from pairclean.lite.word_train import WordRecipe
 
     base = JudgeRecipe()
     p = sub.add_parser("train-judge", help="train the fine-grained judge on Flickr8k (train split, selected on dev)")
@@ -62,6 +63,12 @@ def add_judge_train_parser(sub: Any) -> None:
                    help="judges trained from seeds SEED, SEED+1, ... whose logits are averaged (1: one judge)")
     p.add_argument("--colours", choices=("on", "off"), default="on" if base.colours else "off",
                    help="also read each region's colour make-up (off: the shipped judge; see its model card)")
+    p.add_argument("--words", choices=("on", "off"), default="on",
+                   help="also train the word grounding (pairclean.judge.words) and add it to the judge's logit (on: the shipped judge)")
+    p.add_argument("--word-epochs", type=int, default=WordRecipe().epochs, help="epochs of the word grounding's model")
+    p.add_argument("--judge-from", default=None,
+                   help="take the judge's weights from this judge file instead of training them "
+                        "(its recipe and history are kept; the word grounding and Platt maps are fitted anew)")
     p.add_argument("--threads", type=int, default=None)
 
 
@@ -74,8 +81,9 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     from pairclean.lite.evaldata import find_flickr8k
     from pairclean.lite.judge_data import build_cache, load_split
     from pairclean.judge.edits import VOCABULARIES
-    from pairclean.judge.runner import save_judge
+    from pairclean.judge.runner import load_judge, save_judge
     from pairclean.lite.judge_train import JudgeRecipe, calibrated_report, fine_rates, fit_platts, train_members
+    from pairclean.lite.word_train import WordRecipe, fit_word_check
 
     if not 1 <= args.train_captions <= 5:
         raise InputError(f"--train-captions must be 1-5, got {args.train_captions}")
@@ -85,6 +93,9 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
         raise InputError(f"--edits-per-positive must be 1-{args.train_edits} (--train-edits), got {args.edits_per_positive}")
     if not 1 <= args.members <= 8:
         raise InputError(f"--members must be 1-8, got {args.members}")
+    if not 1 <= args.word_epochs <= 100:
+        raise InputError(f"--word-epochs must be 1-100, got {args.word_epochs}")
+    source = load_judge(args.judge_from) if args.judge_from else None  # a bad file fails here, before any work
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     root = Path(args.data) if args.data else find_flickr8k(os.getcwd())
     if root is None or not (root / "captions.jsonl").exists():
@@ -100,20 +111,35 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     recipe = JudgeRecipe(epochs=args.epochs, width=args.width, layers=args.layers, seed=args.seed, lr=args.lr, batch=args.batch,
                          pair_weight=args.pair_weight, colours=args.colours == "on",
                          edits_per_positive=args.edits_per_positive)
+    if source is not None:
+        recipe = JudgeRecipe(**{**asdict(recipe), **{k: v for k, v in source.meta.get("recipe", {}).items() if k in asdict(recipe)}})
     train, dev = load_split(cache, "train", recipe.colours), load_split(cache, "dev", recipe.colours)
-    model, report = train_members(train, dev, recipe, args.members)
-    platt, platt_fine = fit_platts(model, dev)
-    rates = fine_rates(model, dev, platt_fine)
-    figures = calibrated_report(model, dev, platt)
+    if source is not None:
+        model, report = source.model, {"history": source.meta.get("history", []), "seconds": 0.0, "from": os.path.basename(args.judge_from)}
+    else:
+        model, report = train_members(train, dev, recipe, args.members)
+    words = None
+    if args.words == "on":
+        words, word_report = fit_word_check(model, train, dev, WordRecipe(epochs=args.word_epochs, seed=args.seed))
+        report["words"] = word_report
+        print(f"word grounding: weight {words.weight} (dev mean AUC by weight {word_report['dev_mean_auc_by_weight']})", flush=True)
+    platt, platt_fine = fit_platts(model, dev, words)
+    rates = fine_rates(model, dev, platt_fine, words)
+    figures = calibrated_report(model, dev, platt, words=words)
     for name, row in figures.items():
         print(f"{name:<22} judge AUC {row['judge_auc']:.3f} (cosine {row['cosine_auc']:.3f})  ECE {row['ece']:.3f}  "
               f"Brier {row['brier']:.3f}  p_clean clean {row['p_clean_clean']:.2f} noisy {row['p_clean_noisy']:.2f}", flush=True)
     extra = {"recipe": asdict(recipe) | {"train_captions": args.train_captions, "train_edits": args.train_edits,
                                              "edit_words": args.edit_words,
-                                             "members": args.members},
+                                             "members": args.members if source is None else source.model.config.members},
              "history": report["history"], "platt_fine": list(platt_fine), "fine_rates": list(rates),
              "dev": figures, "data": "Flickr8k train (training), dev (selection, Platt map, figures)"}
-    sha = save_judge(args.out, model, platt, "pairclean-lite", extra)
+    if words is not None:
+        extra["word_recipe"] = report["words"]["recipe"]
+        extra["word_report"] = {k: v for k, v in report["words"].items() if k != "recipe"}
+    if source is not None:
+        extra["judge_from"] = {"file": os.path.basename(args.judge_from), "sha256": source.sha256}
+    sha = save_judge(args.out, model, platt, "pairclean-lite", extra, words)
     print(f"judge -> {args.out} (sha256 {sha}, Platt a={platt[0]:.3f} b={platt[1]:.3f}, {report['seconds']} s)")
     if args.report:
         Path(args.report).write_text(json.dumps({"sha256": sha, "platt": platt, **report, "dev_calibrated": figures}, indent=2))

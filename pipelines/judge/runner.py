@@ -30,6 +30,7 @@ from pairclean.osa import cosine_rows
 from pairclean.judge.features import COLOUR_BINS, colour_grid, estimator_colours, image_parts, image_parts_dim, text_parts, text_parts_dim
 from pairclean.judge.model import JudgeConfig, JudgeModel, build_judge
 from pairclean.judge.posterior import FULL_BAND, in_band, llr_of
+from pairclean.judge.words import WordGrounding, WordConfig, WordModel, WordVocab, word_scores
 
 __all__ = ["JUDGE_FILE", "JUDGE_MODES", "LoadedJudge", "default_judge_path", "load_judge", "save_judge", "JudgeRunner", "JudgeBatch"]
 
@@ -56,6 +57,8 @@ class LoadedJudge:
     platt: tuple[float, float]
     estimator: str
     meta: dict[str, Any]
+    #: The word grounding added to the judge's logit (``pairclean.judge.words``); None: a judge without one.
+    words: WordGrounding | None = None
 
     def identity(self) -> dict[str, Any]:
         """What the output metadata records about the judge."""
@@ -65,16 +68,26 @@ class LoadedJudge:
             doc["platt_fine"] = [float(x) for x in self.meta["platt_fine"]]
         if "fine_rates" in self.meta:  # its word check's pass rates on dev (posterior.adjusted_count)
             doc["fine_rates"] = [float(x) for x in self.meta["fine_rates"]]
+        if self.words is not None:
+            doc["words"] = self.words.describe()
         return doc
 
 
-def save_judge(path: str, model: JudgeModel, platt: tuple[float, float], estimator: str, extra: dict[str, Any]) -> str:
-    """Write ``model`` as a judge weights file (atomically); returns its sha256."""
+_WORDS = "words."  # prefix of the word grounding's tensors in a judge file
+
+
+def save_judge(path: str, model: JudgeModel, platt: tuple[float, float], estimator: str, extra: dict[str, Any],
+               words: WordGrounding | None = None) -> str:
+    """Write ``model`` (and its word grounding, float16) as a judge weights file (atomically); returns its sha256."""
     from safetensors.torch import save_file
 
     meta = {"judge_config": model.config.to_json(), "platt": json.dumps(list(platt)), "estimator": estimator}
     meta.update({k: json.dumps(v, sort_keys=True) for k, v in extra.items()})
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if words is not None:
+        meta.update({"word_config": words.model.config.to_json(), "word_vocab": json.dumps(words.vocab.words),
+                     "word_weight": json.dumps(words.weight)})
+        state.update({_WORDS + k: v.detach().half().contiguous() for k, v in words.model.state_dict().items()})
     tmp = f"{path}.tmp-{os.getpid()}"
     save_file(state, tmp, metadata=meta)
     os.replace(tmp, path)
@@ -97,12 +110,31 @@ def load_judge(path: str | None = None) -> LoadedJudge:
         config = JudgeConfig.from_json(meta["judge_config"])
         platt = tuple(float(v) for v in json.loads(meta["platt"]))
         model = build_judge(config)
-        model.load_state_dict(load_file(path))
-    except (KeyError, ValueError, RuntimeError, OSError, SafetensorError) as exc:
+        state = load_file(path)
+        model.load_state_dict({k: v for k, v in state.items() if not k.startswith(_WORDS)})
+        words = _load_words(meta, {k[len(_WORDS):]: v for k, v in state.items() if k.startswith(_WORDS)})
+    except (KeyError, ValueError, TypeError, RuntimeError, OSError, SafetensorError) as exc:
         raise ModelLoadError(f"{path!r} is not a pairclean judge file: {exc}") from exc
     model.eval()
-    extra = {k: json.loads(v) for k, v in meta.items() if k not in ("judge_config", "platt", "estimator")}
-    return LoadedJudge(model, path, file_sha256(path), (platt[0], platt[1]), meta.get("estimator", ""), extra)
+    extra = {k: json.loads(v) for k, v in meta.items() if k not in ("judge_config", "platt", "estimator", "word_config", "word_vocab")}
+    return LoadedJudge(model, path, file_sha256(path), (platt[0], platt[1]), meta.get("estimator", ""), extra, words)
+
+
+def _load_words(meta: dict[str, str], state: dict[str, torch.Tensor]) -> WordGrounding | None:
+    """The word grounding stored in a judge file (None where it has none)."""
+    if "word_config" not in meta:
+        if state:
+            raise ValueError("word grounding tensors without their config")
+        return None
+    model = WordModel(WordConfig.from_json(meta["word_config"]))
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    vocab = WordVocab(list(json.loads(meta["word_vocab"])))
+    if len(vocab) != model.config.vocab:
+        raise ValueError(f"word vocabulary of {len(vocab)} words for a model of {model.config.vocab}")
+    weight = float(json.loads(meta["word_weight"]))
+    if not np.isfinite(weight):
+        raise ValueError("word grounding weight is not finite")
+    return WordGrounding(model.eval(), vocab, weight)
 
 
 @dataclass
@@ -146,6 +178,14 @@ class JudgeRunner:
         # a copy, so a LoadedJudge shared with a CPU caller keeps its weights on the CPU.
         device = estimator._device
         self._model = judge.model if device.type == "cpu" else copy.deepcopy(judge.model).to(device)
+        self._words = judge.words
+        if judge.words is not None:
+            wc = judge.words.model.config
+            if (wc.regions, wc.image_dim) != (regions, channels):
+                raise ModelLoadError(f"judge {judge.path!r}: its word grounding reads {wc.regions} x {wc.image_dim} regions; "
+                                     f"{estimator.info.model_id} gives {regions} x {channels}")
+            if device.type != "cpu":
+                self._words = WordGrounding(copy.deepcopy(judge.words.model).to(device), judge.words.vocab, judge.words.weight)
 
     def with_band(self, band: tuple[float, float]) -> JudgeRunner:
         """The same runner judging ``band`` (shares the loaded models)."""
@@ -167,6 +207,7 @@ class JudgeRunner:
             pooled, regions = self._parts(x)
         else:
             pooled, regions = image_parts(est.model, x)
+        tower_regions = regions  # what the word grounding reads (the judge may add colour channels)
         if self._colour_grid is not None:
             regions = torch.cat([regions.float(), estimator_colours(est, pixels, self._colour_grid).to(regions.device)], dim=2)
         ids = est.tokenizer(list(texts)).to(est._device)
@@ -181,7 +222,8 @@ class JudgeRunner:
             tokens, mask = tokens[:, :_MAX_CAPTION_TOKENS], mask[:, :_MAX_CAPTION_TOKENS]
             cos = torch.from_numpy(sim).to(regions.device)
             sel = torch.from_numpy(chosen).to(regions.device)
-            logits, errs = self._judge(tokens[sel].float(), mask[sel], regions[sel].float(), cos[sel])
+            logits, errs = self._judge(tokens[sel].float(), mask[sel], regions[sel].float(), cos[sel],
+                                       tower_regions[sel].float(), [texts[int(i)] for i in chosen])
             llr[chosen] = llr_of(logits, self.judge.platt)
             for pos, err in zip(chosen, errs):
                 errors[int(pos)] = err
@@ -189,11 +231,19 @@ class JudgeRunner:
                     llr[pos] = np.nan
         return JudgeBatch(img, txt, llr, errors)
 
-    def _judge(self, tokens: torch.Tensor, mask: torch.Tensor, regions: torch.Tensor, cos: torch.Tensor) -> tuple[NDArray[np.float32], list[str | None]]:
+    def _logits(self, tokens: torch.Tensor, mask: torch.Tensor, regions: torch.Tensor, cos: torch.Tensor,
+                tower_regions: torch.Tensor, texts: list[str]) -> NDArray[np.float32]:
+        """The judge's logits, plus the word grounding's weighted score where the judge has one."""
+        out = self._model(tokens, mask, regions, cos).float().cpu().numpy()
+        if self._words is not None:
+            out = out + np.float32(self._words.weight) * word_scores(self._words, tower_regions, texts)
+        return np.asarray(out, np.float32)
+
+    def _judge(self, tokens: torch.Tensor, mask: torch.Tensor, regions: torch.Tensor, cos: torch.Tensor,
+               tower_regions: torch.Tensor, texts: list[str]) -> tuple[NDArray[np.float32], list[str | None]]:
         """Raw logits (n,) and per-pair errors: the batch at once, pair by pair where it fails."""
-        model = self._model
         try:
-            out = model(tokens, mask, regions, cos).float().cpu().numpy()
+            out = self._logits(tokens, mask, regions, cos, tower_regions, texts)
             if np.isfinite(out).all():
                 return out, [None] * len(out)
         except Exception as exc:  # noqa: BLE001 - retried pair by pair below, which names the failure
@@ -202,7 +252,8 @@ class JudgeRunner:
         errors: list[str | None] = []
         for i in range(len(cos)):
             try:
-                value = float(model(tokens[i : i + 1], mask[i : i + 1], regions[i : i + 1], cos[i : i + 1])[0])
+                one = slice(i, i + 1)
+                value = float(self._logits(tokens[one], mask[one], regions[one], cos[one], tower_regions[one], texts[one])[0])
             except Exception as exc:  # noqa: BLE001 - one pair's failure is that pair's status
                 errors.append(f"judge failed: {type(exc).__name__}: {str(exc)[:200]}")
                 continue

@@ -30,13 +30,16 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from pairclean.lite.judge_data import SplitFeatures
 from pairclean.judge.metrics import roc_auc
+
+if TYPE_CHECKING:
+    from pairclean.judge.words import WordGrounding
 
 __all__ = ["JudgeRecipe", "train_judge", "train_members", "ranking_loss", "dev_pairs", "score_pairs", "evaluate", "fit_platts", "fine_rates"]
 
@@ -167,15 +170,23 @@ def _tensors(feats: SplitFeatures, img: NDArray[np.int64], txt: NDArray[np.int64
     return tokens[:, :width], mask[:, :width], regions, cosine
 
 
-def score_pairs(model: Any, feats: SplitFeatures, img: NDArray[np.int64], txt: NDArray[np.int64], batch: int = 512) -> NDArray[np.float32]:
-    """Judge logits (N,) of the pairs (feats image row ``img[n]``, text row ``txt[n]``)."""
+def score_pairs(model: Any, feats: SplitFeatures, img: NDArray[np.int64], txt: NDArray[np.int64], batch: int = 512,
+                words: WordGrounding | None = None) -> NDArray[np.float32]:
+    """Judge logits (N,) of the pairs (feats image row ``img[n]``, text row ``txt[n]``), plus
+    ``words.weight`` x the word grounding's score where ``words`` is given (as the runner adds it)."""
     import torch
+
+    from pairclean.judge.words import word_scores
 
     model.eval()
     out = []
     with torch.inference_mode():
         for s in range(0, len(img), batch):
-            out.append(model(*_tensors(feats, img[s : s + batch], txt[s : s + batch])).numpy())
+            logits = model(*_tensors(feats, img[s : s + batch], txt[s : s + batch])).numpy()
+            if words is not None:
+                regions = torch.from_numpy(feats.regions[img[s : s + batch]])
+                logits = logits + np.float32(words.weight) * word_scores(words, regions, [feats.texts[t] for t in txt[s : s + batch]])
+            out.append(logits)
     return np.concatenate(out) if out else np.zeros(0, np.float32)
 
 
@@ -333,7 +344,7 @@ def _is_fine(kind: str) -> bool:
     return kind.startswith("edit_")
 
 
-def fit_platts(model: Any, dev: SplitFeatures) -> tuple[tuple[float, float], tuple[float, float]]:
+def fit_platts(model: Any, dev: SplitFeatures, words: WordGrounding | None = None) -> tuple[tuple[float, float], tuple[float, float]]:
     """The two Platt maps of ``model`` on dev, from one scoring of the dev pairs, classes
     weighted equally: (general: clean pairs against every noise kind pooled; near-miss:
     against the one-word edits only, the map of ``posterior.combined_p_clean``).
@@ -345,7 +356,7 @@ def fit_platts(model: Any, dev: SplitFeatures) -> tuple[tuple[float, float], tup
     edits were calibrated worse (ECE 0.11 / 0.16 at 20 / 50% against 0.06 / 0.06)."""
     from pairclean.judge.posterior import platt_fit
 
-    scores = {k: score_pairs(model, dev, *v) for k, v in dev_pairs(dev).items()}
+    scores = {k: score_pairs(model, dev, *v, words=words) for k, v in dev_pairs(dev).items()}
 
     def against(kinds: list[str]) -> tuple[float, float]:
         noise = np.concatenate([scores[k] for k in kinds])
@@ -356,19 +367,19 @@ def fit_platts(model: Any, dev: SplitFeatures) -> tuple[tuple[float, float], tup
     return against(noise_kinds), against([k for k in noise_kinds if _is_fine(k)])
 
 
-def fine_rates(model: Any, dev: SplitFeatures, platt_fine: tuple[float, float]) -> tuple[float, float]:
+def fine_rates(model: Any, dev: SplitFeatures, platt_fine: tuple[float, float], words: WordGrounding | None = None) -> tuple[float, float]:
     """(share of dev clean pairs, share of dev one-word edits) whose ratio under the near-miss
     map ``platt_fine`` is above 0: what ``posterior.adjusted_count`` corrects a corpus's count by."""
     from pairclean.judge.posterior import llr_of
 
     pairs = dev_pairs(dev)
-    clean = llr_of(score_pairs(model, dev, *pairs["clean"]), platt_fine)
-    edits = np.concatenate([llr_of(score_pairs(model, dev, *v), platt_fine) for k, v in pairs.items() if _is_fine(k)])
+    clean = llr_of(score_pairs(model, dev, *pairs["clean"], words=words), platt_fine)
+    edits = np.concatenate([llr_of(score_pairs(model, dev, *v, words=words), platt_fine) for k, v in pairs.items() if _is_fine(k)])
     return float((clean > 0).mean()), float((edits > 0).mean())
 
 
 def calibrated_report(model: Any, dev: SplitFeatures, platt: tuple[float, float], rates: tuple[float, ...] = (0.2, 0.5),
-                      seed: int = 0) -> dict[str, dict[str, float]]:
+                      seed: int = 0, words: WordGrounding | None = None) -> dict[str, dict[str, float]]:
     """Per noise kind and rate, on dev mixes (clean first captions plus that kind's noise at
     ``rate``): AUC of the judge and of the cosine, and the judge's p_clean as the cascade
     computes it (prior estimated from the mix itself): ECE, Brier, mean p_clean of clean
@@ -377,7 +388,7 @@ def calibrated_report(model: Any, dev: SplitFeatures, platt: tuple[float, float]
     from pairclean.judge.posterior import estimate_prior, llr_of, p_clean_of
 
     pairs = dev_pairs(dev)
-    llr = {k: llr_of(score_pairs(model, dev, *v), platt) for k, v in pairs.items()}
+    llr = {k: llr_of(score_pairs(model, dev, *v, words=words), platt) for k, v in pairs.items()}
     cos = {k: np.einsum("nd,nd->n", dev.image_emb[v[0]], dev.text_emb[v[1]]) for k, v in pairs.items()}
     rng = np.random.default_rng(seed)
     kinds = [k for k in pairs if k != "clean"]

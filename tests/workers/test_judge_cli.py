@@ -306,6 +306,7 @@ def test_refine_keeps_what_score_calibrated_the_contrast_and_the_word_check(make
 @pytest.mark.parametrize("option, value, message", [("--train-edits", "9", "--train-edits must be 1-5, got 9"),
                                                      ("--train-captions", "0", "--train-captions must be 1-5, got 0"),
                                                      ("--members", "0", "--members must be 1-8, got 0"),
+                                                     ("--word-epochs", "0", "--word-epochs must be 1-100, got 0"),
                                                      ("--edits-per-positive", "2",
                                                       "--edits-per-positive must be 1-1 (--train-edits), got 2")])
 def test_train_judge_refuses_out_of_range_options_in_one_line_before_any_work(tmp_path: Path, option: str, value: str, message: str,
@@ -313,6 +314,14 @@ def test_train_judge_refuses_out_of_range_options_in_one_line_before_any_work(tm
     assert main(["train-judge", "--out", str(tmp_path / "j.safetensors"), option, value]) == 1
     err = capsys.readouterr().err.strip()
     assert err == f"error: {message}" and not (tmp_path / "j.safetensors").exists()
+
+
+def test_train_judge_from_a_file_that_is_not_a_judge_is_one_line_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "not-a-judge.safetensors").write_bytes(b"nope")
+    assert main(["train-judge", "--out", str(tmp_path / "j.safetensors"), "--judge-from", str(tmp_path / "not-a-judge.safetensors")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "is not a pairclean judge file" in err and "\n" not in err
+    assert not (tmp_path / "j.safetensors").exists()
 
 
 def test_the_notebook_api_and_ray_data_apply_a_job_s_judge_as_its_workers_do(make_shards, tmp_path: Path, judge_file: Path,

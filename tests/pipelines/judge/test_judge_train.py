@@ -78,6 +78,41 @@ def test_a_tiny_judge_trains_and_reports(cached: Path, colours: bool) -> None:
     assert all(0.0 <= row["ece"] <= 1.0 for row in figures.values())
 
 
+def test_a_tiny_word_grounding_is_fitted_beside_the_judge_and_counted_in_its_maps(cached: Path, tmp_path: Path) -> None:
+    import torch
+
+    from pairclean.judge.runner import load_judge, save_judge
+    from pairclean.judge.words import WordGrounding, split_words, word_scores
+    from pairclean.lite.judge_train import dev_pairs, score_pairs
+    from pairclean.lite.word_train import WEIGHTS, WordRecipe, fit_word_check
+
+    train, dev = load_split(cached, "train"), load_split(cached, "dev")
+    model, _ = train_judge(train, dev, JudgeRecipe(width=16, heads=2, epochs=1, batch=8, top_k=2, warmup=1))
+    words, report = fit_word_check(model, train, dev, WordRecipe(epochs=2, batch=4, width=16, heads=2, layers=1, min_count=1))
+    assert words.weight == report["weight"] and report["weight"] in WEIGHTS
+    assert set(report["dev_mean_auc_by_weight"]) == {str(w) for w in WEIGHTS} and len(report["history"]) == 2
+    # the vocabulary is that of the real train captions, never of an edit
+    real = np.nonzero(train.kind == "")[0]
+    assert set(words.vocab.words[3:]) == {w for r in real for w in split_words(train.texts[r])}
+    # scoring with the grounding adds weight x its score to the judge's logit, as the runner does
+    img, txt = dev_pairs(dev)["clean"]
+    probe = WordGrounding(words.model, words.vocab, 0.5)
+    added = score_pairs(model, dev, img, txt, words=probe) - score_pairs(model, dev, img, txt)
+    expected = 0.5 * word_scores(probe, torch.from_numpy(dev.regions[img]), [dev.texts[t] for t in txt])
+    np.testing.assert_allclose(added, expected, atol=1e-5)
+    assert np.abs(expected).max() > 0
+    platt, platt_fine = fit_platts(model, dev, words)
+    assert np.isfinite(platt).all() and np.isfinite(platt_fine).all()
+    # stored in float16 and read back, the grounding scores as it did (it was rounded before its weight was chosen)
+    path = tmp_path / "with-words.safetensors"
+    save_judge(str(path), model, platt, "pairclean-tiny-test", {}, words)
+    loaded = load_judge(str(path))
+    assert loaded.words is not None and loaded.words.weight == words.weight
+    regions = torch.from_numpy(dev.regions[img])
+    texts = [dev.texts[t] for t in txt]
+    np.testing.assert_allclose(word_scores(loaded.words, regions, texts), word_scores(words, regions, texts), atol=1e-5)
+
+
 def test_a_recipe_and_its_features_must_agree_on_colours(cached: Path) -> None:
     with pytest.raises(ValueError, match="reads colours"):
         train_judge(load_split(cached, "train"), load_split(cached, "dev"), JudgeRecipe(width=16, heads=2, epochs=1, top_k=2, colours=True))
