@@ -66,6 +66,22 @@ def test_judge_all_scores_every_pair_and_records_itself(make_shards, tmp_path: P
     assert job["judge"] == "all" and job["judge_sha256"] == meta["sha256"] and job["judge_checkpoint"] == str(judge_file)
 
 
+def test_a_judge_with_a_word_grounding_scores_through_it_and_records_it(make_shards, tmp_path: Path, tiny_judge) -> None:
+    """The grounding moves the judge's scores, the metadata names it, and resume with it works."""
+    shards = make_shards(n_shards=1, per_shard=8)
+    plain, grounded = tiny_judge(tmp_path / "plain.safetensors"), tiny_judge(tmp_path / "grounded.safetensors", words=2.0)
+    assert _score(shards, tmp_path / "a", "--judge", "all", "--judge-checkpoint", str(plain)) == 0
+    assert _score(shards, tmp_path / "b", "--judge", "all", "--judge-checkpoint", str(grounded)) == 0
+    a, b = _table(tmp_path / "a", "part-00000").to_pylist(), _table(tmp_path / "b", "part-00000").to_pylist()
+    assert all(r["status"] == "ok" for r in a + b)
+    assert max(abs(x[schema.COL_JUDGE_SCORE] - y[schema.COL_JUDGE_SCORE]) for x, y in zip(a, b)) > 1e-3
+    meta = _meta(tmp_path / "b", "part-00000")["judge"]
+    assert meta["words"]["weight"] == 2.0 and meta["words"]["config"]["layers"] == 1 and "words" not in _meta(tmp_path / "a", "part-00000")["judge"]
+    # resuming with the same grounded judge finds the shard done
+    assert _score(shards, tmp_path / "b", "--judge", "all", "--judge-checkpoint", str(grounded)) == 0
+    assert _table(tmp_path / "b", "part-00000").to_pylist() == b
+
+
 def test_a_near_miss_judge_is_combined_with_osa_and_rescored_alike(make_shards, tmp_path: Path, tiny_judge,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from pairclean.judge import posterior
