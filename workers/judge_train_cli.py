@@ -4,7 +4,10 @@ Extracts (once, cached) pairclean-lite's image regions and caption tokens over F
 train and dev plus one-word edits, trains the judge on train with hard negatives
 (``pairclean.lite.judge_train``), keeps the epoch with the best mean dev AUC, fits the Platt map
 on dev and writes the weights with recipe, history and dev figures in the file's
-metadata. ``--report`` gets the dev figures per noise kind and rate as JSON.
+metadata. ``--words on`` (the default) then trains the word grounding
+(``pairclean.lite.word_train``) and chooses its weight beside the judge on dev, before the
+Platt maps; ``--judge-from FILE`` takes the judge's weights from a judge file instead of
+training them. ``--report`` gets the dev figures per noise kind and rate as JSON.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     from pairclean.judge.edits import VOCABULARIES
     from pairclean.judge.runner import load_judge, save_judge
     from pairclean.lite.judge_train import JudgeRecipe, calibrated_report, fine_rates, fit_platts, train_members
-    from pairclean.lite.word_train import WordRecipe, fit_word_check
+    from pairclean.lite.word_train import WordRecipe, fit_word_grounding
 
     if not 1 <= args.train_captions <= 5:
         raise InputError(f"--train-captions must be 1-5, got {args.train_captions}")
@@ -120,7 +123,7 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
         model, report = train_members(train, dev, recipe, args.members)
     words = None
     if args.words == "on":
-        words, word_report = fit_word_check(model, train, dev, WordRecipe(epochs=args.word_epochs, seed=args.seed))
+        words, word_report = fit_word_grounding(model, train, dev, WordRecipe(epochs=args.word_epochs, seed=args.seed))
         report["words"] = word_report
         print(f"word grounding: weight {words.weight} (dev mean AUC by weight {word_report['dev_mean_auc_by_weight']})", flush=True)
     platt, platt_fine = fit_platts(model, dev, words)
@@ -137,7 +140,8 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     if words is not None:
         extra["word_recipe"] = report["words"]["recipe"]
         extra["word_report"] = {k: v for k, v in report["words"].items() if k != "recipe"}
-    if source is not None:
+    if source is not None:  # the judge's own recipe is the source's, not this run's options
+        extra["recipe"] = source.meta.get("recipe", extra["recipe"])
         extra["judge_from"] = {"file": os.path.basename(args.judge_from), "sha256": source.sha256}
     sha = save_judge(args.out, model, platt, "pairclean-lite", extra, words)
     print(f"judge -> {args.out} (sha256 {sha}, Platt a={platt[0]:.3f} b={platt[1]:.3f}, {report['seconds']} s)")

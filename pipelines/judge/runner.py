@@ -4,7 +4,8 @@
 Platt map, the estimator it was trained on, dev figures). ``JudgeRunner`` plugs into
 ``pairclean.scoring.score_shard`` (its ``judge`` argument): for each batch it runs both
 towers once (``features``: pooled embeddings for OSA plus regions and tokens), then the
-judge on the ok pairs whose similarity lies in its band. A judge failure (an exception or a
+judge on the ok pairs whose similarity lies in its band (plus its word grounding's weighted
+score, ``pairclean.judge.words``, where the file has one). A judge failure (an exception or a
 non-finite score) on a batch is retried pair by pair; a pair that still fails is reported
 with its error, never the shard.
 """

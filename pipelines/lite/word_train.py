@@ -24,7 +24,7 @@ from numpy.typing import NDArray
 from pairclean.judge.words import MASK, WordGrounding, WordConfig, WordModel, WordVocab
 from pairclean.lite.judge_data import SplitFeatures
 
-__all__ = ["WordRecipe", "train_words", "round_to_stored", "choose_weight", "fit_word_check", "WEIGHTS"]
+__all__ = ["WordRecipe", "train_words", "round_to_stored", "choose_weight", "fit_word_grounding", "WEIGHTS"]
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def choose_weight(judge_logits: dict[str, NDArray[np.float32]], word: dict[str, 
 
 
 
-def fit_word_check(judge: Any, train: SplitFeatures, dev: SplitFeatures, recipe: WordRecipe) -> tuple[WordGrounding, dict[str, Any]]:
+def fit_word_grounding(judge: Any, train: SplitFeatures, dev: SplitFeatures, recipe: WordRecipe) -> tuple[WordGrounding, dict[str, Any]]:
     """Train the word model on ``train``'s real captions, round it as stored, and choose its
     weight beside ``judge`` on ``dev``'s pairs (``judge_train.dev_pairs``); returns (check, report)."""
     from pairclean.lite.judge_train import dev_pairs, score_pairs

@@ -84,11 +84,11 @@ def test_a_tiny_word_grounding_is_fitted_beside_the_judge_and_counted_in_its_map
     from pairclean.judge.runner import load_judge, save_judge
     from pairclean.judge.words import WordGrounding, split_words, word_scores
     from pairclean.lite.judge_train import dev_pairs, score_pairs
-    from pairclean.lite.word_train import WEIGHTS, WordRecipe, fit_word_check
+    from pairclean.lite.word_train import WEIGHTS, WordRecipe, fit_word_grounding
 
     train, dev = load_split(cached, "train"), load_split(cached, "dev")
     model, _ = train_judge(train, dev, JudgeRecipe(width=16, heads=2, epochs=1, batch=8, top_k=2, warmup=1))
-    words, report = fit_word_check(model, train, dev, WordRecipe(epochs=2, batch=4, width=16, heads=2, layers=1, min_count=1))
+    words, report = fit_word_grounding(model, train, dev, WordRecipe(epochs=2, batch=4, width=16, heads=2, layers=1, min_count=1))
     assert words.weight == report["weight"] and report["weight"] in WEIGHTS
     assert set(report["dev_mean_auc_by_weight"]) == {str(w) for w in WEIGHTS} and len(report["history"]) == 2
     # the vocabulary is that of the real train captions, never of an edit
