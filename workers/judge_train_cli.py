@@ -71,7 +71,8 @@ def add_judge_train_parser(sub: Any) -> None:
     p.add_argument("--word-epochs", type=int, default=WordRecipe().epochs, help="epochs of the word grounding's model")
     p.add_argument("--judge-from", default=None,
                    help="take the judge's weights from this judge file instead of training them "
-                        "(its recipe and history are kept; the word grounding and Platt maps are fitted anew)")
+                        "(its recipe and history are kept, so the judge's training options are not used; "
+                        "the word grounding and Platt maps are fitted anew)")
     p.add_argument("--threads", type=int, default=None)
 
 
@@ -84,7 +85,7 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     from pairclean.lite.evaldata import find_flickr8k
     from pairclean.lite.judge_data import build_cache, load_split
     from pairclean.judge.edits import VOCABULARIES
-    from pairclean.judge.runner import load_judge, save_judge
+    from pairclean.judge.runner import JudgeRunner, load_judge, save_judge
     from pairclean.lite.judge_train import JudgeRecipe, calibrated_report, fine_rates, fit_platts, train_members
     from pairclean.lite.word_train import WordRecipe, fit_word_grounding
 
@@ -109,13 +110,17 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     print(f"extracting (or loading cached) regions and tokens into {cache} ...", flush=True)
     # PyTorch fp32 towers: the judge reads what `pairclean score` computes for pairclean-lite.
     estimator = load_estimator(EstimatorSpec(model="pairclean-lite", precision="fp32", engine="torch"))
+    if source is not None:
+        JudgeRunner(source, estimator)  # a judge for another estimator's regions and tokens: one line, before any work
     build_cache(root, cache, estimator, seed=args.seed, train_captions=args.train_captions, train_edits=args.train_edits,
                 edit_words=VOCABULARIES[args.edit_words])
     recipe = JudgeRecipe(epochs=args.epochs, width=args.width, layers=args.layers, seed=args.seed, lr=args.lr, batch=args.batch,
                          pair_weight=args.pair_weight, colours=args.colours == "on",
                          edits_per_positive=args.edits_per_positive)
-    if source is not None:
-        recipe = JudgeRecipe(**{**asdict(recipe), **{k: v for k, v in source.meta.get("recipe", {}).items() if k in asdict(recipe)}})
+    if source is not None:  # the judge's own recipe, and whether it reads colours, are the source's
+        kept = source.meta.get("recipe")
+        kept = {k: v for k, v in kept.items() if k in asdict(recipe)} if isinstance(kept, dict) else {}
+        recipe = JudgeRecipe(**{**asdict(recipe), **kept, "colours": source.model.config.colour_bins > 0})
     train, dev = load_split(cache, "train", recipe.colours), load_split(cache, "dev", recipe.colours)
     if source is not None:
         model, report = source.model, {"history": source.meta.get("history", []), "seconds": 0.0, "from": os.path.basename(args.judge_from)}
@@ -126,6 +131,9 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
         words, word_report = fit_word_grounding(model, train, dev, WordRecipe(epochs=args.word_epochs, seed=args.seed))
         report["words"] = word_report
         print(f"word grounding: weight {words.weight} (dev mean AUC by weight {word_report['dev_mean_auc_by_weight']})", flush=True)
+        if words.weight == 0:  # it would add nothing but two passes a caption
+            print("word grounding: weight 0 on dev; the judge is saved without it", flush=True)
+            words = None
     platt, platt_fine = fit_platts(model, dev, words)
     rates = fine_rates(model, dev, platt_fine, words)
     figures = calibrated_report(model, dev, platt, words=words)
@@ -140,9 +148,11 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     if words is not None:
         extra["word_recipe"] = report["words"]["recipe"]
         extra["word_report"] = {k: v for k, v in report["words"].items() if k != "recipe"}
-    if source is not None:  # the judge's own recipe is the source's, not this run's options
+    if source is not None:  # the judge's own recipe is the source's; this run's data trained the grounding and fitted the maps
         extra["recipe"] = source.meta.get("recipe", extra["recipe"])
-        extra["judge_from"] = {"file": os.path.basename(args.judge_from), "sha256": source.sha256}
+        extra["judge_from"] = {"file": os.path.basename(args.judge_from), "sha256": source.sha256,
+                               "data": {"train_captions": args.train_captions, "train_edits": args.train_edits,
+                                        "edit_words": args.edit_words, "seed": args.seed}}
     sha = save_judge(args.out, model, platt, "pairclean-lite", extra, words)
     print(f"judge -> {args.out} (sha256 {sha}, Platt a={platt[0]:.3f} b={platt[1]:.3f}, {report['seconds']} s)")
     if args.report:

@@ -41,6 +41,18 @@ class JudgeConfig:
     #: Judges of this shape trained from different seeds whose logits are averaged (``JudgeEnsemble``).
     members: int = 1
 
+    def __post_init__(self) -> None:
+        # A judge file is input: bound what its config may ask to build (width x dims, layers, members).
+        for name, top in (("text_dim", 8192), ("image_dim", 8192), ("regions", 4096), ("width", 4096), ("layers", 12),
+                          ("heads", 64), ("members", 8)):
+            value = getattr(self, name)
+            if type(value) is not int or not 1 <= value <= top:
+                raise ValueError(f"judge config {name} must be a whole number in 1-{top}, got {value!r}")
+        if type(self.colour_bins) is not int or not 0 <= self.colour_bins <= 64 or self.width % self.heads:
+            raise ValueError(f"judge config: colour_bins {self.colour_bins!r}, width {self.width} in {self.heads} heads")
+        if not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"judge config dropout must be in [0, 1), got {self.dropout!r}")
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 

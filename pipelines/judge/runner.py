@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from pairclean.errors import ModelLoadError
+from pairclean.errors import ModelLoadError, first_line
 from pairclean.embed.estimators import Estimator
 from pairclean.embed.estimators.base import exact_fp32, file_sha256
 from pairclean.osa import cosine_rows
@@ -114,10 +114,11 @@ def load_judge(path: str | None = None) -> LoadedJudge:
         state = load_file(path)
         model.load_state_dict({k: v for k, v in state.items() if not k.startswith(_WORDS)})
         words = _load_words(meta, {k[len(_WORDS):]: v for k, v in state.items() if k.startswith(_WORDS)})
-    except (KeyError, ValueError, TypeError, RuntimeError, OSError, SafetensorError) as exc:
-        raise ModelLoadError(f"{path!r} is not a pairclean judge file: {exc}") from exc
+        extra = {k: json.loads(v) for k, v in meta.items() if k not in ("judge_config", "platt", "estimator", "word_config", "word_vocab")}
+    except (KeyError, ValueError, TypeError, AssertionError, RuntimeError, OSError, SafetensorError) as exc:
+        # AssertionError: torch's layers assert their shapes (heads dividing the width)
+        raise ModelLoadError(f"{path!r} is not a pairclean judge file: {first_line(exc)}") from exc
     model.eval()
-    extra = {k: json.loads(v) for k, v in meta.items() if k not in ("judge_config", "platt", "estimator", "word_config", "word_vocab")}
     return LoadedJudge(model, path, file_sha256(path), (platt[0], platt[1]), meta.get("estimator", ""), extra, words)
 
 
@@ -127,11 +128,19 @@ def _load_words(meta: dict[str, str], state: dict[str, torch.Tensor]) -> WordGro
         if state:
             raise ValueError("word grounding tensors without their config")
         return None
-    model = WordModel(WordConfig.from_json(meta["word_config"]))
-    model.load_state_dict({k: v.float() for k, v in state.items()})
+    config = WordConfig.from_json(meta["word_config"])
     vocab = WordVocab(list(json.loads(meta["word_vocab"])))
-    if len(vocab) != model.config.vocab:
-        raise ValueError(f"word vocabulary of {len(vocab)} words for a model of {model.config.vocab}")
+    if len(vocab) != config.vocab:
+        raise ValueError(f"word vocabulary of {len(vocab)} words for a model of {config.vocab}")
+    # The stored tensors bound what the config may build (the file's size bounds them).
+    for name, shape in config.tensor_shapes().items():
+        if name not in state or tuple(state[name].shape) != shape:
+            raise ValueError(f"word grounding tensor {name} is not {shape}")
+    layers = {k.split(".")[1] for k in state if k.startswith("layers.")}
+    if len(layers) != config.layers:
+        raise ValueError(f"word grounding has {len(layers)} layers stored for a config of {config.layers}")
+    model = WordModel(config)
+    model.load_state_dict({k: v.float() for k, v in state.items()})
     weight = float(json.loads(meta["word_weight"]))
     if not np.isfinite(weight):
         raise ValueError("word grounding weight is not finite")

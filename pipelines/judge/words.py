@@ -34,6 +34,7 @@ __all__ = ["WordConfig", "WordModel", "WordVocab", "WordGrounding", "FUNCTION_WO
 
 _WORD = re.compile(r"[a-z]+|[0-9]+")
 PAD, UNK, MASK = 0, 1, 2
+MAX_LAYERS = 12  # a bound on what a judge file may ask to build
 _SPECIAL = ("<pad>", "<unk>", "<mask>")
 #: Words never scored (nor hidden): grammar, not content. Numbers and colours are content.
 FUNCTION_WORDS = frozenset(
@@ -52,6 +53,22 @@ class WordConfig:
     heads: int = 4
     max_words: int = 24
     dropout: float = 0.1
+
+    def __post_init__(self) -> None:
+        # A judge file is input: its shape must make sense before anything is built from it.
+        for name in ("vocab", "image_dim", "regions", "width", "layers", "heads", "max_words"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"word config {name} must be a positive whole number, got {value!r}")
+        if self.width % self.heads or self.layers > MAX_LAYERS:
+            raise ValueError(f"word config: width {self.width} in {self.heads} heads, {self.layers} layers (at most {MAX_LAYERS})")
+        if not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"word config dropout must be in [0, 1), got {self.dropout!r}")
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of the tensors that fix this config's size (checked against a file's before building)."""
+        return {"embed.weight": (self.vocab, self.width), "pos": (self.max_words, self.width),
+                "region_pos": (self.regions, self.width), "region_mean": (self.image_dim,)}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

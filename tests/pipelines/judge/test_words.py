@@ -4,6 +4,7 @@ stores it, and how the runner adds it to the judge's logit, a failure staying on
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -48,13 +49,14 @@ def _grounding(seed: int = 0) -> WordGrounding:
 
 def test_a_caption_scores_the_mean_of_its_two_lowest_pmis() -> None:
     g = _grounding()
-    regions = torch.randn(3, 4, 8)
-    captions = ["a brown dog runs", "the zebra of a", "two dogs"]
+    regions = torch.randn(4, 4, 8)
+    captions = ["a brown dog runs", "the zebra of a", "two dogs", "the dog"]
     got = word_scores(g, regions, captions)
     assert got[1] == 0.0  # no known content word: nothing to say
-    # by hand: each content word hidden (all at once), log P with the photo less log P without
+    # by hand: each content word hidden (all at once), log P with the photo less log P without;
+    # "the dog" has one scored word, which is its score
     ids = torch.from_numpy(g.vocab.encode(captions, 24))
-    for row in (0, 2):
+    for row in (0, 2, 3):
         at = torch.from_numpy(g.vocab.content(ids.numpy()))[row : row + 1]
         x = ids[row : row + 1].masked_fill(at, MASK)
         target = ids[row : row + 1][at]
@@ -120,6 +122,40 @@ def test_the_judge_file_keeps_its_word_grounding(tmp_path: Path, tiny_judge) -> 
         load_judge(str(tmp_path / "broken.safetensors"))
 
 
+def _rewrite(src: Path, dst: Path, **changes: str) -> Path:
+    """``src`` with some metadata values replaced (the tensors kept)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(src), framework="pt") as fh:
+        meta = dict(fh.metadata())
+    save_file(load_file(str(src)), str(dst), metadata={**meta, **changes})
+    return dst
+
+
+@pytest.mark.parametrize("key, change, message", [
+    ("word_config", {"heads": 3}, "width 16 in 3 heads"),  # torch would assert, with a traceback
+    ("word_config", {"vocab": 10**9}, "word vocabulary of"),  # never built: checked against the stored vocabulary
+    ("word_config", {"width": 4096, "heads": 4}, "tensor embed.weight is not"),  # nor against the stored tensors
+    ("word_config", {"layers": 10**6}, "layers"),
+    ("judge_config", {"heads": 3}, "width 16 in 3 heads"),
+    ("judge_config", {"width": 10**6}, "judge config width must be a whole number in 1-4096"),
+    ("fine_rates", None, "not a pairclean judge file"),  # metadata that is not JSON
+])
+def test_a_hostile_judge_file_is_one_line_and_builds_nothing_big(tmp_path: Path, tiny_judge, key: str, change, message: str) -> None:
+    import json
+
+    from safetensors import safe_open
+
+    src = tiny_judge(tmp_path / "w.safetensors", words=0.5, fine_rates=(0.8, 0.3))
+    with safe_open(str(src), framework="pt") as fh:
+        value = fh.metadata()[key]
+    new = "{" if change is None else json.dumps({**json.loads(value), **change})
+    with pytest.raises(ModelLoadError, match="not a pairclean judge file") as caught:
+        load_judge(str(_rewrite(src, tmp_path / "hostile.safetensors", **{key: new})))
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
 def _batch(estimator, n: int) -> tuple[torch.Tensor, list[str]]:
     gen = torch.Generator().manual_seed(0)
     pixels = torch.rand((n, 3, estimator.image_size, estimator.image_size), generator=gen)
@@ -142,6 +178,14 @@ def test_the_runner_adds_the_weighted_grounding_to_the_judges_logit(tmp_path: Pa
         - llr_of(np.zeros(6, np.float32), judged.platt)
     np.testing.assert_allclose(with_words.llr - without.llr, expected, atol=1e-4)
     assert np.abs(with_words.llr - without.llr).max() > 1e-4 and with_words.llr[3] == pytest.approx(without.llr[3], abs=1e-5)
+    # judging a band (pairs 1, 3 and 5 here, not a prefix): each judged pair gets its own caption's grounding
+    sims = np.einsum("nd,nd->n", with_words.image_emb, with_words.text_emb)
+    pick = np.zeros(6, bool)
+    pick[[1, 3, 5]] = True
+    banded = JudgeRunner(judged, tiny_estimator).with_band((float(sims[pick].min()) - 1e-6, math.inf)).encode_batch(pixels, texts)
+    judged_rows = np.isfinite(banded.llr)
+    assert judged_rows.any() and not judged_rows.all()
+    np.testing.assert_allclose(banded.llr[judged_rows], with_words.llr[judged_rows], atol=1e-5)
 
 
 class _FailsOnThe(WordModel):
