@@ -145,7 +145,7 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
                                              "members": args.members if source is None else source.model.config.members},
              "history": report["history"], "platt_fine": list(platt_fine), "fine_rates": list(rates),
              "dev": figures, "data": "Flickr8k train (training), dev (selection, Platt map, figures)"}
-    if words is not None:
+    if "words" in report:  # trained, kept or not (weight 0)
         extra["word_recipe"] = report["words"]["recipe"]
         extra["word_report"] = {k: v for k, v in report["words"].items() if k != "recipe"}
     if source is not None:  # the judge's own recipe is the source's; this run's data trained the grounding and fitted the maps

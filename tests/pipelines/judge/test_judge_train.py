@@ -200,3 +200,29 @@ def test_two_edits_per_positive_show_both_edits_of_a_caption_each_epoch_and_neve
     assert np.isin(txt1, shown).sum() == len(edit_of)  # one edit per caption by default
     rng = np.random.default_rng(0)
     assert _other_edit([5], 5, rng) == -1 and _other_edit([5, 6], 5, rng) == 6 and _other_edit(None, -1, rng) == -1
+
+
+@pytest.mark.slow
+def test_train_judge_from_the_shipped_judge_adds_a_grounding_and_keeps_its_weights(tmp_path: Path) -> None:
+    """`pairclean train-judge --judge-from FILE --words on` on a Flickr8k-shaped folder of ten
+    photos: the judge's tensors are the source's, the grounding and both maps are new, and the
+    metadata says where the judge came from."""
+    import torch
+
+    from pairclean.judge.runner import default_judge_path, load_judge
+    from pairclean_workers.cli import main
+
+    root = _flickr_folder(tmp_path / "flickr")
+    out = tmp_path / "judge.safetensors"
+    assert main(["train-judge", "--data", str(root), "--features-cache", str(tmp_path / "cache"), "--out", str(out),
+                 "--judge-from", default_judge_path(), "--words", "on", "--word-epochs", "1", "--threads", "2"]) == 0
+    source, made = load_judge(None), load_judge(str(out))
+    for (name, a), (_, b) in zip(source.model.state_dict().items(), made.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert made.meta["judge_from"]["sha256"] == source.sha256 and made.meta["recipe"] == source.meta["recipe"]
+    assert made.meta["judge_from"]["data"]["train_captions"] == 5 and made.meta["word_recipe"]["epochs"] == 1
+    assert made.words is not None or made.meta["word_report"]["weight"] == 0  # weight 0 saves the judge without it
+    if made.words is not None:
+        assert made.words.weight == made.meta["word_report"]["weight"] > 0
+        assert set(made.words.vocab.words) <= {"<pad>", "<unk>", "<mask>"} | {w for c in CAPTIONS for w in c.split()}
+    assert made.platt != source.platt
