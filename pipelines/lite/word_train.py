@@ -16,13 +16,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from pairclean.judge.words import MASK, WordGrounding, WordConfig, WordModel, WordVocab
 from pairclean.lite.judge_data import SplitFeatures
+
+if TYPE_CHECKING:  # torch is imported where a model is built: `pairclean serve` builds this CLI's parser
+    from pairclean.judge.words import WordGrounding, WordModel, WordVocab
 
 __all__ = ["WordRecipe", "train_words", "round_to_stored", "choose_weight", "fit_word_grounding", "WEIGHTS"]
 
@@ -55,6 +57,8 @@ def train_words(captions: list[str], image_of: NDArray[np.int64], regions: NDArr
     mode, vocabulary, report with the loss per epoch)."""
     import torch
     import torch.nn.functional as F
+
+    from pairclean.judge.words import MASK, WordConfig, WordModel, WordVocab
 
     torch.manual_seed(recipe.seed)
     vocab = WordVocab.of(captions, recipe.min_count)
@@ -136,6 +140,7 @@ def choose_weight(judge_logits: dict[str, NDArray[np.float32]], word: dict[str, 
 def fit_word_grounding(judge: Any, train: SplitFeatures, dev: SplitFeatures, recipe: WordRecipe) -> tuple[WordGrounding, dict[str, Any]]:
     """Train the word model on ``train``'s real captions, round it as stored, and choose its
     weight beside ``judge`` on ``dev``'s pairs (``judge_train.dev_pairs``); returns (check, report)."""
+    from pairclean.judge.words import WordGrounding
     from pairclean.lite.judge_train import dev_pairs, score_pairs
 
     real = np.nonzero(train.kind == "")[0]
