@@ -31,7 +31,7 @@ from pairclean.osa import cosine_rows
 from pairclean.judge.features import COLOUR_BINS, colour_grid, estimator_colours, image_parts, image_parts_dim, text_parts, text_parts_dim
 from pairclean.judge.model import JudgeConfig, JudgeModel, build_judge
 from pairclean.judge.posterior import FULL_BAND, in_band, llr_of
-from pairclean.judge.words import WordGrounding, WordConfig, WordModel, WordVocab, word_scores
+from pairclean.judge.words import WordGrounding, WordConfig, WordModel, WordVocab
 
 __all__ = ["JUDGE_FILE", "JUDGE_MODES", "LoadedJudge", "default_judge_path", "load_judge", "save_judge", "JudgeRunner", "JudgeBatch"]
 
@@ -244,10 +244,8 @@ class JudgeRunner:
     def _logits(self, tokens: torch.Tensor, mask: torch.Tensor, regions: torch.Tensor, cos: torch.Tensor,
                 tower_regions: torch.Tensor, texts: list[str]) -> NDArray[np.float32]:
         """The judge's logits, plus the word grounding's weighted score where the judge has one."""
-        out = self._model(tokens, mask, regions, cos).float().cpu().numpy()
-        if self._words is not None:
-            out = out + np.float32(self._words.weight) * word_scores(self._words, tower_regions, texts)
-        return np.asarray(out, np.float32)
+        out: NDArray[np.float32] = self._model(tokens, mask, regions, cos).float().cpu().numpy()
+        return out if self._words is None else self._words.add_to(out, tower_regions, texts)
 
     def _judge(self, tokens: torch.Tensor, mask: torch.Tensor, regions: torch.Tensor, cos: torch.Tensor,
                tower_regions: torch.Tensor, texts: list[str]) -> tuple[NDArray[np.float32], list[str | None]]:

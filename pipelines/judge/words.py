@@ -171,6 +171,11 @@ class WordGrounding:
     vocab: WordVocab
     weight: float
 
+    def add_to(self, logits: NDArray[np.float32], regions: torch.Tensor, captions: list[str]) -> NDArray[np.float32]:
+        """The judge's ``logits`` (N,) plus ``weight`` x the captions' word scores: the one rule
+        the runner and training's scoring share."""
+        return np.asarray(logits + np.float32(self.weight) * word_scores(self, regions, captions), np.float32)
+
     def describe(self) -> dict[str, object]:
         """What the output metadata records about the check."""
         return {"config": asdict(self.model.config), "weight": self.weight,

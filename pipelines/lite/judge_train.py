@@ -176,8 +176,6 @@ def score_pairs(model: Any, feats: SplitFeatures, img: NDArray[np.int64], txt: N
     ``words.weight`` x the word grounding's score where ``words`` is given (as the runner adds it)."""
     import torch
 
-    from pairclean.judge.words import word_scores
-
     model.eval()
     out = []
     with torch.inference_mode():
@@ -185,7 +183,7 @@ def score_pairs(model: Any, feats: SplitFeatures, img: NDArray[np.int64], txt: N
             logits = model(*_tensors(feats, img[s : s + batch], txt[s : s + batch])).numpy()
             if words is not None:
                 regions = torch.from_numpy(feats.regions[img[s : s + batch]])
-                logits = logits + np.float32(words.weight) * word_scores(words, regions, [feats.texts[t] for t in txt[s : s + batch]])
+                logits = words.add_to(logits, regions, [feats.texts[t] for t in txt[s : s + batch]])
             out.append(logits)
     return np.concatenate(out) if out else np.zeros(0, np.float32)
 

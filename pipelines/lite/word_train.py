@@ -140,7 +140,9 @@ def choose_weight(judge_logits: dict[str, NDArray[np.float32]], word: dict[str, 
 def fit_word_grounding(judge: Any, train: SplitFeatures, dev: SplitFeatures, recipe: WordRecipe) -> tuple[WordGrounding, dict[str, Any]]:
     """Train the word model on ``train``'s real captions, round it as stored, and choose its
     weight beside ``judge`` on ``dev``'s pairs (``judge_train.dev_pairs``); returns (check, report)."""
-    from pairclean.judge.words import WordGrounding
+    import torch
+
+    from pairclean.judge.words import WordGrounding, word_scores
     from pairclean.lite.judge_train import dev_pairs, score_pairs
 
     real = np.nonzero(train.kind == "")[0]
@@ -149,6 +151,6 @@ def fit_word_grounding(judge: Any, train: SplitFeatures, dev: SplitFeatures, rec
     pairs = dev_pairs(dev)
     judge_logits = {k: score_pairs(judge, dev, *v) for k, v in pairs.items()}
     probe = WordGrounding(model, vocab, 1.0)
-    word = {k: score_pairs(judge, dev, *v, words=probe) - judge_logits[k] for k, v in pairs.items()}
+    word = {k: word_scores(probe, torch.from_numpy(dev.regions[img]), [dev.texts[t] for t in txt]) for k, (img, txt) in pairs.items()}
     weight, by_weight = choose_weight(judge_logits, word)
     return WordGrounding(model, vocab, weight), {**report, "weight": weight, "dev_mean_auc_by_weight": by_weight}
