@@ -26,27 +26,13 @@ import json
 from pathlib import Path
 
 import numpy as np
-from numpy.typing import NDArray
 
 from pairclean.calibrate.calibration import cache_dir
-from pairclean.judge.edits import EDIT_KINDS, VOCABULARIES, edit_caption
-from pairclean.lite.judge_data import SplitFeatures, encode_texts, load_split
+from pairclean.judge.edits import EDIT_KINDS, VOCABULARIES
+from pairclean.lite.judge_data import load_split, with_texts, word_edits
 from pairclean.lite.judge_train import evaluate, score_pairs
 
 MIN_EDITS = 20  # kinds with fewer edits than this are folded into the vocabulary's row only
-
-
-def _new_edits(dev: SplitFeatures, first: NDArray[np.int64]) -> list[tuple[str, str, int, str]]:
-    """(vocabulary, kind, photo, text) of every extra and unseen edit of the first captions."""
-    out = []
-    for name in ("extra", "unseen"):
-        rng = np.random.default_rng(0)
-        for i, row in enumerate(first):
-            for kind in EDIT_KINDS:
-                edited = edit_caption(dev.texts[row], kind, rng, VOCABULARIES[name])
-                if edited is not None:
-                    out.append((name, kind, i, edited))
-    return out
 
 
 def main() -> None:
@@ -60,28 +46,25 @@ def main() -> None:
     dev = load_split(args.features_cache, "dev")
     n = len(dev.image_emb)
     first = np.nonzero(dev.kind == "")[0][::5]  # each photo's first caption (five per photo, in order)
-    made = _new_edits(dev, first)
+    made = [(name, *m) for name in ("extra", "unseen") for m in word_edits(dev, VOCABULARIES[name])]
     from pairclean.embed.estimators import EstimatorSpec, load_estimator
 
     estimator = load_estimator(EstimatorSpec(model="pairclean-lite", precision="fp32", engine="torch"))
-    tokens, mask, emb = encode_texts(estimator, [m[3] for m in made])
-    base = len(dev.texts)
-    dev.tokens, dev.mask = np.concatenate([dev.tokens, tokens]), np.concatenate([dev.mask, mask])
-    dev.text_emb = np.concatenate([dev.text_emb, emb])
+    dev, rows = with_texts(dev, estimator, [m[3] for m in made])
     model = load_judge(args.judge).model
     pairs = {"clean": (np.arange(n), first)}
     for kind in EDIT_KINDS:
         r = np.nonzero(dev.kind == kind)[0]
         pairs[f"core:{kind}"] = (dev.image[r], r)
-    r = np.nonzero(dev.kind != "")[0]
+    r = np.nonzero(np.isin(dev.kind, EDIT_KINDS))[0]
     pairs["core:all"] = (dev.image[r], r)
     for name in ("extra", "unseen"):
         sel = [k for k, m in enumerate(made) if m[0] == name]
         for kind in EDIT_KINDS:
             ks = [k for k in sel if made[k][1] == kind]
             if len(ks) >= MIN_EDITS:
-                pairs[f"{name}:{kind}"] = (np.array([made[k][2] for k in ks]), base + np.array(ks))
-        pairs[f"{name}:all"] = (np.array([made[k][2] for k in sel]), base + np.array(sel))
+                pairs[f"{name}:{kind}"] = (np.array([made[k][2] for k in ks]), rows[ks])
+        pairs[f"{name}:all"] = (np.array([made[k][2] for k in sel]), rows[sel])
     aucs = evaluate(model, dev, pairs)  # the judge's and the cosine's AUC, as train-judge reports them
     clean = score_pairs(model, dev, *pairs["clean"])
     if not args.json:

@@ -126,11 +126,13 @@ def tiny_judge() -> Callable[..., Path]:
     """Writes a judge with random weights shaped for ``pairclean-tiny-test`` (issue 21 tests)."""
 
     def make(path: Path, seed: int = 0, platt_fine: tuple[float, float] | None = None, colour_bins: int = 0,
-             fine_rates: tuple[float, float] | None = None, words: float | None = None) -> Path:
+             fine_rates: tuple[float, float] | None = None, words: float | None = None,
+             fine_mixture: dict[str, object] | None = None) -> Path:
         """``platt_fine``: a near-miss map (the judge is then combined with OSA, not in its place);
         ``fine_rates``: its dev pass rates (the near-miss prior is then an adjusted count);
         ``colour_bins``: it also reads the regions' colour make-up; ``words``: the weight of a
-        word grounding (random weights, the bundled sample's caption words) in its logit."""
+        word grounding (random weights, the bundled sample's caption words) in its logit;
+        ``fine_mixture``: its near-miss mixture record (``posterior.FineMixture.to_doc``)."""
         import torch
 
         from pairclean.judge.model import Judge, JudgeConfig
@@ -144,6 +146,8 @@ def tiny_judge() -> Callable[..., Path]:
             extra["platt_fine"] = list(platt_fine)
         if fine_rates is not None:
             extra["fine_rates"] = list(fine_rates)
+        if fine_mixture is not None:
+            extra["fine_mixture"] = fine_mixture
         grounding = None
         if words is not None:
             vocab = WordVocab.of(list(SAMPLE_CAPTION_WORDS), 1)

@@ -7,7 +7,11 @@ on dev and writes the weights with recipe, history and dev figures in the file's
 metadata. ``--words on`` (the default) then trains the word grounding
 (``pairclean.lite.word_train``) and chooses its weight beside the judge on dev, before the
 Platt maps; ``--judge-from FILE`` takes the judge's weights from a judge file instead of
-training them. ``--report`` gets the dev figures per noise kind and rate as JSON.
+training them (``--words keep``: its word grounding too, so only the maps, the pass rates and
+the near-miss mixture are fitted anew). Last, the near-miss mixture
+(``pairclean.judge.posterior.FineMixture``): the dev distributions of the word check's ratios
+for clean pairs, the judge's own lists' edits and edits with words its recipe never changed
+(``extra``; ``unseen`` for a recipe that trained on ``extra``). ``--report`` gets the dev figures per noise kind and rate as JSON.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from pairclean.errors import InputError
 from pairclean_workers.args import seed
@@ -66,8 +72,9 @@ def add_judge_train_parser(sub: Any) -> None:
                    help="judges trained from seeds SEED, SEED+1, ... whose logits are averaged (1: one judge)")
     p.add_argument("--colours", choices=("on", "off"), default="on" if base.colours else "off",
                    help="also read each region's colour make-up (off: the shipped judge; see its model card)")
-    p.add_argument("--words", choices=("on", "off"), default="on",
-                   help="also train the word grounding (pairclean.judge.words) and add it to the judge's logit (on: the shipped judge)")
+    p.add_argument("--words", choices=("on", "off", "keep"), default="on",
+                   help="also train the word grounding (pairclean.judge.words) and add it to the judge's logit (on: the shipped judge); "
+                        "keep: with --judge-from, keep that file's grounding as it is")
     p.add_argument("--word-epochs", type=int, default=WordRecipe().epochs, help="epochs of the word grounding's model")
     p.add_argument("--judge-from", default=None,
                    help="take the judge's weights from this judge file instead of training them "
@@ -83,10 +90,10 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     from pairclean.calibrate.calibration import cache_dir
     from pairclean.embed.estimators import EstimatorSpec, load_estimator
     from pairclean.lite.evaldata import find_flickr8k
-    from pairclean.lite.judge_data import build_cache, load_split
+    from pairclean.lite.judge_data import build_cache, load_split, with_texts, word_edits
     from pairclean.judge.edits import VOCABULARIES
     from pairclean.judge.runner import JudgeRunner, load_judge, save_judge
-    from pairclean.lite.judge_train import JudgeRecipe, calibrated_report, fine_rates, fit_platts, train_members
+    from pairclean.lite.judge_train import JudgeRecipe, calibrated_report, fine_mixture, fine_rates, fit_platts, train_members
     from pairclean.lite.word_train import WordRecipe, fit_word_grounding
 
     if not 1 <= args.train_captions <= 5:
@@ -99,6 +106,8 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
         raise InputError(f"--members must be 1-8, got {args.members}")
     if not 1 <= args.word_epochs <= 100:
         raise InputError(f"--word-epochs must be 1-100, got {args.word_epochs}")
+    if args.words == "keep" and not args.judge_from:
+        raise InputError("--words keep needs --judge-from FILE (the grounding to keep)")
     source = load_judge(args.judge_from) if args.judge_from else None  # a bad file fails here, before any work
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     root = Path(args.data) if args.data else find_flickr8k(os.getcwd())
@@ -126,7 +135,7 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
         model, report = source.model, {"history": source.meta.get("history", []), "seconds": 0.0, "from": os.path.basename(args.judge_from)}
     else:
         model, report = train_members(train, dev, recipe, args.members)
-    words = None
+    words = source.words if source is not None and args.words == "keep" else None
     if args.words == "on":
         words, word_report = fit_word_grounding(model, train, dev, WordRecipe(epochs=args.word_epochs, seed=args.seed))
         report["words"] = word_report
@@ -145,6 +154,8 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
                                              "members": args.members if source is None else source.model.config.members},
              "history": report["history"], "platt_fine": list(platt_fine), "fine_rates": list(rates),
              "dev": figures, "data": "Flickr8k train (training), dev (selection, Platt map, figures)"}
+    if source is not None and args.words == "keep":  # the source's grounding, as it was trained
+        extra.update({k: source.meta[k] for k in ("word_recipe", "word_report") if k in source.meta})
     if "words" in report:  # trained, kept or not (weight 0)
         extra["word_recipe"] = report["words"]["recipe"]
         extra["word_report"] = {k: v for k, v in report["words"].items() if k != "recipe"}
@@ -153,6 +164,16 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
         extra["judge_from"] = {"file": os.path.basename(args.judge_from), "sha256": source.sha256,
                                "data": {"train_captions": args.train_captions, "train_edits": args.train_edits,
                                         "edit_words": args.edit_words, "seed": args.seed}}
+    # the words this judge never trained on: edits made with them stand for other hands' edits
+    other_words = "unseen" if extra["recipe"].get("edit_words") == "training" else "extra"
+    made = word_edits(dev, VOCABULARIES[other_words], seed=args.seed)
+    grown, rows = with_texts(dev, estimator, [m[2] for m in made])
+    try:
+        mixture = fine_mixture(model, grown, platt_fine, (np.array([m[1] for m in made], np.int64), rows), other_words, words)
+        extra["fine_mixture"] = mixture.to_doc()
+        print(f"near-miss mixture: {len(rows)} dev edits with {other_words} words", flush=True)
+    except ValueError as exc:  # a few dev photos (a test run) give too few such edits: the adjusted count alone
+        print(f"near-miss mixture: not fitted ({exc})", flush=True)
     sha = save_judge(args.out, model, platt, "pairclean-lite", extra, words)
     print(f"judge -> {args.out} (sha256 {sha}, Platt a={platt[0]:.3f} b={platt[1]:.3f}, {report['seconds']} s)")
     if args.report:

@@ -213,6 +213,11 @@ def judged_p_clean(llr: NDArray[np.float32], osa_p: NDArray[np.float32], frozen:
     if frozen["fine_prior"] is None:  # the factor is off (``fine_off`` says why): OSA's outputs stay
         return np.full(len(llr), np.nan, np.float32)
     fine = posterior.fine_llr(llr, _pair(frozen["platt"]), _pair(frozen["platt_fine"]))
+    fit = frozen.get("fine_mixture_fit")
+    if fit is not None and fit["used"]:  # words the judge never saw changed: the mixture's posterior
+        mixture = posterior.FineMixture.from_doc(frozen["fine_mixture"])
+        shares = tuple(float(v) for v in fit["shares"])
+        return (np.asarray(osa_p, np.float64) * posterior.mixture_p_clean(fine, mixture, (shares[0], shares[1], shares[2]))).astype(np.float32)
     return posterior.combined_p_clean(osa_p, fine, float(frozen["fine_prior"]))
 
 
@@ -227,7 +232,12 @@ def refit_fine_prior(frozen: dict[str, Any], llr: NDArray[np.float32], osa_p: ND
     fine = posterior.fine_llr(llr, _pair(frozen["platt"]), _pair(frozen["platt_fine"]))
     rates = _pair(frozen["fine_rates"]) if "fine_rates" in frozen else None
     prior, why = posterior.fine_prior_or_reason(fine, osa_p, rates)
-    return {**{k: v for k, v in frozen.items() if k != "fine_off"}, "fine_prior": prior, **({"fine_off": why} if why else {})}
+    doc = {**{k: v for k, v in frozen.items() if k not in ("fine_off", "fine_mixture_fit")}, "fine_prior": prior,
+           **({"fine_off": why} if why else {})}
+    if prior is not None and "fine_mixture" in frozen:  # a judge that knows how unseen-word edits score
+        fit = posterior.fit_mixture(fine, posterior.FineMixture.from_doc(frozen["fine_mixture"]), osa_p, prior)
+        doc["fine_mixture_fit"] = None if fit is None else fit.to_doc()
+    return doc
 
 
 def _pair(values: Any) -> tuple[float, float]:

@@ -26,6 +26,19 @@ bundled 10-pair demo), or an estimate below ``MIN_FINE_PRIOR`` (the judge would 
 of the pairs OSA accepts wrong in a word, which says more about the corpus being outside
 what it learned, e.g. rockets and coins, than about the corpus). OSA's outputs then stay.
 
+Where the corpus's wrong words are ones the judge never saw changed (other word lists, or
+another image's caption that the contrast cannot see), the adjusted count assumes they fail
+its word check as often as its training edits do, and they do not (dev: 28% of its own
+lists' edits pass, 58% of other words'), so it sizes them too small and calls many of them
+clean with confidence. A judge that carries ``fine_mixture`` (``FineMixture``: the dev
+distributions of its near-miss ratios for clean pairs, its own lists' edits and edits with
+words it never trained on) also fits the corpus's ratios as a mixture of those three
+(``fit_mixture``, EM on the shares, weighted by OSA's p_clean). Where the third share
+explains the corpus better by a deviance above ``FineMixture.min_gain``, the pair's factor
+is its mixture posterior (``mixture_p_clean``): a pair that looks like a clean one but also
+like an unseen-word edit gets a value nearer the middle instead of a confident "clean";
+otherwise the adjusted count stands as it was.
+
 The band: the judge runs on pairs whose OSA similarity lies in ``[lo, hi]``;
 ``choose_band`` puts a window holding ``budget`` of the calibration pairs where the judge's
 p_clean differs most from OSA's (where judging can change the answer).
@@ -34,12 +47,14 @@ p_clean differs most from OSA's (where judging can change the answer).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 __all__ = ["FULL_BAND", "MIN_FINE_PAIRS", "MIN_FINE_PRIOR", "MIN_RATE_GAP", "FINE_PRIOR_MAX", "platt_fit", "llr_of", "fine_llr", "estimate_prior",
-           "adjusted_count", "fine_prior_or_reason",
+           "adjusted_count", "fine_prior_or_reason", "FineMixture", "MixtureFit", "fit_mixture", "mixture_p_clean",
            "p_clean_of", "combined_p_clean", "choose_band", "in_band"]
 
 #: The band of ``--judge all``: every ok pair.
@@ -196,6 +211,153 @@ def combined_p_clean(osa_p: NDArray[np.floating], llr_fine: NDArray[np.floating]
     wrong, from its near-miss ratios ``llr_fine`` (N,) under the corpus's near-miss
     ``fine_prior`` (``estimate_prior`` weighted by OSA's p_clean). NaN ratios stay NaN."""
     return (np.asarray(osa_p, np.float64) * p_clean_of(llr_fine, fine_prior)).astype(np.float32)
+
+
+#: Quantiles kept of each dev distribution (``FineMixture.of``): enough for a density of a
+#: few thousand ratios, small enough to ride in every table's metadata (3 x 128 numbers).
+MIXTURE_QUANTILES = 128
+#: Components of a ``FineMixture``, in order.
+MIXTURE_COMPONENTS = ("clean", "edits", "other")
+#: Bounds a judge file's mixture is checked against (it is input): quantiles per component,
+#: and the largest |ratio| a quantile or bandwidth may hold.
+_MAX_QUANTILES = 1024
+_MAX_RATIO = 1e3
+
+
+@dataclass(frozen=True)
+class FineMixture:
+    """A judge's near-miss ratios on dev, per component (``MIXTURE_COMPONENTS``: clean pairs,
+    one-word edits from its own training lists, edits with words it never trained on), as
+    sorted quantiles (Q,) with a Gaussian kernel bandwidth each; ``min_gain``: the deviance by
+    which the three-part mixture must beat the two-part one before it is used."""
+
+    quantiles: tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]
+    bandwidths: tuple[float, float, float]
+    min_gain: float
+    other_words: str
+
+    @classmethod
+    def of(cls, samples: dict[str, NDArray[np.floating]], other_words: str, min_gain: float) -> FineMixture:
+        """From dev ratios (one array per component): ``MIXTURE_QUANTILES`` mid-quantiles and
+        Silverman's bandwidth (1.06 * sd * n^-1/5) of each."""
+        qs, hs = [], []
+        probs = (np.arange(MIXTURE_QUANTILES) + 0.5) / MIXTURE_QUANTILES
+        for name in MIXTURE_COMPONENTS:
+            x = np.asarray(samples[name], np.float64)
+            x = x[np.isfinite(x)]
+            if x.size < 10:
+                raise ValueError(f"fine mixture: {x.size} finite dev ratios for {name!r}, fewer than 10")
+            qs.append(np.quantile(x, probs))
+            hs.append(max(1e-3, 1.06 * float(x.std()) * x.size ** -0.2))
+        return cls((qs[0], qs[1], qs[2]), (hs[0], hs[1], hs[2]), float(min_gain), other_words)
+
+    def to_doc(self) -> dict[str, Any]:
+        """JSON-able form (the judge file's ``fine_mixture`` metadata and the tables' judge record)."""
+        return {"components": {n: [round(float(v), 5) for v in q] for n, q in zip(MIXTURE_COMPONENTS, self.quantiles)},
+                "bandwidths": [round(h, 5) for h in self.bandwidths], "min_gain": self.min_gain, "other_words": self.other_words}
+
+    @classmethod
+    def from_doc(cls, doc: Any) -> FineMixture:
+        """Read back ``to_doc``'s form, checked (a judge file is input): ``ValueError`` when it
+        is not one (missing parts, non-finite or out-of-bounds numbers, too many quantiles)."""
+        if not isinstance(doc, dict) or not isinstance(doc.get("components"), dict):
+            raise ValueError("fine_mixture is not a mixture record")
+        qs = []
+        for name in MIXTURE_COMPONENTS:
+            q = np.asarray(doc["components"].get(name), dtype=np.float64)
+            if q.ndim != 1 or not 1 <= q.size <= _MAX_QUANTILES or not np.isfinite(q).all() or np.abs(q).max() > _MAX_RATIO:
+                raise ValueError(f"fine_mixture component {name!r} is not 1-{_MAX_QUANTILES} finite ratios")
+            qs.append(np.sort(q))
+        hs = [float(h) for h in doc["bandwidths"]]
+        if len(hs) != 3 or not all(1e-4 <= h <= _MAX_RATIO for h in hs):
+            raise ValueError("fine_mixture bandwidths are not 3 numbers in [1e-4, 1e3]")
+        gain = float(doc["min_gain"])
+        if not 0 <= gain <= _MAX_RATIO:
+            raise ValueError("fine_mixture min_gain is not in [0, 1e3]")
+        return cls((qs[0], qs[1], qs[2]), (hs[0], hs[1], hs[2]), gain, str(doc.get("other_words", "")))
+
+    def log_densities(self, x: NDArray[np.floating]) -> NDArray[np.float64]:
+        """(N, 3) log density of each component at the ratios ``x`` (N,) (kernel estimates,
+        in log space so that far tails keep their order instead of underflowing to 0)."""
+        z = np.asarray(x, np.float64)[:, None]
+        cols = []
+        for q, h in zip(self.quantiles, self.bandwidths):
+            d = -0.5 * ((z - q[None, :]) / h) ** 2
+            top = d.max(axis=1, keepdims=True)
+            cols.append(top[:, 0] + np.log(np.exp(d - top).mean(axis=1)) - math.log(h * math.sqrt(2 * math.pi)))
+        return np.stack(cols, axis=1)
+
+
+@dataclass(frozen=True)
+class MixtureFit:
+    """A corpus's fit of a ``FineMixture``: ``shares`` (clean, edits, other) of the three-part
+    fit, ``gain`` its deviance over the two-part fit (clean and edits only), ``used`` whether
+    it beats ``min_gain`` (the pairs' factor is then ``mixture_p_clean``)."""
+
+    shares: tuple[float, float, float]
+    gain: float
+    used: bool
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"shares": [round(s, 5) for s in self.shares], "gain": round(self.gain, 3), "used": self.used}
+
+
+def _em_shares(logf: NDArray[np.float64], w: NDArray[np.float64], start: NDArray[np.float64],
+               iters: int = 500) -> tuple[NDArray[np.float64], float]:
+    """(shares, weighted mean log likelihood) of the mixture of the columns of ``logf`` (N, K)
+    with pair weights ``w`` (N,) summing to 1: EM on the shares only (the components are fixed)."""
+    shares = start / start.sum()
+    for _ in range(iters):
+        joint = logf + np.log(np.maximum(shares, 1e-300))
+        top = joint.max(axis=1, keepdims=True)
+        resp = np.exp(joint - top)
+        resp /= resp.sum(axis=1, keepdims=True)
+        new = w @ resp
+        done = np.abs(new - shares).max() < 1e-8
+        shares = new
+        if done:
+            break
+    joint = logf + np.log(np.maximum(shares, 1e-300))
+    top = joint.max(axis=1)
+    ll = top + np.log(np.exp(joint - top[:, None]).sum(axis=1))
+    return shares, float(w @ ll)
+
+
+def fit_mixture(llr_fine: NDArray[np.floating], mixture: FineMixture, weights: NDArray[np.floating] | None = None,
+                prior: float = 0.8) -> MixtureFit | None:
+    """Fit the corpus's near-miss ratios ``llr_fine`` (N,) (pairs weighted by ``weights``,
+    OSA's p_clean) as a mixture of the judge's dev components; None when no pair counts.
+
+    The gain is the deviance ``2 * n_eff * (mean log likelihood of the three-part fit - that
+    of clean and edits alone)``, n_eff the weights' effective sample size (Kish): the
+    third component is used only when the corpus shows it (``mixture.min_gain``), since an
+    unseen-word edit and a clean pair overlap much and a spurious share would make clean
+    corpora doubtful. ``prior``: the starting clean share (the adjusted count's)."""
+    x, w = _weighted(llr_fine, weights)
+    if x.size == 0 or w.sum() <= 0:
+        return None
+    n_eff = float(w.sum() ** 2 / np.sum(w * w))
+    w = w / w.sum()
+    logf = mixture.log_densities(x)
+    c = float(np.clip(prior, 0.05, 0.95))
+    _, ll2 = _em_shares(logf[:, :2], w, np.array([c, 1 - c]))
+    shares, ll3 = _em_shares(logf, w, np.array([c, (1 - c) / 2, (1 - c) / 2]))
+    gain = max(0.0, 2 * n_eff * (ll3 - ll2))
+    return MixtureFit((float(shares[0]), float(shares[1]), float(shares[2])), gain, gain > mixture.min_gain)
+
+
+def mixture_p_clean(llr_fine: NDArray[np.floating], mixture: FineMixture, shares: tuple[float, float, float]) -> NDArray[np.float32]:
+    """P(no word wrong) (N,) of ratios ``llr_fine`` (N,) under the corpus's mixture ``shares``:
+    the clean component's share of the density at each ratio. NaN stays NaN."""
+    x = np.asarray(llr_fine, np.float64)
+    out = np.full(x.shape, np.nan, np.float32)
+    keep = np.isfinite(x)
+    if keep.any():
+        joint = mixture.log_densities(x[keep]) + np.log(np.maximum(np.asarray(shares, np.float64), 1e-300))
+        top = joint.max(axis=1, keepdims=True)
+        e = np.exp(joint - top)
+        out[keep] = (e[:, 0] / e.sum(axis=1)).astype(np.float32)
+    return out
 
 
 def choose_band(similarity: NDArray[np.floating], judge_p: NDArray[np.floating], osa_p: NDArray[np.floating],

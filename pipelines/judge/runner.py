@@ -30,7 +30,7 @@ from pairclean.embed.estimators.base import exact_fp32, file_sha256
 from pairclean.osa import cosine_rows
 from pairclean.judge.features import COLOUR_BINS, colour_grid, estimator_colours, image_parts, image_parts_dim, text_parts, text_parts_dim
 from pairclean.judge.model import JudgeConfig, JudgeModel, build_judge
-from pairclean.judge.posterior import FULL_BAND, in_band, llr_of
+from pairclean.judge.posterior import FULL_BAND, FineMixture, in_band, llr_of
 from pairclean.judge.words import WordGrounding, WordConfig, WordModel, WordVocab
 
 __all__ = ["JUDGE_FILE", "JUDGE_MODES", "LoadedJudge", "default_judge_path", "load_judge", "save_judge", "JudgeRunner", "JudgeBatch"]
@@ -69,6 +69,8 @@ class LoadedJudge:
             doc["platt_fine"] = [float(x) for x in self.meta["platt_fine"]]
         if "fine_rates" in self.meta:  # its word check's pass rates on dev (posterior.adjusted_count)
             doc["fine_rates"] = [float(x) for x in self.meta["fine_rates"]]
+        if "fine_mixture" in self.meta:  # its ratios' dev distributions (posterior.fit_mixture)
+            doc["fine_mixture"] = self.meta["fine_mixture"]
         if self.words is not None:
             doc["words"] = self.words.describe()
         return doc
@@ -115,6 +117,8 @@ def load_judge(path: str | None = None) -> LoadedJudge:
         model.load_state_dict({k: v for k, v in state.items() if not k.startswith(_WORDS)})
         words = _load_words(meta, {k[len(_WORDS):]: v for k, v in state.items() if k.startswith(_WORDS)})
         extra = {k: json.loads(v) for k, v in meta.items() if k not in ("judge_config", "platt", "estimator", "word_config", "word_vocab")}
+        if "fine_mixture" in extra:  # checked here, so a hostile file fails on loading, in one line
+            extra["fine_mixture"] = FineMixture.from_doc(extra["fine_mixture"]).to_doc()
     except (KeyError, ValueError, TypeError, AssertionError, RuntimeError, OSError, SafetensorError) as exc:
         # AssertionError: torch's layers assert their shapes (heads dividing the width)
         raise ModelLoadError(f"{path!r} is not a pairclean judge file: {first_line(exc)}") from exc

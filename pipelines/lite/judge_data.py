@@ -32,7 +32,7 @@ from numpy.typing import NDArray
 from pairclean.lite.evaldata import load_flickr8k
 from pairclean.judge.edits import CORE, EDIT_KINDS, Vocabulary, edit_caption
 
-__all__ = ["MAX_TOKENS", "SplitFeatures", "build_cache", "encode_texts", "load_split"]
+__all__ = ["MAX_TOKENS", "SplitFeatures", "build_cache", "encode_texts", "load_split", "word_edits", "with_texts"]
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,34 @@ def build_cache(root: Path, cache: Path, estimator: Any, batch: int = 64, seed: 
                   image=np.array(owner, np.int64), kind=np.array(kinds), source=np.array(source, np.int64),
                   texts=np.array(texts))
             log.info("%s texts: %d in %.0f s", split, len(texts), time.perf_counter() - t0)
+
+
+def word_edits(dev: SplitFeatures, vocabulary: Vocabulary, seed: int = 0) -> list[tuple[str, int, str]]:
+    """(kind, photo, text) of every one-word edit of each dev photo's first caption that
+    ``vocabulary`` can make (one per edit kind that applies; ``edits.edit_caption``)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for photo, row in enumerate(np.nonzero(dev.kind == "")[0][::5]):  # five captions per photo, in order
+        for kind in EDIT_KINDS:
+            edited = edit_caption(dev.texts[row], kind, rng, vocabulary)
+            if edited is not None:
+                out.append((kind, photo, edited))
+    return out
+
+
+def with_texts(split: SplitFeatures, estimator: Any, texts: list[str]) -> tuple[SplitFeatures, NDArray[np.int64]]:
+    """A copy of ``split`` with ``texts`` appended (encoded by ``estimator``'s text tower, as
+    ``encode_texts``), and their rows (T,) in it. The new rows have no owner photo (-1)."""
+    if not texts:
+        return split, np.zeros(0, np.int64)
+    tokens, mask, emb = encode_texts(estimator, texts)
+    base = len(split.texts)
+    n = len(texts)
+    grown = SplitFeatures(split.regions, split.image_emb, np.concatenate([split.tokens, tokens]),
+                          np.concatenate([split.mask, mask]), np.concatenate([split.text_emb, emb]),
+                          np.r_[split.image, np.full(n, -1, np.int64)], np.r_[split.kind, np.full(n, "added")],
+                          np.r_[split.source, np.full(n, -1, np.int64)], [*split.texts, *texts], split.colours)
+    return grown, base + np.arange(n, dtype=np.int64)
 
 
 def encode_texts(estimator: Any, texts: list[str], batch: int = 256) -> tuple[NDArray[np.float16], NDArray[np.bool_], NDArray[np.float32]]:

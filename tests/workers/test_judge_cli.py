@@ -125,6 +125,46 @@ def test_a_near_miss_judge_is_combined_with_osa_and_rescored_alike(make_shards, 
         assert _meta(fresh, stem)["judge"]["fine_prior"] == pytest.approx(_meta(judged, stem)["judge"]["fine_prior"], abs=1e-9)
 
 
+def test_a_judge_with_a_near_miss_mixture_doubts_pairs_that_look_like_unseen_word_edits(
+        make_shards, tmp_path: Path, tiny_judge, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pairclean.judge import posterior
+    from pairclean.judge.posterior import FineMixture, fine_llr, mixture_p_clean
+
+    monkeypatch.setattr(posterior, "MIN_FINE_PAIRS", 8)
+    monkeypatch.setattr(posterior, "MIN_FINE_PRIOR", 0.0)
+    shards = make_shards(n_shards=2, per_shard=8)
+    counted = tmp_path / "counted"
+    plain = tiny_judge(tmp_path / "plain.safetensors", platt_fine=(2.0, 0.5), fine_rates=(0.9, 0.2))
+    assert _score(shards, tmp_path / "off", "--judge", "off") == 0
+    assert _score(shards, counted, "--judge", "all", "--judge-checkpoint", str(plain)) == 0
+    rows = [r for stem in ("part-00000", "part-00001") for r in _table(counted, stem).to_pylist()]
+    fine = fine_llr(np.array([r[schema.COL_JUDGE_SCORE] for r in rows]), (1.0, 0.0), (2.0, 0.5))
+    # the same judge, told on "dev" that edits with words it never saw score like this corpus,
+    # and clean pairs well above it
+    mixture = FineMixture.of({"clean": np.r_[fine, fine] + 10, "edits": np.r_[fine, fine] - 10, "other": np.r_[fine, fine]}, "extra", 2.0)
+    doubting = tiny_judge(tmp_path / "mixed.safetensors", platt_fine=(2.0, 0.5), fine_rates=(0.9, 0.2), fine_mixture=mixture.to_doc())
+    mixed = tmp_path / "mixed"
+    assert _score(shards, mixed, "--judge", "all", "--judge-checkpoint", str(doubting)) == 0
+    for stem in ("part-00000", "part-00001"):
+        meta = _meta(mixed, stem)["judge"]
+        assert meta["fine_mixture"] == mixture.to_doc() and "fine_mixture_fit" not in _meta(counted, stem)["judge"]
+        fit = meta["fine_mixture_fit"]
+        assert fit["used"] and fit["gain"] > 2.0 and fit["shares"][2] > 0.5
+        for a, b, c in zip(_table(tmp_path / "off", stem).to_pylist(), _table(mixed, stem).to_pylist(), _table(counted, stem).to_pylist()):
+            q = mixture_p_clean(fine_llr(np.array([b[schema.COL_JUDGE_SCORE]]), (1.0, 0.0), (2.0, 0.5)), mixture,
+                                tuple(fit["shares"]))[0]
+            assert b["p_clean"] == pytest.approx(a["p_clean"] * q, abs=1e-5) and b["noisy"] == (b["p_clean"] <= 0.5)
+            assert b[schema.COL_JUDGE_SCORE] == pytest.approx(c[schema.COL_JUDGE_SCORE], abs=1e-6)
+    mean = {name: np.mean([r["p_clean"] for stem in ("part-00000", "part-00001") for r in _table(out, stem).to_pylist()])
+            for name, out in (("counted", counted), ("mixed", mixed))}
+    assert mean["mixed"] < mean["counted"]  # the corpus looks like unseen-word edits: less sure it is clean
+    # rescoring refits the mixture's shares as a fresh score does
+    before = [r["p_clean"] for r in _table(mixed, "part-00000").to_pylist()]
+    assert main(["rescore", str(mixed), "--beta-recipe", "random-inputs", "--weighting", "p-clean"]) == 0
+    np.testing.assert_allclose([r["p_clean"] for r in _table(mixed, "part-00000").to_pylist()], before, atol=1e-6)
+    assert _meta(mixed, "part-00000")["judge"]["fine_mixture_fit"]["used"]
+
+
 def test_a_near_miss_judge_stays_off_where_its_prior_cannot_be_trusted(make_shards, tmp_path: Path, tiny_judge,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     from pairclean.judge import posterior

@@ -141,13 +141,21 @@ def _rewrite(src: Path, dst: Path, **changes: str) -> Path:
     ("judge_config", {"heads": 3}, "width 16 in 3 heads"),
     ("judge_config", {"width": 10**6}, "judge config width must be a whole number in 1-4096"),
     ("fine_rates", None, "not a pairclean judge file"),  # metadata that is not JSON
+    ("fine_mixture", {"bandwidths": [0.3, 0.3]}, "bandwidths are not 3 numbers"),
+    ("fine_mixture", {"components": {"clean": [1.0], "edits": [0.0], "other": list(range(2000))}}, "component 'other' is not"),
+    ("fine_mixture", {"min_gain": float("nan")}, "min_gain is not"),
 ])
 def test_a_hostile_judge_file_is_one_line_and_builds_nothing_big(tmp_path: Path, tiny_judge, key: str, change, message: str) -> None:
     import json
 
     from safetensors import safe_open
 
-    src = tiny_judge(tmp_path / "w.safetensors", words=0.5, fine_rates=(0.8, 0.3))
+    from pairclean.judge.posterior import FineMixture
+
+    rng = np.random.default_rng(0)
+    mixture = FineMixture.of({"clean": rng.normal(1, 1, 50), "edits": rng.normal(-1, 1, 50), "other": rng.normal(0, 1, 50)}, "extra", 2.0)
+    src = tiny_judge(tmp_path / "w.safetensors", words=0.5, fine_rates=(0.8, 0.3), fine_mixture=mixture.to_doc())
+    assert load_judge(str(src)).identity()["fine_mixture"] == mixture.to_doc()  # as written, before it is spoilt
     with safe_open(str(src), framework="pt") as fh:
         value = fh.metadata()[key]
     new = "{" if change is None else json.dumps({**json.loads(value), **change})
