@@ -164,6 +164,8 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
         extra["judge_from"] = {"file": os.path.basename(args.judge_from), "sha256": source.sha256,
                                "data": {"train_captions": args.train_captions, "train_edits": args.train_edits,
                                         "edit_words": args.edit_words, "seed": args.seed}}
+        if "judge_from" in source.meta:  # the source's own provenance, so the chain back to a trained judge stays readable
+            extra["judge_from"]["previous"] = source.meta["judge_from"]
     # the words this judge never trained on: edits made with them stand for other hands' edits
     other_words = "unseen" if extra["recipe"].get("edit_words") == "training" else "extra"
     made = word_edits(dev, VOCABULARIES[other_words], seed=args.seed)
