@@ -172,6 +172,11 @@ def _judge_line(judge: dict[str, Any] | None) -> str:
         return head + "; p_clean is its posterior where it judged"
     if judge.get("fine_prior") is None:
         return head + f"; its word check left out of p_clean: {judge.get('fine_off')}"
+    fit = judge.get("fine_mixture_fit")
+    if fit is not None and fit.get("used"):  # the near-miss mixture replaced the adjusted count (posterior.fit_mixture)
+        clean, own, other = (100 * float(v) for v in fit["shares"])
+        return head + (f"; p_clean = OSA's x its word check under the near-miss mixture (every word right {clean:.1f}%, "
+                       f"wrong in the judge's own words {own:.1f}%, in words it never saw changed {other:.1f}%)")
     return head + f"; p_clean = OSA's x its word check (corpus share with every word right: {100 * judge['fine_prior']:.1f}%)"
 
 

@@ -158,6 +158,11 @@ def test_a_judge_with_a_near_miss_mixture_doubts_pairs_that_look_like_unseen_wor
     mean = {name: np.mean([r["p_clean"] for stem in ("part-00000", "part-00001") for r in _table(out, stem).to_pylist()])
             for name, out in (("counted", counted), ("mixed", mixed))}
     assert mean["mixed"] < mean["counted"]  # the corpus looks like unseen-word edits: less sure it is clean
+    from pairclean.output.folder import OutputDir
+    from pairclean.output.report import format_summary, summarize
+
+    assert "its word check under the near-miss mixture (every word right " in format_summary(summarize(OutputDir(str(mixed))))
+    assert "under the near-miss mixture" not in format_summary(summarize(OutputDir(str(counted))))
     # rescoring refits the mixture's shares as a fresh score does
     before = [r["p_clean"] for r in _table(mixed, "part-00000").to_pylist()]
     assert main(["rescore", str(mixed), "--beta-recipe", "random-inputs", "--weighting", "p-clean"]) == 0
