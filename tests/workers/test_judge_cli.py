@@ -370,6 +370,7 @@ def test_refine_keeps_what_score_calibrated_the_contrast_and_the_word_check(make
                                                      ("--train-captions", "0", "--train-captions must be 1-5, got 0"),
                                                      ("--members", "0", "--members must be 1-8, got 0"),
                                                      ("--word-epochs", "0", "--word-epochs must be 1-100, got 0"),
+                                                     ("--words", "keep", "--words keep needs --judge-from FILE (the grounding to keep)"),
                                                      ("--edits-per-positive", "2",
                                                       "--edits-per-positive must be 1-1 (--train-edits), got 2")])
 def test_train_judge_refuses_out_of_range_options_in_one_line_before_any_work(tmp_path: Path, option: str, value: str, message: str,

@@ -226,3 +226,33 @@ def test_train_judge_from_the_shipped_judge_adds_a_grounding_and_keeps_its_weigh
         assert made.words.weight == made.meta["word_report"]["weight"] > 0
         assert set(made.words.vocab.words) <= {"<pad>", "<unk>", "<mask>"} | {w for c in CAPTIONS for w in c.split()}
     assert made.platt != source.platt
+
+
+def test_train_judge_words_keep_refits_only_the_maps_and_the_mixture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--judge-from FILE --words keep`: the judge's and the grounding's tensors and the
+    grounding's recipe are the source's; the maps are fitted anew on this dev split, the
+    provenance chain keeps the source's own `judge_from`, and the near-miss mixture is
+    fitted where the dev photos give enough edits with words the judge never trained on."""
+    import torch
+
+    from pairclean.judge.posterior import FineMixture
+    from pairclean.judge.runner import default_judge_path, load_judge
+    from pairclean_workers.cli import main
+
+    root = _flickr_folder(tmp_path / "flickr")
+    out = tmp_path / "judge.safetensors"
+    assert main(["train-judge", "--data", str(root), "--features-cache", str(tmp_path / "cache"), "--out", str(out),
+                 "--judge-from", default_judge_path(), "--words", "keep", "--threads", "2"]) == 0
+    source, made = load_judge(None), load_judge(str(out))
+    assert source.words is not None and made.words is not None and made.words.weight == source.words.weight
+    for (name, a), (_, b) in zip(source.words.model.state_dict().items(), made.words.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    for (name, a), (_, b) in zip(source.model.state_dict().items(), made.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert made.meta["word_recipe"] == source.meta["word_recipe"] and made.platt != source.platt
+    assert made.meta["judge_from"]["sha256"] == source.sha256 and made.meta["judge_from"]["previous"] == source.meta["judge_from"]
+    printed = capsys.readouterr().out
+    if "fine_mixture" in made.meta:
+        assert FineMixture.from_doc(made.meta["fine_mixture"]).other_words == "extra" and "near-miss mixture: " in printed
+    else:
+        assert "near-miss mixture: not fitted" in printed
