@@ -35,7 +35,8 @@ and Brier score of ``p_clean``; mean ``p_clean`` of clean and of noisy pairs; th
 noisy pairs that ``p_clean`` calls clean with confidence (above ``CONFIDENT``); the largest
 share of pairs tied on one ``p_clean`` value; the job's noise-rate estimate (1 - mean ``p_clean``)
 and the calibration's random-mismatch share; the shares of clean and of noisy pairs whose
-caption has a better owner (contrast version 3); pairs/s of
+caption has a better owner (contrast version 3); the near-miss mixture's gain and whether it
+was used (a judge that carries one); pairs/s of
 the whole command (start-up and model load included).
 
 Embeddings (for the neighbours) and shards are cached under ``--cache`` (default
@@ -274,6 +275,9 @@ def evaluate(out: Path, labels: dict[str, Any], skip: set[str] | None = None) ->
         row["judged_share"] = float(judged.mean())
         if judged.any() and 0 < clean[judged].mean() < 1:  # the judge's AUC on the pairs it judged
             row["auc_judge_on_judged"] = roc_auc_score(clean[judged], df["judge_score"].to_numpy()[judged])
+    fit = (frozen.extra.get("judge") or {}).get("fine_mixture_fit") if frozen is not None else None
+    if fit:  # the near-miss mixture's deviance gain and whether it set the word check (posterior.fit_mixture)
+        row["mixture_gain"], row["mixture_used"] = float(fit["gain"]), bool(fit["used"])
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
 
 
