@@ -11,7 +11,8 @@ training them (``--words keep``: its word grounding too, so only the maps, the p
 the near-miss mixture are fitted anew). Last, the near-miss mixture
 (``pairclean.judge.posterior.FineMixture``): the dev distributions of the word check's ratios
 for clean pairs, the judge's own lists' edits and edits with words its recipe never changed
-(``extra``; ``unseen`` for a recipe that trained on ``extra``). ``--report`` gets the dev figures per noise kind and rate as JSON.
+(``extra``; ``unseen`` for a recipe that trained on ``extra``). ``--report`` gets the dev
+figures per noise kind and rate as JSON.
 """
 
 from __future__ import annotations
@@ -167,7 +168,8 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
         if "judge_from" in source.meta:  # the source's own provenance, so the chain back to a trained judge stays readable
             extra["judge_from"]["previous"] = source.meta["judge_from"]
     # the words this judge never trained on: edits made with them stand for other hands' edits
-    other_words = "unseen" if extra["recipe"].get("edit_words") == "training" else "extra"
+    kept_recipe = extra["recipe"] if isinstance(extra["recipe"], dict) else {}
+    other_words = "unseen" if kept_recipe.get("edit_words") == "training" else "extra"
     made = word_edits(dev, VOCABULARIES[other_words], seed=args.seed)
     grown, rows = with_texts(dev, estimator, [m[2] for m in made])
     try:

@@ -299,6 +299,7 @@ class MixtureFit:
     used: bool
 
     def to_doc(self) -> dict[str, Any]:
+        """JSON-able form (the tables' judge record, ``fine_mixture_fit``)."""
         return {"shares": [round(s, 5) for s in self.shares], "gain": round(self.gain, 3), "used": self.used}
 
 

@@ -39,6 +39,7 @@ from pairclean.lite.judge_data import SplitFeatures
 from pairclean.judge.metrics import roc_auc
 
 if TYPE_CHECKING:
+    from pairclean.judge.posterior import FineMixture
     from pairclean.judge.words import WordGrounding
 
 __all__ = ["JudgeRecipe", "train_judge", "train_members", "ranking_loss", "dev_pairs", "score_pairs", "evaluate", "fit_platts", "fine_rates", "fine_mixture"]
@@ -381,7 +382,7 @@ def fine_rates(model: Any, dev: SplitFeatures, platt_fine: tuple[float, float], 
 #: many wrong words the judge never saw changed, not a second opinion on every corpus.
 #: Measured on the hard-noise benchmark (Flickr8k dev, through ``pairclean score``): the
 #: gain was 36 and 30 on 50% edits with held-out words and 50% held-out near-image captions
-#: (where the mixture took ECE 0.29 -> 0.08 and 0.25 -> ...), but also 6.6 and 5.4 on 50%
+#: (where the mixture took ECE 0.29 -> 0.08 and 0.25 -> 0.04), but also 6.6 and 5.4 on 50%
 #: one-word edits of the judge's own lists and 50% near-image captions, where the adjusted
 #: count was already right and the mixture made them worse (ECE 0.05 -> 0.10, 0.04 -> 0.10);
 #: 0-1.9 elsewhere, 9.3 on ``retrieved``. Simulated on dev ratios with held-out clean pairs,
@@ -391,7 +392,7 @@ MIXTURE_MIN_GAIN = 10.0
 
 
 def fine_mixture(model: Any, dev: SplitFeatures, platt_fine: tuple[float, float], other: tuple[NDArray[np.int64], NDArray[np.int64]],
-                 other_words: str, words: WordGrounding | None = None) -> Any:
+                 other_words: str, words: WordGrounding | None = None) -> FineMixture:
     """The judge's ``posterior.FineMixture``: the near-miss ratios (under ``platt_fine``) of
     dev clean pairs, of its own lists' one-word edits, and of ``other`` (image rows, text
     rows: edits with words its recipe never changed, named ``other_words``).
