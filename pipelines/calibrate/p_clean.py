@@ -59,6 +59,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 __all__ = [
+    "isotonic",
     "RECIPE",
     "VERSION",
     "PCleanCurve",
@@ -228,7 +229,7 @@ def choose_near_share(x: FloatArray, f_random: FloatArray, f_near: FloatArray, p
     return float(SHARE_GRID[int(np.argmax(gains))]), profile
 
 
-def _isotonic(y: FloatArray, w: FloatArray) -> FloatArray:
+def isotonic(y: FloatArray, w: FloatArray) -> FloatArray:
     """Weighted least-squares non-decreasing fit of ``y`` (pool adjacent violators)."""
     vals: list[float] = []
     wts: list[float] = []
@@ -297,7 +298,7 @@ def fit_p_clean(
         fits.append(fit)
     # Monotone where the corpus has pairs: weighted by the fitted density, so the far tails
     # (where every part's density is ~0 and the ratio is noise) cannot pull the curve.
-    post = _isotonic(np.mean(curves, axis=0), np.mean(mass, axis=0) + 1e-9)
+    post = isotonic(np.mean(curves, axis=0), np.mean(mass, axis=0) + 1e-9)
     centre, scale = float(np.median(x)), max(float(np.std(x)), 1e-3)
     ramp = 1.0 / (1.0 + np.exp(-(grid - centre) / scale))
     post = (1 - RAMP) * post + RAMP * ramp  # strictly rising: p_clean ranks exactly as the similarity

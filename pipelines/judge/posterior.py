@@ -222,6 +222,10 @@ MIXTURE_COMPONENTS = ("clean", "edits", "other")
 #: and the largest |ratio| a quantile or bandwidth may hold.
 _MAX_QUANTILES = 1024
 _MAX_RATIO = 1e3
+#: Fewer dev ratios than this in a component and no mixture is made (``FineMixture.of``).
+MIN_COMPONENT_RATIOS = 10
+#: Points of the grid a corpus's posterior curve is made monotone on (``FineMixture.posterior_curve``).
+_GRID = 512
 
 
 @dataclass(frozen=True)
@@ -245,8 +249,8 @@ class FineMixture:
         for name in MIXTURE_COMPONENTS:
             x = np.asarray(samples[name], np.float64)
             x = x[np.isfinite(x)]
-            if x.size < 10:
-                raise ValueError(f"fine mixture: {x.size} finite dev ratios for {name!r}, fewer than 10")
+            if x.size < MIN_COMPONENT_RATIOS:
+                raise ValueError(f"fine mixture: {x.size} finite dev ratios for {name!r}, fewer than {MIN_COMPONENT_RATIOS}")
             qs.append(np.quantile(x, probs))
             hs.append(max(1e-3, 1.06 * float(x.std()) * x.size ** -0.2))
         return cls((qs[0], qs[1], qs[2]), (hs[0], hs[1], hs[2]), float(min_gain), other_words)
@@ -264,17 +268,36 @@ class FineMixture:
             raise ValueError("fine_mixture is not a mixture record")
         qs = []
         for name in MIXTURE_COMPONENTS:
-            q = np.asarray(doc["components"].get(name), dtype=np.float64)
-            if q.ndim != 1 or not 1 <= q.size <= _MAX_QUANTILES or not np.isfinite(q).all() or np.abs(q).max() > _MAX_RATIO:
+            q = _numbers(doc["components"].get(name), f"fine_mixture component {name!r}", _MAX_QUANTILES)
+            if not 1 <= q.size or np.abs(q).max() > _MAX_RATIO:
                 raise ValueError(f"fine_mixture component {name!r} is not 1-{_MAX_QUANTILES} finite ratios")
             qs.append(np.sort(q))
-        hs = [float(h) for h in doc["bandwidths"]]
+        hs = _numbers(doc.get("bandwidths"), "fine_mixture bandwidths", 3).tolist()
         if len(hs) != 3 or not all(1e-4 <= h <= _MAX_RATIO for h in hs):
             raise ValueError("fine_mixture bandwidths are not 3 numbers in [1e-4, 1e3]")
-        gain = float(doc["min_gain"])
+        gain = float(_numbers([doc.get("min_gain")], "fine_mixture min_gain", 1)[0])
         if not 0 <= gain <= _MAX_RATIO:
             raise ValueError("fine_mixture min_gain is not in [0, 1e3]")
         return cls((qs[0], qs[1], qs[2]), (hs[0], hs[1], hs[2]), gain, str(doc.get("other_words", "")))
+
+    def posterior_curve(self, shares: tuple[float, float, float]) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+        """(grid (G,), P(clean) (G,)) under ``shares``: the clean component's share of the
+        density on a grid over the components' range, made non-decreasing (weighted isotonic
+        fit, weights the mixture's density). Why: kernel estimates with different bandwidths
+        cross in the far tails, where the widest one always wins, so the raw ratio would call a
+        pair scoring above every dev clean pair wrong; a higher ratio must never read less clean."""
+        from pairclean.calibrate.p_clean import isotonic
+
+        pad = 4 * max(self.bandwidths)
+        lo = min(float(q[0]) for q in self.quantiles) - pad
+        hi = max(float(q[-1]) for q in self.quantiles) + pad
+        grid = np.linspace(lo, hi, _GRID)
+        joint = self.log_densities(grid) + np.log(np.maximum(np.asarray(shares, np.float64), 1e-300))
+        top = joint.max(axis=1, keepdims=True)
+        e = np.exp(joint - top)
+        post = e[:, 0] / e.sum(axis=1)
+        mass = np.exp(top[:, 0] - top.max()) * e.sum(axis=1)
+        return grid, isotonic(post, mass + 1e-12)
 
     def log_densities(self, x: NDArray[np.floating]) -> NDArray[np.float64]:
         """(N, 3) log density of each component at the ratios ``x`` (N,) (kernel estimates,
@@ -286,6 +309,22 @@ class FineMixture:
             top = d.max(axis=1, keepdims=True)
             cols.append(top[:, 0] + np.log(np.exp(d - top).mean(axis=1)) - math.log(h * math.sqrt(2 * math.pi)))
         return np.stack(cols, axis=1)
+
+
+def _numbers(value: Any, what: str, most: int) -> NDArray[np.float64]:
+    """``value`` as a 1-D array of at most ``most`` finite floats; ``ValueError`` naming
+    ``what`` otherwise (a list of numbers only: JSON integers too large for a float, nested
+    lists, mappings and strings are refused in one line)."""
+    if not isinstance(value, list) or len(value) > most or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"{what} is not a list of at most {most} numbers")
+    try:
+        out = np.asarray(value, dtype=np.float64)
+    except OverflowError as exc:
+        raise ValueError(f"{what} holds a number too large") from exc
+    if not np.isfinite(out).all():
+        raise ValueError(f"{what} holds a number that is not finite")
+    return out
 
 
 @dataclass(frozen=True)
@@ -344,20 +383,19 @@ def fit_mixture(llr_fine: NDArray[np.floating], mixture: FineMixture, weights: N
     _, ll2 = _em_shares(logf[:, :2], w, np.array([c, 1 - c]))
     shares, ll3 = _em_shares(logf, w, np.array([c, (1 - c) / 2, (1 - c) / 2]))
     gain = max(0.0, 2 * n_eff * (ll3 - ll2))
-    return MixtureFit((float(shares[0]), float(shares[1]), float(shares[2])), gain, gain > mixture.min_gain)
+    return MixtureFit((float(shares[0]), float(shares[1]), float(shares[2])), float(gain), bool(gain > mixture.min_gain))
 
 
 def mixture_p_clean(llr_fine: NDArray[np.floating], mixture: FineMixture, shares: tuple[float, float, float]) -> NDArray[np.float32]:
     """P(no word wrong) (N,) of ratios ``llr_fine`` (N,) under the corpus's mixture ``shares``:
-    the clean component's share of the density at each ratio. NaN stays NaN."""
+    the clean component's share of the density at each ratio, made non-decreasing in the
+    ratio (``FineMixture.posterior_curve``; beyond its grid, its end values). NaN stays NaN."""
     x = np.asarray(llr_fine, np.float64)
     out = np.full(x.shape, np.nan, np.float32)
     keep = np.isfinite(x)
     if keep.any():
-        joint = mixture.log_densities(x[keep]) + np.log(np.maximum(np.asarray(shares, np.float64), 1e-300))
-        top = joint.max(axis=1, keepdims=True)
-        e = np.exp(joint - top)
-        out[keep] = (e[:, 0] / e.sum(axis=1)).astype(np.float32)
+        grid, curve = mixture.posterior_curve(shares)
+        out[keep] = np.interp(x[keep], grid, curve).astype(np.float32)
     return out
 
 

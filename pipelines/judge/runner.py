@@ -119,8 +119,9 @@ def load_judge(path: str | None = None) -> LoadedJudge:
         extra = {k: json.loads(v) for k, v in meta.items() if k not in ("judge_config", "platt", "estimator", "word_config", "word_vocab")}
         if "fine_mixture" in extra:  # checked here, so a hostile file fails on loading, in one line
             extra["fine_mixture"] = FineMixture.from_doc(extra["fine_mixture"]).to_doc()
-    except (KeyError, ValueError, TypeError, AssertionError, RuntimeError, OSError, SafetensorError) as exc:
-        # AssertionError: torch's layers assert their shapes (heads dividing the width)
+    except (KeyError, ValueError, TypeError, AssertionError, RuntimeError, OSError, ArithmeticError, SafetensorError) as exc:
+        # AssertionError: torch's layers assert their shapes (heads dividing the width);
+        # ArithmeticError: a JSON integer too large for a float (in the Platt map, say)
         raise ModelLoadError(f"{path!r} is not a pairclean judge file: {first_line(exc)}") from exc
     model.eval()
     return LoadedJudge(model, path, file_sha256(path), (platt[0], platt[1]), meta.get("estimator", ""), extra, words)

@@ -256,3 +256,36 @@ def test_train_judge_words_keep_refits_only_the_maps_and_the_mixture(tmp_path: P
         assert FineMixture.from_doc(made.meta["fine_mixture"]).other_words == "extra" and "near-miss mixture: " in printed
     else:
         assert "near-miss mixture: not fitted" in printed
+
+
+def test_texts_added_to_dev_are_no_edit_kind_and_the_mixture_reads_its_components_apart(cached: Path,
+                                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``with_texts`` rows (the mixture's other-word edits) must not become an ``edit_added``
+    kind of ``dev_pairs``: they would be scored against photo -1 and counted as own-list edits."""
+    import torch
+
+    from pairclean.judge.model import Judge, JudgeConfig
+    from pairclean.judge.posterior import llr_of
+    from pairclean.lite.judge_data import with_texts, word_edits
+    from pairclean.lite.judge_train import dev_pairs, fine_mixture, score_pairs
+    from pairclean.judge.edits import CORE
+
+    dev = load_split(cached, "dev")
+    estimator = load_estimator(EstimatorSpec(model="pairclean-tiny-test", engine="torch"))
+    made = word_edits(dev, CORE)
+    assert made, "the sample's captions give core edits"
+    grown, rows = with_texts(dev, estimator, [m[2] for m in made])
+    assert set(dev_pairs(grown)) == set(dev_pairs(dev)) and len(grown.texts) == len(dev.texts) + len(made)
+    torch.manual_seed(0)
+    model = Judge(JudgeConfig(text_dim=dev.tokens.shape[2], image_dim=dev.regions.shape[2], regions=dev.regions.shape[1],
+                              width=16, layers=1, heads=2)).eval()
+    photos = np.array([m[1] for m in made], np.int64)
+    from pairclean.judge import posterior
+
+    monkeypatch.setattr(posterior, "MIN_COMPONENT_RATIOS", 2)  # four dev photos here
+    mixture = fine_mixture(model, grown, (1.0, 0.0), (photos, rows), "core")
+    own = np.concatenate([score_pairs(model, dev, *v) for k, v in dev_pairs(dev).items() if k.startswith("edit_")])
+    probs = (np.arange(128) + 0.5) / 128
+    np.testing.assert_allclose(mixture.quantiles[1], np.quantile(llr_of(own, (1.0, 0.0)).astype(np.float64), probs), atol=1e-5)
+    np.testing.assert_allclose(mixture.quantiles[2], np.quantile(llr_of(score_pairs(model, grown, photos, rows), (1.0, 0.0)).astype(np.float64), probs),
+                               atol=1e-5)

@@ -143,7 +143,9 @@ def _rewrite(src: Path, dst: Path, **changes: str) -> Path:
     ("fine_rates", None, "not a pairclean judge file"),  # metadata that is not JSON
     ("fine_mixture", {"bandwidths": [0.3, 0.3]}, "bandwidths are not 3 numbers"),
     ("fine_mixture", {"components": {"clean": [1.0], "edits": [0.0], "other": list(range(2000))}}, "component 'other' is not"),
-    ("fine_mixture", {"min_gain": float("nan")}, "min_gain is not"),
+    ("fine_mixture", {"min_gain": float("nan")}, "min_gain holds a number that is not finite"),
+    ("fine_mixture", {"min_gain": 10**400}, "min_gain holds a number too large"),
+    ("platt", None, "not a pairclean judge file"),
 ])
 def test_a_hostile_judge_file_is_one_line_and_builds_nothing_big(tmp_path: Path, tiny_judge, key: str, change, message: str) -> None:
     import json
@@ -158,7 +160,10 @@ def test_a_hostile_judge_file_is_one_line_and_builds_nothing_big(tmp_path: Path,
     assert load_judge(str(src)).identity()["fine_mixture"] == mixture.to_doc()  # as written, before it is spoilt
     with safe_open(str(src), framework="pt") as fh:
         value = fh.metadata()[key]
-    new = "{" if change is None else json.dumps({**json.loads(value), **change})
+    if key == "platt":  # a Platt map whose slope is a JSON integer too large for a float
+        new = "[1" + "0" * 400 + ", 0.0]"
+    else:
+        new = "{" if change is None else json.dumps({**json.loads(value), **change})
     with pytest.raises(ModelLoadError, match="not a pairclean judge file") as caught:
         load_judge(str(_rewrite(src, tmp_path / "hostile.safetensors", **{key: new})))
     assert message in str(caught.value) and "\n" not in str(caught.value)
