@@ -39,6 +39,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 __all__ = [
+    "isotonic",
     "BETA_RECIPES",
     "check_method",
     "WEIGHTINGS",
@@ -375,3 +376,22 @@ def mixture_posterior_clean(s: FloatArray, means: tuple[float, float], stds: tup
     log_c = np.log(1 - pi) - np.log(sd_c) - 0.5 * ((xc - hi) / sd_c) ** 2
     post = 1.0 / (1.0 + np.exp(np.clip(log_n - log_c, -700, 700)))
     return np.where(np.isfinite(x), post, 0.0).astype(np.float32)
+
+
+def isotonic(y: NDArray[np.float64], w: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Weighted least-squares non-decreasing fit of ``y`` (N,) with weights ``w`` (N,) (pool
+    adjacent violators). Shared by OSA's p_clean curve and the judge's near-miss mixture."""
+    vals: list[float] = []
+    wts: list[float] = []
+    lens: list[int] = []
+    for yi, wi in zip(y.tolist(), w.tolist()):
+        vals.append(yi)
+        wts.append(wi)
+        lens.append(1)
+        while len(vals) > 1 and vals[-2] > vals[-1]:
+            wv = wts[-2] + wts[-1]
+            v = (vals[-2] * wts[-2] + vals[-1] * wts[-1]) / wv
+            n = lens[-2] + lens[-1]
+            del vals[-1], wts[-1], lens[-1]
+            vals[-1], wts[-1], lens[-1] = v, wv, n
+    return np.repeat(np.asarray(vals), lens)

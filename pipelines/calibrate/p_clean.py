@@ -58,8 +58,9 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
+from pairclean.osa import isotonic
+
 __all__ = [
-    "isotonic",
     "RECIPE",
     "VERSION",
     "PCleanCurve",
@@ -227,24 +228,6 @@ def choose_near_share(x: FloatArray, f_random: FloatArray, f_near: FloatArray, p
     profile = [_log_likelihood(x, f_random, f_near, fit_mixture_3(x, f_random, f_near, q)) for q in SHARE_GRID]
     gains = [ll - penalty * x.size * q for ll, q in zip(profile, SHARE_GRID)]
     return float(SHARE_GRID[int(np.argmax(gains))]), profile
-
-
-def isotonic(y: FloatArray, w: FloatArray) -> FloatArray:
-    """Weighted least-squares non-decreasing fit of ``y`` (pool adjacent violators)."""
-    vals: list[float] = []
-    wts: list[float] = []
-    lens: list[int] = []
-    for yi, wi in zip(y.tolist(), w.tolist()):
-        vals.append(yi)
-        wts.append(wi)
-        lens.append(1)
-        while len(vals) > 1 and vals[-2] > vals[-1]:
-            wv = wts[-2] + wts[-1]
-            v = (vals[-2] * wts[-2] + vals[-1] * wts[-1]) / wv
-            n = lens[-2] + lens[-1]
-            del vals[-1], wts[-1], lens[-1]
-            vals[-1], wts[-1], lens[-1] = v, wv, n
-    return np.repeat(np.asarray(vals), lens)
 
 
 def fit_p_clean(

@@ -53,6 +53,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from pairclean.osa import isotonic
+
 __all__ = ["FULL_BAND", "MIN_FINE_PAIRS", "MIN_FINE_PRIOR", "MIN_RATE_GAP", "FINE_PRIOR_MAX", "platt_fit", "llr_of", "fine_llr", "estimate_prior",
            "adjusted_count", "fine_prior_or_reason", "FineMixture", "MixtureFit", "fit_mixture", "mixture_p_clean",
            "p_clean_of", "combined_p_clean", "choose_band", "in_band"]
@@ -286,8 +288,6 @@ class FineMixture:
         fit, weights the mixture's density). Why: kernel estimates with different bandwidths
         cross in the far tails, where the widest one always wins, so the raw ratio would call a
         pair scoring above every dev clean pair wrong; a higher ratio must never read less clean."""
-        from pairclean.calibrate.p_clean import isotonic
-
         pad = 4 * max(self.bandwidths)
         lo = min(float(q[0]) for q in self.quantiles) - pad
         hi = max(float(q[-1]) for q in self.quantiles) + pad
