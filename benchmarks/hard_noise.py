@@ -19,6 +19,11 @@ wrong caption of one kind:
   first, which the corpus carries with its own image: no copied caption shows these
   near-misses to the calibration (``near-image`` always leaves such a copy where the other
   image is clean), as where the near-miss caption's own image is not in the corpus;
+- ``boilerplate``: the caption replaced by web boilerplate alt-text that describes no image
+  (a file name, "click to enlarge", a product code, a copyright line, ...; ``boilerplate``,
+  made from templates with random numbers): a caption that fits no image at all, common in
+  scraped corpora, which the corpus contrast must not lift as "fits this image better than
+  others" (contrast version 4);
 - ``retrieved``: the shape of a corpus of retrieved candidates (how human-judged sets such as
   Flickr8k's expert ratings were built): every image three times, with its own caption,
   with the nearest-image caption and with the nearest-text caption, in shuffled order, so
@@ -73,7 +78,7 @@ from _embed_dev import embed_dev
 
 from pairclean.calibrate.calibration import cache_dir as _default_cache
 
-KINDS = ("random", "near-image", "near-text", "edit", "mix", "retrieved", "near-image-unseen", "edit-unseen")
+KINDS = ("random", "near-image", "near-text", "edit", "mix", "retrieved", "near-image-unseen", "edit-unseen", "boilerplate")
 #: A noisy pair whose p_clean is above this is called clean with confidence (a confident wrong answer).
 CONFIDENT = 0.9
 PER_SHARD = 250
@@ -133,6 +138,18 @@ def _first_edit(edits: Any, texts: list[str], pos: int, rng: np.random.Generator
     return None
 
 
+#: Web alt-text that describes no image (``boilerplate``); ``{n}`` is a random number.
+BOILERPLATE = ("IMG_{n}.JPG", "DSC{n}", "click here to enlarge", "Product code {n}-B", "untitled", "stock photo",
+               "Copyright {n} all rights reserved", "image {n} of 12", "free shipping on orders over ${n}", "photo",
+               "screenshot {n}", "thumbnail", "Item #{n} - add to cart", "download high resolution", "P{n}.jpg",
+               "view gallery", "banner", "page {n}", "no description available", "sale ends soon")
+
+
+def boilerplate(rng: np.random.Generator) -> str:
+    """One boilerplate alt-text (``BOILERPLATE``) with a random number filled in."""
+    return str(rng.choice(BOILERPLATE)).replace("{n}", str(int(rng.integers(10, 99999))))
+
+
 def make_pairing(kind: str, rate: float, images: list[Any], emb: dict[str, np.ndarray], seed: int) -> tuple[list[str], np.ndarray, list[str]]:
     """(captions, noisy flags, noise kind per pair ("" when clean)) for one (kind, rate)."""
     n = len(images)
@@ -167,6 +184,10 @@ def make_pairing(kind: str, rate: float, images: list[Any], emb: dict[str, np.nd
         elif k == "near-image-unseen":
             for i in idx:  # a caption of the most alike image that the corpus does not carry: no copy to see
                 out[i] = images[near_img[i]].captions[1 + (i % (len(images[near_img[i]].captions) - 1))]
+                labels[i] = k
+        elif k == "boilerplate":
+            for i in idx:
+                out[i] = boilerplate(rng)
                 labels[i] = k
         elif k == "near-text":
             for i in idx:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -43,8 +45,11 @@ def test_the_adjusted_similarity_keeps_the_similarity_scale_on_the_sample() -> N
     sims = (img * txt).sum(1)
     c = cm.fit_contrast(img, txt)
     assert c is not None
+    ungated = replace(c, caption_floor=None)
+    assert abs(float(ungated.adjust(sims, img, txt).mean() - sims.mean())) < 1e-4  # the rivals are centred on the sample
+    # version 4's gate only ever lowers a pair, and few of a sample without boilerplate
     adjusted = c.adjust(sims, img, txt)
-    assert abs(float(adjusted.mean() - sims.mean())) < 1e-4  # the rivals are centred on the sample
+    assert np.all(adjusted <= ungated.adjust(sims, img, txt) + 1e-6) and abs(float(adjusted.mean() - sims.mean())) < 0.01
 
 
 def test_own_image_and_copies_are_no_rival() -> None:
@@ -98,9 +103,9 @@ def test_a_version_1_contrast_keeps_its_one_weight_and_its_arithmetic() -> None:
     c = cm.fit_contrast(img, txt)
     assert c is not None
     doc = c.to_json()
-    assert doc["version"] == 3 and (doc["caption_gamma"], doc["image_gamma"]) == (cm.CAPTION_GAMMA, cm.IMAGE_GAMMA)
+    assert doc["version"] == 4 and (doc["caption_gamma"], doc["image_gamma"]) == (cm.CAPTION_GAMMA, cm.IMAGE_GAMMA)
     assert cm.CAPTION_GAMMA != cm.IMAGE_GAMMA
-    v1 = {k: v for k, v in doc.items() if k not in ("caption_gamma", "image_gamma", "owner_cosine", "owner_odds")} | {"version": 1, "gamma": 0.5}
+    v1 = {k: v for k, v in doc.items() if k not in ("caption_gamma", "image_gamma", "owner_cosine", "owner_odds", "caption_floor")} | {"version": 1, "gamma": 0.5}
     old = cm.from_json(v1, c.bank)
     assert (old.caption_gamma, old.image_gamma) == (0.5, 0.5)
     sims = (img * txt).sum(1)
@@ -109,7 +114,10 @@ def test_a_version_1_contrast_keeps_its_one_weight_and_its_arithmetic() -> None:
     np.testing.assert_array_equal(old.adjust(sims, img, txt), sims - np.float32(0.5) * d)
     expected = sims - (np.float32(cm.CAPTION_GAMMA) * (cap - np.float32(c.mean_caption_rival))
                        + np.float32(cm.IMAGE_GAMMA) * (im - np.float32(c.mean_image_rival)))
-    np.testing.assert_allclose(c.adjust(sims, img, txt), expected, atol=1e-6)
+    np.testing.assert_allclose(replace(c, caption_floor=None).adjust(sims, img, txt), expected, atol=1e-6)
+    # a version-3 record (no floor) reads back without the gate
+    v3 = {k: v for k, v in doc.items() if k != "caption_floor"} | {"version": 3}
+    assert cm.from_json(v3, c.bank).caption_floor is None
     with pytest.raises(ValueError, match="unknown contrast recipe"):
         cm.from_json({**doc, "version": "2"}, c.bank)
 
@@ -193,13 +201,13 @@ def test_a_version_2_contrast_has_no_owner_and_reads_back_unchanged() -> None:
     img, txt, _ = _corpus()
     c = cm.fit_contrast(img, txt)
     assert c is not None
-    v2 = {k: v for k, v in c.to_json().items() if k not in ("owner_cosine", "owner_odds")} | {"version": 2}
+    v2 = {k: v for k, v in c.to_json().items() if k not in ("owner_cosine", "owner_odds", "caption_floor")} | {"version": 2}
     old = cm.from_json(v2, c.bank)
     assert old.owner_cosine is None and old.owner_odds is None and old.to_json() == v2
     sims = (img * txt).sum(1)
     assert np.isnan(old.owner_margin(sims, img, txt)).all()
     adjusted, owner = cm.table_columns(old, sims, img, txt, np.ones(len(sims), bool))
-    assert owner is None and adjusted is not None and np.array_equal(adjusted, c.adjust(sims, img, txt))
+    assert owner is None and adjusted is not None and np.array_equal(adjusted, replace(c, caption_floor=None).adjust(sims, img, txt))
     p = np.linspace(0.01, 0.99, len(sims))
     assert np.array_equal(cm.owner_p_clean(p, np.ones(len(sims)), None), p.astype(np.float32))
 
@@ -270,3 +278,41 @@ def test_a_word_check_leaves_the_profiles_guess_out() -> None:
     assert checked["share_profile"] == []  # the profile was not consulted
     default = calibrate(**kw).extra["p_clean"]["fit"]  # type: ignore[arg-type]
     assert default["share_profile"] and default["near_share"] >= checked["near_share"]
+
+
+def test_a_caption_that_fits_no_image_is_not_lifted() -> None:
+    """Version 4: boilerplate (a caption whose embedding is near no image's) has a caption
+    rival far below the sample's; version 3 lifted such a pair by that gap, from a cosine
+    near 0 to about the clean pairs' median. Now its lift is at most how much it beats its
+    rival (nothing), while a specific caption (low rival, high similarity) keeps its lift."""
+    img, txt, _ = _corpus(n=400, near=0.0)
+    pad = np.zeros((400, 8), np.float32)
+    img, txt = np.hstack([img, pad]), np.hstack([txt, pad])
+    rng = np.random.default_rng(3)
+    junk = np.hstack([0.1 * rng.normal(size=(80, 32)), rng.normal(size=(80, 8))])  # near no image
+    txt[:80] = _unit(junk)
+    sims = (img * txt).sum(1)
+    c = cm.fit_contrast(img, txt)
+    assert c is not None and c.caption_floor is not None and c.caption_floor < 0
+    assert c.to_json()["version"] == 4 and cm.from_json(c.to_json(), c.bank).caption_floor == c.caption_floor
+    old = replace(c, caption_floor=None)
+    new_adj, old_adj = c.adjust(sims, img, txt), old.adjust(sims, img, txt)
+    assert abs(float(sims[:80].mean())) < 0.05 and float(old_adj[:80].mean()) > 0.25  # version 3 lifted them from ~0
+    assert float(new_adj[:80].mean()) < float(old_adj[:80].mean()) - 0.15
+    assert roc_auc(new_adj, np.arange(400) >= 80) > roc_auc(old_adj, np.arange(400) >= 80) + 0.05
+    # clean pairs barely move: the floor sits below what the sample calls typical
+    assert np.mean(np.abs(new_adj[80:] - old_adj[80:]) > 1e-6) < 0.1
+
+
+def test_the_floor_reads_the_upper_quantiles() -> None:
+    rng = np.random.default_rng(0)
+    clean = rng.normal(0.5, 0.1, 4000)
+    floor = cm.deviation_floor(clean, 0.5)
+    assert floor == pytest.approx(-cm.FLOOR_Z * 0.1, abs=0.02)
+    # a fifth of the sample far below moves it less than a median and spread over all would
+    mixed = np.r_[clean[:3200], rng.normal(0.05, 0.03, 800)]
+    med = float(np.median(mixed))
+    over_all = med - cm.FLOOR_Z * 1.4826 * float(np.median(np.abs(mixed - med))) - 0.5
+    assert over_all + 0.04 < cm.deviation_floor(mixed, 0.5) < floor
+    assert cm.deviation_floor(np.array([np.nan]), 0.0) == -np.inf
+    assert cm.deviation_floor(clean, -1.0) == 0.0  # never above 0
