@@ -209,7 +209,8 @@ def calibrate(
         # p_clean from what the corpus shows (random and near-miss pairs), not a pinned Gaussian
         refs = p_clean_model.noise_references(image_emb, text_emb, noise, seed, pair_scores=pair_scores)
         # under a contrast, copied captions give a floor on the near-miss share (contrast.py)
-        floor = copied_caption_share(similarities, image_emb, text_emb) if pair_scores is not None else 0.0
+        floor = (copied_caption_share(similarities, image_emb, text_emb, min_fit=contrast.owner_min_fit)
+                 if pair_scores is not None and contrast is not None else 0.0)
         curve = p_clean_model.fit_p_clean(sims, refs, seed, min_near_share=floor, profile=not word_check).to_json()
     return Calibration(
         beta=float(beta),

@@ -101,7 +101,8 @@ from pairclean.calibrate.p_clean import DUPLICATE_COSINE
 
 __all__ = ["RECIPE", "VERSION", "K", "CAPTION_GAMMA", "IMAGE_GAMMA", "BANK_SIZE", "SAME_IMAGE_COSINE", "MIN_BANK", "Contrast", "fit_contrast",
            "copied_caption_share", "bank_sha256", "from_json", "rival_weights", "OWNER_COSINE", "OWNER_ODDS", "owner_p_clean",
-           "table_columns", "owner_cosine_for", "OWNER_MODEL", "OWNER_SHARD_ROWS", "has_owner", "FLOOR_Z", "deviation_floor"]
+           "table_columns", "owner_cosine_for", "OWNER_MODEL", "OWNER_SHARD_ROWS", "has_owner", "FLOOR_Z", "deviation_floor",
+           "OWNER_FIT_QUANTILE", "plausible_fit"]
 
 RECIPE: Final = "bank-contrast"
 VERSION: Final = 4
@@ -132,6 +133,10 @@ OWNER_ODDS: Final = 0.1
 #: A caption rival's deviation more than this many robust standard deviations below the
 #: sample's centre lifts a pair only as far as the pair beats that rival (version 4).
 FLOOR_Z: Final = 2.0
+#: An owner (or a copy's better-fitting pair) counts only where its fit reaches this quantile
+#: of the calibration sample's clean-looking similarities (version 4, ``plausible_fit``).
+OWNER_FIT_QUANTILE: Final = 0.01
+_NORMAL_QUANTILE: Final = {0.01: -2.3263}
 #: The estimator whose caption space ``OWNER_COSINE`` was measured in (with its shipped heads).
 OWNER_MODEL: Final = "pairclean-lite"
 #: A shard's first this many ok pairs are searched for owners (besides the bank), so a pair
@@ -160,7 +165,8 @@ class Contrast:
 
     ``bank``: (2, B, D) the calibration sample's image embeddings and their captions'.
     ``caption_floor``: the caption rival's deviation below which the lift is gated (version
-    4; None: no gate, versions 1-3)."""
+    4; None: no gate, versions 1-3). ``owner_min_fit``: an owner must fit the caption at
+    least this well (version 4, ``plausible_fit``; None: any owner, versions 1-3)."""
 
     bank: FloatArray
     mean_caption_rival: float
@@ -172,6 +178,8 @@ class Contrast:
     owner_cosine: float | None = OWNER_COSINE
     owner_odds: float | None = OWNER_ODDS
     caption_floor: float | None = None
+    #: Version 4: the least fit an owner must have (None: any, versions 1-3).
+    owner_min_fit: float | None = None
 
     def rivals(self, image_emb: NDArray[Any], text_emb: NDArray[Any],
                source: NDArray[np.int64] | None = None) -> tuple[FloatArray, FloatArray]:
@@ -252,13 +260,16 @@ class Contrast:
         shard = np.nonzero(ok)[0][:OWNER_SHARD_ROWS]
         fit = np.maximum(_best_owner_fit(img, txt, self.bank[0], self.bank[1], self.owner_cosine),
                          _best_owner_fit(img, txt, img[shard], txt[shard], self.owner_cosine))
+        if self.owner_min_fit is not None:  # version 4: a repeat that fits no photo well is no owner
+            fit = np.where(fit >= np.float32(self.owner_min_fit), fit, -np.inf).astype(np.float32)
         out: FloatArray = np.where(ok & np.isfinite(fit), fit - s, np.nan).astype(np.float32)
         return out
 
     def to_json(self) -> dict[str, Any]:
         """The parameters and the bank's checksum (the bank itself is a file of its own)."""
         owner = {} if self.owner_cosine is None else {"owner_cosine": self.owner_cosine, "owner_odds": self.owner_odds}
-        floors = {} if self.caption_floor is None or not owner else {"caption_floor": self.caption_floor}
+        floors = ({} if self.caption_floor is None or self.owner_min_fit is None or not owner
+                  else {"caption_floor": self.caption_floor, "owner_min_fit": self.owner_min_fit})
         return {"recipe": RECIPE, "version": 4 if floors else 3 if owner else 2, **floors, "k": self.k, "caption_gamma": self.caption_gamma,
                 "image_gamma": self.image_gamma,
                 "mean_caption_rival": self.mean_caption_rival, "mean_image_rival": self.mean_image_rival,
@@ -317,7 +328,7 @@ def owner_p_clean(p_clean: NDArray[Any], margin: NDArray[Any], odds: float | Non
 
 
 def copied_caption_share(similarity: NDArray[Any], image_emb: NDArray[Any], text_emb: NDArray[Any],
-                         limit: int = BANK_SIZE) -> float:
+                         limit: int = BANK_SIZE, min_fit: float | None = None) -> float:
     """The share of pairs (of the first ``limit``) whose caption another, different image of
     the sample carries too (caption cosine >= ``SAME_IMAGE_COSINE``, image cosine below it)
     with a higher similarity: a caption copied from a better-fitting image, so most likely
@@ -325,7 +336,9 @@ def copied_caption_share(similarity: NDArray[Any], image_emb: NDArray[Any], text
     see (the two pairs' scores overlap); measured on Flickr8k dev (one pair per photo):
     0.001 with no noise or random swaps only, 0.168 / 0.339 when 20% / 50% of the pairs carry
     the caption of the most alike other photo (85-90% of those pairs are that noise), 0.05 /
-    0.108 for the most alike other caption."""
+    0.108 for the most alike other caption. ``min_fit`` (version 4, ``plausible_fit``): the
+    better-fitting pair counts only where its similarity reaches it, so a repeated string that
+    fits none of its photos is not read as a caption copied from a better one."""
     s = np.asarray(similarity, dtype=np.float32)[:limit]
     img, txt = _f16(np.asarray(image_emb)[:limit]), _f16(np.asarray(text_emb)[:limit])
     if len(s) < 2:
@@ -334,7 +347,10 @@ def copied_caption_share(similarity: NDArray[Any], image_emb: NDArray[Any], text
     for start in range(0, len(s), _BLOCK):
         rows = slice(start, start + _BLOCK)
         copy = ((txt[rows] @ txt.T) >= SAME_IMAGE_COSINE) & ((img[rows] @ img.T) < SAME_IMAGE_COSINE)
-        beaten[rows] = (copy & (s[None, :] > s[rows, None])).any(1)
+        better = s[None, :] > s[rows, None]
+        if min_fit is not None:  # version 4: the better pair must fit its caption plausibly (``plausible_fit``)
+            better &= s[None, :] >= np.float32(min_fit)
+        beaten[rows] = (copy & better).any(1)
     return float(beaten[np.isfinite(s)].mean()) if np.isfinite(s).any() else 0.0
 
 
@@ -360,23 +376,50 @@ def fit_contrast(image_emb: NDArray[Any], text_emb: NDArray[Any], owner_cosine: 
         return None
     mean_cap, mean_im = float(np.nanmean(cap.astype(np.float64))), float(np.nanmean(im.astype(np.float64)))
     return Contrast(bank=bank, mean_caption_rival=mean_cap, mean_image_rival=mean_im, owner_cosine=owner_cosine,
-                    caption_floor=deviation_floor(cap, mean_cap))
+                    caption_floor=deviation_floor(cap, mean_cap),
+                    owner_min_fit=plausible_fit(np.einsum("nd,nd->n", _f16(image_emb), _f16(text_emb))))
+
+
+def plausible_fit(similarities: NDArray[Any]) -> float:
+    """The least similarity at which a pair of the sample (N,) fits its caption plausibly
+    (version 4): the ``OWNER_FIT_QUANTILE`` quantile of the normal read from the sample's
+    upper quantiles (``_upper_normal``), so a share of pairs that fit nothing does not drag it
+    down. An owner, or the better-fitting pair of a copied caption, must reach it: a caption
+    written for a similar-looking photo fits that photo as clean pairs fit theirs, while a
+    string repeated over many photos that fits none of them (boilerplate alt-text:
+    "untitled", "photo") would otherwise find an "owner" in whichever photo it fits least
+    badly. -inf for an empty sample."""
+    fit = _upper_normal(similarities)
+    if fit is None:
+        return -math.inf
+    centre, sd = fit
+    return float(centre + float(_NORMAL_QUANTILE[OWNER_FIT_QUANTILE]) * sd)
+
+
+def _upper_normal(values: NDArray[Any]) -> tuple[float, float] | None:
+    """(centre, sd) of the normal whose 75th and 90th percentiles are the sample's (N,):
+    sd = (q90 - q75) / 0.6075, centre = q75 - 0.6745 sd. Why the upper quantiles: pairs whose
+    captions fit no image (boilerplate) make a lower tail, and a median, a spread or a low
+    quantile over the whole sample moves with their share. None for an empty sample."""
+    x = np.asarray(values, dtype=np.float64)
+    x = x[np.isfinite(x)]
+    if x.size == 0:
+        return None
+    q75, q90 = np.quantile(x, [0.75, 0.9])
+    sd = float(q90 - q75) / 0.6075
+    return float(q75) - 0.6745 * sd, sd
 
 
 def deviation_floor(rivals: NDArray[Any], mean: float, z: float = FLOOR_Z) -> float:
     """The deviation from ``mean`` below which a rival of the sample ``rivals`` (N,) is
-    gated (version 4): ``z`` robust standard deviations below the sample's centre, both read
-    from its upper quantiles as for a normal sample (sd = (q90 - q75) / 0.6075, centre = q75
-    - 0.6745 sd). Why the upper quantiles: pairs whose captions fit no image sit in the lower
-    tail, and a median or a spread over the whole sample moves with their share. At most 0 (a
-    floor must not gate a pair the sample calls typical); -inf for an empty sample."""
-    x = np.asarray(rivals, dtype=np.float64)
-    x = x[np.isfinite(x)]
-    if x.size == 0:
+    gated (version 4): ``z`` robust standard deviations below the sample's centre
+    (``_upper_normal``). At most 0 (a floor must not gate a pair the sample calls typical);
+    -inf for an empty sample."""
+    fit = _upper_normal(rivals)
+    if fit is None:
         return -math.inf
-    q75, q90 = np.quantile(x, [0.75, 0.9])
-    sd = float(q90 - q75) / 0.6075
-    return float(min(0.0, q75 - 0.6745 * sd - z * sd - mean))
+    centre, sd = fit
+    return float(min(0.0, centre - z * sd - mean))
 
 
 def rival_weights(doc: dict[str, Any]) -> tuple[float, float]:
@@ -406,4 +449,5 @@ def from_json(doc: dict[str, Any], bank: NDArray[Any]) -> Contrast:
                     caption_gamma=caption_gamma, image_gamma=image_gamma,
                     owner_cosine=float(doc["owner_cosine"]) if owner else None,
                     owner_odds=float(doc["owner_odds"]) if owner else None,
-                    caption_floor=float(doc["caption_floor"]) if floors else None)
+                    caption_floor=float(doc["caption_floor"]) if floors else None,
+                    owner_min_fit=float(doc["owner_min_fit"]) if floors else None)

@@ -175,6 +175,7 @@ def test_a_huge_shard_searches_only_its_first_rows_for_owners(monkeypatch: pytes
     sims = (img * txt).sum(1)
     c = cm.fit_contrast(img[200:], txt[200:])
     assert c is not None
+    c = replace(c, owner_min_fit=None)  # every owner, however well it fits (version 4's bound is tested below)
     monkeypatch.setattr(cm, "OWNER_SHARD_ROWS", 100)
     twin = np.arange(400) ^ 1
     margin = c.owner_margin(sims[:200], img[:200], txt[:200])
@@ -201,7 +202,7 @@ def test_a_version_2_contrast_has_no_owner_and_reads_back_unchanged() -> None:
     img, txt, _ = _corpus()
     c = cm.fit_contrast(img, txt)
     assert c is not None
-    v2 = {k: v for k, v in c.to_json().items() if k not in ("owner_cosine", "owner_odds", "caption_floor")} | {"version": 2}
+    v2 = {k: v for k, v in c.to_json().items() if k not in ("owner_cosine", "owner_odds", "caption_floor", "owner_min_fit")} | {"version": 2}
     old = cm.from_json(v2, c.bank)
     assert old.owner_cosine is None and old.owner_odds is None and old.to_json() == v2
     sims = (img * txt).sum(1)
@@ -257,11 +258,14 @@ def test_copied_captions_floor_the_near_miss_share() -> None:
     plain_img, plain_txt, _ = _corpus(n=400, near=0.0)
     assert cm.copied_caption_share((plain_img * plain_txt).sum(1), plain_img, plain_txt) == 0.0
     c = cm.fit_contrast(img, txt)
+    assert c is not None and c.owner_min_fit is not None
     cal = calibrate(beta_recipe="gmm", k=32, seed=0, weighting="p-clean", batch_size=64, similarities=sims,
                     image_emb=img, text_emb=txt, random_beta=lambda: 0.0, contrast=c)
     fit = cal.extra["p_clean"]["fit"]
-    assert fit["min_near_share"] == pytest.approx(share)
-    assert fit["near_share"] >= share
+    # version 4: a copy counts only where the better pair fits plausibly (a few do not here)
+    bounded = cm.copied_caption_share(sims, img, txt, min_fit=c.owner_min_fit)
+    assert fit["min_near_share"] == pytest.approx(bounded) and share - 0.05 <= bounded <= share
+    assert fit["near_share"] >= bounded
 
 
 def test_a_word_check_leaves_the_profiles_guess_out() -> None:
@@ -269,8 +273,9 @@ def test_a_word_check_leaves_the_profiles_guess_out() -> None:
     similarity profile's guess: the word-level near-misses are the check's to count."""
     img, txt, _ = _corpus(n=400, near=0.3)
     sims = (img * txt).sum(1)
-    share = cm.copied_caption_share(sims, img, txt)
     c = cm.fit_contrast(img, txt)
+    assert c is not None
+    share = cm.copied_caption_share(sims, img, txt, min_fit=c.owner_min_fit)
     kw = dict(beta_recipe="gmm", k=32, seed=0, weighting="p-clean", batch_size=64, similarities=sims,
               image_emb=img, text_emb=txt, random_beta=lambda: 0.0, contrast=c)
     checked = calibrate(**kw, word_check=True).extra["p_clean"]["fit"]  # type: ignore[arg-type]
@@ -316,3 +321,22 @@ def test_the_floor_reads_the_upper_quantiles() -> None:
     assert over_all + 0.04 < cm.deviation_floor(mixed, 0.5) < floor
     assert cm.deviation_floor(np.array([np.nan]), 0.0) == -np.inf
     assert cm.deviation_floor(clean, -1.0) == 0.0  # never above 0
+
+
+def test_a_repeated_string_that_fits_no_photo_has_no_owner_and_is_no_copy() -> None:
+    """Version 4: boilerplate repeated over many photos ("untitled") fits none of them; the
+    photo it fits least badly is no owner, and the copies are not near-miss captions."""
+    img, txt, _ = _corpus(n=400, near=0.0)
+    pad = np.zeros((400, 8), np.float32)
+    img, txt = np.hstack([img, pad]), np.hstack([txt, pad])
+    rng = np.random.default_rng(5)
+    for start in range(0, 80, 8):  # ten strings, each on eight photos, each near no image
+        txt[start:start + 8] = _unit(np.hstack([0.1 * rng.normal(size=32), rng.normal(size=8)]))[None, :]
+    sims = (img * txt).sum(1)
+    c = cm.fit_contrast(img, txt)
+    assert c is not None and c.owner_min_fit is not None and c.owner_min_fit > float(sims[:80].max())
+    assert not cm.has_owner(c.owner_margin(sims, img, txt))[:80].any()
+    assert cm.has_owner(replace(c, owner_min_fit=None).owner_margin(sims, img, txt))[:80].mean() > 0.5  # version 3 found owners
+    assert cm.copied_caption_share(sims, img, txt, min_fit=c.owner_min_fit) == 0.0
+    assert cm.copied_caption_share(sims, img, txt) > 0.1
+    assert cm.from_json(c.to_json(), c.bank).owner_min_fit == c.owner_min_fit
