@@ -407,6 +407,7 @@ def _why(view: JobOverview) -> dict[str, Any]:
         "refine": refine.get("method") if isinstance(refine, dict) else None,
         "contrast_rows": (cal.extra.get("contrast") or {}).get("bank_rows") if cal else None,
         "owner_odds": (cal.extra.get("contrast") or {}).get("owner_odds") if cal else None,
+        "caption_floor": (cal.extra.get("contrast") or {}).get("caption_floor") if cal else None,
         "mixture_noise": mixture_noise(cal.extra if cal else {}),
         "judge": cal.extra.get("judge") if cal else None,
     }
