@@ -92,6 +92,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Any, Final
 
 import numpy as np
@@ -107,7 +108,7 @@ __all__ = ["RECIPE", "VERSION", "K", "CAPTION_GAMMA", "IMAGE_GAMMA", "BANK_SIZE"
 RECIPE: Final = "bank-contrast"
 VERSION: Final = 4
 #: Versions ``from_json`` reads (1: one weight, ``gamma``, for both rivals; 1-2: no owner;
-#: 1-3: no floors under the rivals' deviations).
+#: 1-3: no gate on the caption rival's lift and no least fit for an owner).
 _READS: Final = (1, 2, 3, 4)
 #: A rival is the mean of this many best bank rows.
 K: Final = 2
@@ -136,7 +137,6 @@ FLOOR_Z: Final = 2.0
 #: An owner (or a copy's better-fitting pair) counts only where its fit reaches this quantile
 #: of the calibration sample's clean-looking similarities (version 4, ``plausible_fit``).
 OWNER_FIT_QUANTILE: Final = 0.01
-_NORMAL_QUANTILE: Final = {0.01: -2.3263}
 #: The estimator whose caption space ``OWNER_COSINE`` was measured in (with its shipped heads).
 OWNER_MODEL: Final = "pairclean-lite"
 #: A shard's first this many ok pairs are searched for owners (besides the bank), so a pair
@@ -393,7 +393,7 @@ def plausible_fit(similarities: NDArray[Any]) -> float:
     if fit is None:
         return -math.inf
     centre, sd = fit
-    return float(centre + float(_NORMAL_QUANTILE[OWNER_FIT_QUANTILE]) * sd)
+    return float(centre + NormalDist().inv_cdf(OWNER_FIT_QUANTILE) * sd)
 
 
 def _upper_normal(values: NDArray[Any]) -> tuple[float, float] | None:
@@ -406,8 +406,9 @@ def _upper_normal(values: NDArray[Any]) -> tuple[float, float] | None:
     if x.size == 0:
         return None
     q75, q90 = np.quantile(x, [0.75, 0.9])
-    sd = float(q90 - q75) / 0.6075
-    return float(q75) - 0.6745 * sd, sd
+    unit = NormalDist()
+    sd = float(q90 - q75) / (unit.inv_cdf(0.9) - unit.inv_cdf(0.75))
+    return float(q75) - unit.inv_cdf(0.75) * sd, sd
 
 
 def deviation_floor(rivals: NDArray[Any], mean: float, z: float = FLOOR_Z) -> float:
