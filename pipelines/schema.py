@@ -73,6 +73,7 @@ __all__ = [
     "LOCK_FILE",
     "EXPORTS_FILE",
     "CONTRAST_BANK_FILE",
+    "JUDGE_RATIOS_FILE",
     "EXPORT_DIR",
     "HEADS_DIR",
     "REFINE_DIR",
@@ -199,6 +200,10 @@ EXPORTS_FILE: Final = f"{STATE_DIR}/exports.json"
 REWRITE_FILE: Final = f"{STATE_DIR}/rewrite.json"
 #: The corpus-contrast bank (``pairclean.calibrate.contrast``): float16 image embeddings, .npy.
 CONTRAST_BANK_FILE: Final = f"{STATE_DIR}/contrast-bank.npy"
+#: The judge's ratios (float32 .npy) on the calibration sample (its first ok pairs, in shard
+#: order), all of them, so ``pairclean rescore`` refits the near-miss prior on what a fresh
+#: score fitted it on, also under ``--judge band`` (where the tables hold in-band ratios only).
+JUDGE_RATIOS_FILE: Final = f"{STATE_DIR}/judge-calibration-ratios.npy"
 #: ``pairclean refine``'s heads files and its run records.
 HEADS_DIR: Final = f"{STATE_DIR}/heads"
 REFINE_DIR: Final = f"{STATE_DIR}/refine"

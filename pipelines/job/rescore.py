@@ -138,7 +138,8 @@ def _rescore_locked(out: OutputDir, old_spec: JobSpec, lock: RunLock, *, beta_re
         judged = old_judge  # bound for the lambda (mypy does not narrow inside it)
         # the calibration sample's scores as OSA read them: the same pairs, already in memory
         scored = sims if fitted is None or img is None or txt is None else fitted.adjust(sims, img, txt)
-        calibration = with_judge_record(calibration, lambda cal: _judge_record(cal, judged, tables, scored),
+        stored = out.read_judge_ratios()  # every calibration pair's ratio, where the folder kept them
+        calibration = with_judge_record(calibration, lambda cal: _judge_record(cal, judged, tables, scored, stored),
                                         lambda: fit(False))
     out.begin_rewrite("rescore")
     if fitted is not None:
@@ -177,13 +178,15 @@ def _old_judge(out: OutputDir, spec: JobSpec) -> dict[str, Any] | None:
 
 
 def _judge_record(calibration: Calibration, frozen: dict[str, Any], tables: list[tuple[ShardRecord, pa.Table]],
-                  scored: np.ndarray) -> dict[str, Any]:
+                  scored: np.ndarray, stored: np.ndarray | None = None) -> dict[str, Any]:
     """The judge record ``frozen`` with its near-miss prior refitted under ``calibration`` on
-    the calibration sample: its OSA scores ``scored`` (n,) and the stored ratios of the same
-    first n ok pairs (as a fresh score fits it)."""
+    the calibration sample: its OSA scores ``scored`` (n,) and the judge's ratios of the same
+    first n ok pairs, ``stored`` (``OutputDir.read_judge_ratios``: every one, as a fresh score
+    fits it) where the folder kept n of them, else the tables' ``judge_score``."""
     n = len(scored)
-    llr = np.concatenate([np.zeros(0, np.float32)] + [_judge_scores(t)[schema.ok_mask(t)] for _, t in tables])[:n]
-    keep = np.isfinite(llr)  # under --judge band, pairs outside the band were never judged
+    llr = stored if stored is not None and len(stored) == n else np.concatenate(
+        [np.zeros(0, np.float32)] + [_judge_scores(t)[schema.ok_mask(t)] for _, t in tables])[:n]
+    keep = np.isfinite(llr)  # tables of folders scored without the stored ratios: under --judge band, pairs outside it were never judged
     return refit_fine_prior(frozen, llr[keep], osa_p_clean(np.asarray(scored, np.float32)[keep], calibration))
 
 

@@ -155,7 +155,7 @@ def judge_calibration(results: Sequence[ShardResult], spec: JobSpec, calibration
 
     n = spec.calibration_pairs
     sims = np.concatenate([np.zeros(0, np.float32)] + [r.similarity[r.ok_mask] for r in results])[:n]
-    llr = np.concatenate([np.zeros(0, np.float32)] + [r.judge_llr[r.ok_mask] for r in results if r.judge_llr is not None])[:n]
+    llr = calibration_ratios(results, n)
     scored = sims if contrast is None else np.concatenate(
         [np.zeros(0, np.float32)] + [contrast.adjust(r.similarity, r.image_emb, r.text_emb)[r.ok_mask] for r in results])[:n]
     osa_p = osa_p_clean(scored, calibration)
@@ -164,6 +164,15 @@ def judge_calibration(results: Sequence[ShardResult], spec: JobSpec, calibration
     band = posterior.FULL_BAND if spec.judge == "all" else posterior.choose_band(
         sims, judged_p_clean(llr, osa_p, doc), osa_p, float(spec.judge_budget or 0.0))
     return {**doc, "band": [_finite(band[0]), _finite(band[1])]}
+
+
+def calibration_ratios(results: Sequence[ShardResult], n: int) -> NDArray[np.float32]:
+    """The judge's ratios (n,) of the first ``n`` ok pairs of the calibration phase's judged
+    shards, in shard order (what ``judge_calibration`` fits on; kept beside the calibration,
+    ``OutputDir.write_judge_ratios``, for ``pairclean rescore``)."""
+    out: NDArray[np.float32] = np.concatenate(
+        [np.zeros(0, np.float32)] + [r.judge_llr[r.ok_mask] for r in results if r.judge_llr is not None])[:n].astype(np.float32)
+    return out
 
 
 def has_word_check(judge: dict[str, Any]) -> bool:
@@ -413,6 +422,8 @@ class ShardWork:
                 calibration,
                 lambda cal: judge_calibration(held, self.spec, cal, identity, self.contrast_of(cal)),
                 lambda: fit_calibration(held, self.spec, self.random_beta, dim)[0])
+            # before the calibration is frozen: a rescore refits the near-miss prior on these
+            self.out.write_judge_ratios(calibration_ratios(held, self.spec.calibration_pairs))
         written = [
             ShardOutcome(u, self.write(r, calibration) if r is not None else None, e) for u, r, e in outcomes
         ]

@@ -490,6 +490,29 @@ class OutputDir:
         bank: NDArray[np.float32] = np.asarray(arr, dtype=np.float32)
         return bank
 
+    def write_judge_ratios(self, llr: NDArray[np.float32]) -> None:
+        """Store the judge's ratios on the calibration sample ((n,) float32 .npy, atomically)."""
+        buf = io.BytesIO()
+        np.save(buf, np.asarray(llr, dtype=np.float32), allow_pickle=False)
+        self.store.put(schema.JUDGE_RATIOS_FILE, buf.getvalue())
+
+    def read_judge_ratios(self) -> NDArray[np.float32] | None:
+        """The stored calibration ratios (``write_judge_ratios``); None where the folder has none
+        (scored before they were kept, or without a judge); ``InputError`` naming the file when it
+        is damaged."""
+        data = self.store.get(schema.JUDGE_RATIOS_FILE)
+        if data is None:
+            return None
+        where = self.store.url(schema.JUDGE_RATIOS_FILE)
+        try:
+            arr = np.load(io.BytesIO(data), allow_pickle=False)
+        except ValueError as exc:
+            raise InputError(f"{where} is damaged: {first_line(exc)}") from None
+        if arr.ndim != 1 or arr.dtype != np.float32:
+            raise InputError(f"{where} is not a 1-D float32 array")
+        ratios: NDArray[np.float32] = arr
+        return ratios
+
     def read_contrast(self, calibration: Calibration) -> Contrast | None:
         """The corpus contrast frozen in ``calibration`` with its bank from this folder (None
         without one); ``InputError`` naming the folder when the bank is missing or not the
