@@ -24,6 +24,10 @@ wrong caption of one kind:
   made from templates with random numbers): a caption that fits no image at all, common in
   scraped corpora, which the corpus contrast must not lift as "fits this image better than
   others" (contrast version 4);
+- ``placeholder``: the *image* replaced by a placeholder that shows nothing the caption
+  says (a solid colour, "image not available" on grey, pixel noise, a grey ramp;
+  ``placeholder_jpeg``), as a failed or hot-linked download serves: an image that fits no
+  caption, which the contrast must not lift either (version 4's image-rival gate);
 - ``retrieved``: the shape of a corpus of retrieved candidates (how human-judged sets such as
   Flickr8k's expert ratings were built): every image three times, with its own caption,
   with the nearest-image caption and with the nearest-text caption, in shuffled order, so
@@ -78,7 +82,8 @@ from _embed_dev import embed_dev
 
 from pairclean.calibrate.calibration import cache_dir as _default_cache
 
-KINDS = ("random", "near-image", "near-text", "edit", "mix", "retrieved", "near-image-unseen", "edit-unseen", "boilerplate")
+KINDS = ("random", "near-image", "near-text", "edit", "mix", "retrieved", "near-image-unseen", "edit-unseen", "boilerplate",
+         "placeholder")
 #: A noisy pair whose p_clean is above this is called clean with confidence (a confident wrong answer).
 CONFIDENT = 0.9
 PER_SHARD = 250
@@ -150,6 +155,32 @@ def boilerplate(rng: np.random.Generator) -> str:
     return str(rng.choice(BOILERPLATE)).replace("{n}", str(int(rng.integers(10, 99999))))
 
 
+#: Texts a placeholder image may show (``placeholder_jpeg``).
+PLACEHOLDER_TEXTS = ("image not available", "no photo", "coming soon", "404 not found", "loading...", "photo removed")
+
+
+def placeholder_jpeg(i: int, rng: np.random.Generator) -> bytes:
+    """A 320 x 240 JPEG of the ``i % 4``-th placeholder style (solid colour, text on grey,
+    pixel noise, grey ramp), drawn here (licence-clean)."""
+    import io
+
+    from PIL import Image, ImageDraw
+
+    style = i % 4
+    if style == 0:
+        im = Image.new("RGB", (320, 240), tuple(int(v) for v in rng.integers(0, 256, 3)))
+    elif style == 1:
+        im = Image.new("RGB", (320, 240), (220, 220, 220))
+        ImageDraw.Draw(im).text((70, 110), str(rng.choice(PLACEHOLDER_TEXTS)), fill=(90, 90, 90))
+    elif style == 2:
+        im = Image.fromarray(rng.integers(0, 256, (240, 320, 3), dtype=np.uint8))
+    else:
+        im = Image.fromarray((np.linspace(0, 255, 320)[None, :, None] * np.ones((240, 1, 3))).astype(np.uint8))
+    buf = io.BytesIO()
+    im.save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
 def make_pairing(kind: str, rate: float, images: list[Any], emb: dict[str, np.ndarray], seed: int) -> tuple[list[str], np.ndarray, list[str]]:
     """(captions, noisy flags, noise kind per pair ("" when clean)) for one (kind, rate)."""
     n = len(images)
@@ -189,6 +220,9 @@ def make_pairing(kind: str, rate: float, images: list[Any], emb: dict[str, np.nd
             for i in idx:
                 out[i] = boilerplate(rng)
                 labels[i] = k
+        elif k == "placeholder":  # the caption stays; write_shards puts a placeholder in place of the image
+            for i in idx:
+                labels[i] = k
         elif k == "near-text":
             for i in idx:
                 out[i] = images[near_txt_img[i]].captions[near_txt_cap[i]]
@@ -226,20 +260,26 @@ def write_shards(folder: Path, images: list[Any], captions: list[str], noisy: np
                  owner: np.ndarray | None = None) -> list[str]:
     """Shards of ``PER_SHARD`` pairs under ``folder`` (reused when already complete) and labels.json.
 
-    Pair k shows ``images[owner[k]]`` (default: pair k shows image k) with ``captions[k]``."""
+    Pair k shows ``images[owner[k]]`` (default: pair k shows image k) with ``captions[k]``, or a
+    placeholder image (``placeholder_jpeg``) where its label is ``placeholder``."""
     from pairclean.lite.evaldata import write_shard
 
     owner = np.arange(len(images)) if owner is None else owner
     n = len(captions)
     meta = folder / "labels.json"
     doc = {"keys": [f"{i:05d}" for i in range(n)], "noisy": noisy.tolist(), "kind": labels, "captions": captions,
-           "images": [images[int(i)].image for i in owner]}
+           "images": ["placeholder" if labels[int(k)] == "placeholder" else images[int(i)].image for k, i in enumerate(owner)]}
+    rng = np.random.default_rng([0, len(labels)])
+
+    def jpeg(i: int) -> bytes:
+        return placeholder_jpeg(i, rng) if labels[i] == "placeholder" else images[int(owner[i])].path.read_bytes()
+
     paths = [folder / f"part-{s // PER_SHARD:05d}.tar" for s in range(0, n, PER_SHARD)]
     if meta.exists() and json.loads(meta.read_text()) == doc and all(p.exists() for p in paths):
         return [str(p) for p in paths]
     folder.mkdir(parents=True, exist_ok=True)
     for s, path in zip(range(0, n, PER_SHARD), paths):
-        samples = [{"__key__": f"{i:05d}", "jpg": images[int(owner[i])].path.read_bytes(), "txt": captions[i]} for i in range(s, min(s + PER_SHARD, n))]
+        samples = [{"__key__": f"{i:05d}", "jpg": jpeg(i), "txt": captions[i]} for i in range(s, min(s + PER_SHARD, n))]
         write_shard(path, samples)
     meta.write_text(json.dumps(doc))
     return [str(p) for p in paths]

@@ -66,25 +66,36 @@ confident, so where it does not apply the pair is scored as under version 2. The
 measured in pairclean-lite's caption space; other estimators count copies only
 (``owner_cosine_for``).
 
-Version 4 bounds the caption rival's lift (``caption_floor``): a rival below its mean raises
-the adjusted similarity, and a caption that fits no image at all (web boilerplate:
-"IMG_2031.JPG", "click here to enlarge", a product code) has a rival far below it, so
-version 3 lifted such a pair from a cosine near 0 to near the clean pairs' median ("fits
-this image better than it fits others", when it fits none). Now a caption deviation below
-the floor (``FLOOR_Z`` robust standard deviations below the sample's centre, both read from
-the sample's upper quantiles, which pairs carrying such captions move less than they move a
-median or a spread over the whole sample) lifts the pair only as far as the pair beats its caption rival: a
-specific caption that fits its own image keeps its lift, one that fits this image no better
-than it fits others gets none. Measured on Flickr8k dev with pairclean-lite (one pair per
-photo, three draws a corpus; AUC of the adjusted similarity, version 3 -> 4): captions
-replaced by boilerplate 0.881 -> 0.961 (20%) and 0.880 -> 0.914 (50%; the cosine alone
-0.990); random swaps 0.977 -> 0.977 and 0.978 -> 0.978; nearest-image captions 0.720 ->
-0.719 and 0.724 -> 0.721; nearest-text captions 0.715 -> 0.712 and 0.692 -> 0.691. Tried
-and not taken: a plain floor (a lift of at most the floor: boilerplate 0.921 / 0.888), the
-same gate on every pair (boilerplate 0.981 / 0.966, but near-misses -0.02 to -0.04), a floor
-under the image rival too (near-misses -0.001 more, boilerplate no better), and a cap on the
-whole lift (0.15: boilerplate 0.943 / 0.910, near-misses -0.003 to -0.005). End to end: README
-"Hard noise", the ``boilerplate`` kind of ``benchmarks/hard_noise.py``.
+Version 4 bounds the rivals' lift (``caption_floor``, ``image_floor``): a rival below its
+mean raises the adjusted similarity, and a caption that fits no image at all (web
+boilerplate: "IMG_2031.JPG", "click here to enlarge", a product code) has a caption rival far
+below it, as a placeholder image ("image not available", a blank served for a failed
+download) has an image rival far below it, so version 3 lifted such pairs from a cosine
+near 0 towards the clean pairs' median ("fits this image better than it fits others", when
+it fits none). Now a rival deviation below its floor (``FLOOR_Z`` robust standard
+deviations below the sample's centre, both read from the sample's upper quantiles, which
+pairs carrying such captions or images move less than they move a median or a spread over
+the whole sample) lifts the pair only as far as the pair beats that rival: a specific
+caption that fits its own image keeps its lift, one that fits this image no better than it
+fits others gets none. Measured on Flickr8k dev with pairclean-lite (one pair per photo,
+three draws a corpus; AUC of the adjusted similarity, version 3 -> 4 with the caption gate
+alone): captions replaced by boilerplate 0.881 -> 0.961 (20%) and 0.880 -> 0.914 (50%; the
+cosine alone 0.990); random swaps 0.977 -> 0.977 and 0.978 -> 0.978; nearest-image captions
+0.720 -> 0.719 and 0.724 -> 0.721; nearest-text captions 0.715 -> 0.712 and 0.692 -> 0.691.
+The image gate then: placeholder images (solid colours, text on grey, noise, ramps) 0.941
+-> 0.954 at 20%, near-misses -0.001. Tried and not taken: a plain floor (a lift of at most
+the floor: boilerplate 0.921 / 0.888), the gate on every pair (boilerplate 0.981 / 0.966,
+placeholders 0.981 / 0.973, but near-misses -0.01 to -0.04), the gate on every pair whose
+similarity is below ``owner_min_fit`` (end to end: placeholders at 50% ECE 0.360 -> 0.048,
+random swaps' noisy mean 0.175 -> 0.124, but nearest-image AUC -0.012 and nearest-text
+-0.02, with the clean pairs' 1% point read from a normal fitted to the top 40%), and a cap
+on the whole lift (0.15: boilerplate 0.943 / 0.910, near-misses -0.003 to -0.005).
+
+Version 4 also bounds owners from below (``owner_min_fit``, ``plausible_fit``): boilerplate
+repeats ("untitled" on eight photos), and under version 3 each copy found an "owner" in the
+photo the string fits least badly, so the copies counted as near-miss captions and the
+owners' odds factor fell on them. End to end: README "Hard noise", the ``boilerplate`` and
+``placeholder`` kinds of ``benchmarks/hard_noise.py``.
 """
 
 from __future__ import annotations
@@ -164,8 +175,8 @@ class Contrast:
     """A frozen bank and its parameters: ``adjust`` maps similarities to adjusted ones.
 
     ``bank``: (2, B, D) the calibration sample's image embeddings and their captions'.
-    ``caption_floor``: the caption rival's deviation below which the lift is gated (version
-    4; None: no gate, versions 1-3). ``owner_min_fit``: an owner must fit the caption at
+    ``caption_floor``, ``image_floor``: each rival's deviation below which its lift is gated
+    (version 4; None: no gate, versions 1-3). ``owner_min_fit``: an owner must fit the caption at
     least this well (version 4, ``plausible_fit``; None: any owner, versions 1-3)."""
 
     bank: FloatArray
@@ -178,6 +189,8 @@ class Contrast:
     owner_cosine: float | None = OWNER_COSINE
     owner_odds: float | None = OWNER_ODDS
     caption_floor: float | None = None
+    #: Version 4: the same gate on the image rival (None: none, versions 1-3).
+    image_floor: float | None = None
     #: Version 4: the least fit an owner must have (None: any, versions 1-3).
     owner_min_fit: float | None = None
 
@@ -220,9 +233,9 @@ class Contrast:
     def adjust(self, similarity: NDArray[Any], image_emb: NDArray[Any], text_emb: NDArray[Any],
                source: NDArray[np.int64] | None = None) -> FloatArray:
         """(N,) adjusted similarities (module docstring); NaN similarities stay NaN, a
-        missing rival (every bank row left out) adjusts nothing, and a caption rival's deviation
-        below the floor (version 4) lifts the pair at most by how much its similarity exceeds
-        that rival."""
+        missing rival (every bank row left out) adjusts nothing, and a rival's deviation below
+        its floor (version 4) lifts the pair at most by how much its similarity exceeds that
+        rival."""
         s = np.asarray(similarity, dtype=np.float32)
         ok = np.isfinite(s)
         out = np.full(s.shape, np.nan, dtype=np.float32)
@@ -231,8 +244,9 @@ class Contrast:
             d_cap = np.where(np.isfinite(cap), cap - np.float32(self.mean_caption_rival), 0.0)
             d_img = np.where(np.isfinite(im), im - np.float32(self.mean_image_rival), 0.0)
             if self.caption_floor is not None:  # version 4: a caption that fits nothing lifts nothing
-                beat = np.maximum(np.float32(0.0), np.where(np.isfinite(cap), s[ok] - cap, 0.0))
-                d_cap = np.where(d_cap >= np.float32(self.caption_floor), d_cap, np.maximum(d_cap, -beat))
+                d_cap = _gated(d_cap, self.caption_floor, s[ok], cap)
+            if self.image_floor is not None:  # nor does an image that fits no caption (a placeholder)
+                d_img = _gated(d_img, self.image_floor, s[ok], im)
             if self.caption_gamma == self.image_gamma:  # version 1's arithmetic, so its jobs resume bit for bit
                 out[ok] = s[ok] - np.float32(self.image_gamma) * (d_cap + d_img).astype(np.float32)
             else:
@@ -268,12 +282,20 @@ class Contrast:
     def to_json(self) -> dict[str, Any]:
         """The parameters and the bank's checksum (the bank itself is a file of its own)."""
         owner = {} if self.owner_cosine is None else {"owner_cosine": self.owner_cosine, "owner_odds": self.owner_odds}
-        floors = ({} if self.caption_floor is None or self.owner_min_fit is None or not owner
-                  else {"caption_floor": self.caption_floor, "owner_min_fit": self.owner_min_fit})
+        floors = ({} if self.caption_floor is None or self.image_floor is None or self.owner_min_fit is None or not owner
+                  else {"caption_floor": self.caption_floor, "image_floor": self.image_floor, "owner_min_fit": self.owner_min_fit})
         return {"recipe": RECIPE, "version": 4 if floors else 3 if owner else 2, **floors, "k": self.k, "caption_gamma": self.caption_gamma,
                 "image_gamma": self.image_gamma,
                 "mean_caption_rival": self.mean_caption_rival, "mean_image_rival": self.mean_image_rival,
                 "bank_rows": int(self.bank.shape[1]), "bank_sha256": bank_sha256(self.bank), **owner}
+
+
+def _gated(deviation: NDArray[Any], floor: float, similarity: FloatArray, rival: FloatArray) -> NDArray[Any]:
+    """Version 4's gate: a rival ``deviation`` (N,) below ``floor`` counts only as far down as
+    the pair's ``similarity`` exceeds that ``rival`` (a missing rival: no gate), so the lift
+    it gives is at most how much better the pair fits than the rival does."""
+    beat = np.maximum(np.float32(0.0), np.where(np.isfinite(rival), similarity - rival, 0.0))
+    return np.where(deviation >= np.float32(floor), deviation, np.maximum(deviation, -beat))
 
 
 def _best_owner_fit(img: FloatArray, txt: FloatArray, ref_img: FloatArray, ref_txt: FloatArray, cosine: float) -> FloatArray:
@@ -376,7 +398,7 @@ def fit_contrast(image_emb: NDArray[Any], text_emb: NDArray[Any], owner_cosine: 
         return None
     mean_cap, mean_im = float(np.nanmean(cap.astype(np.float64))), float(np.nanmean(im.astype(np.float64)))
     return Contrast(bank=bank, mean_caption_rival=mean_cap, mean_image_rival=mean_im, owner_cosine=owner_cosine,
-                    caption_floor=deviation_floor(cap, mean_cap),
+                    caption_floor=deviation_floor(cap, mean_cap), image_floor=deviation_floor(im, mean_im),
                     owner_min_fit=plausible_fit(np.einsum("nd,nd->n", _f16(image_emb), _f16(text_emb))))
 
 
@@ -397,10 +419,11 @@ def plausible_fit(similarities: NDArray[Any]) -> float:
 
 
 def _upper_normal(values: NDArray[Any]) -> tuple[float, float] | None:
-    """(centre, sd) of the normal whose 75th and 90th percentiles are the sample's (N,):
-    sd = (q90 - q75) / 0.6075, centre = q75 - 0.6745 sd. Why the upper quantiles: pairs whose
-    captions fit no image (boilerplate) make a lower tail, and a median, a spread or a low
-    quantile over the whole sample moves with their share. None for an empty sample."""
+    """(centre, sd) of the normal whose 75th and 90th percentiles are the sample's (N,). Why
+    the upper quantiles: pairs whose captions fit no image (boilerplate) or whose image fits
+    no caption (placeholders) make a lower tail, and a median, a spread or a low quantile
+    over the whole sample moves with their share (a fifth of the sample moves these little;
+    half of it does: see README "Hard noise"). None for an empty sample."""
     x = np.asarray(values, dtype=np.float64)
     x = x[np.isfinite(x)]
     if x.size == 0:
@@ -451,4 +474,5 @@ def from_json(doc: dict[str, Any], bank: NDArray[Any]) -> Contrast:
                     owner_cosine=float(doc["owner_cosine"]) if owner else None,
                     owner_odds=float(doc["owner_odds"]) if owner else None,
                     caption_floor=float(doc["caption_floor"]) if floors else None,
+                    image_floor=float(doc["image_floor"]) if floors else None,
                     owner_min_fit=float(doc["owner_min_fit"]) if floors else None)

@@ -400,11 +400,11 @@ def test_the_corpus_contrast_is_on_by_default_recorded_and_rescored_alike(make_s
     from pairclean.output.report import format_summary, summarize
 
     text = format_summary(summarize(folder))
-    floor = -cal.extra["contrast"]["caption_floor"]
+    floor, image_floor = -cal.extra["contrast"]["caption_floor"], -cal.extra["contrast"]["image_floor"]
     assert ("corpus contrast: on (bank-contrast v4: caption rival x1, image rival x0.75; a caption with a better owner "
             "(another image, in the bank or the pair's shard, whose caption is at cosine >= 0.98 and which fits it better; "
-            f"owner_margin > 0) keeps x0.1 of its odds; a caption rival more than {floor:.3f} below its mean lifts a pair "
-            "only as far as the pair beats it; bank of 24") in text
+            f"owner_margin > 0) keeps x0.1 of its odds; a caption rival more than {floor:.3f} (an image rival more than "
+            f"{image_floor:.3f}) below its mean lifts a pair only as far as the pair beats it; bank of 24") in text
     assert "flagged noisy (adjusted_similarity <= beta, or p_clean <= 0.5 where owner_margin > 0)" in text
     assert "noise share by the p_clean mixture (calibration sample): " in text and "near-miss" in text
     # rerunning resumes (auto keeps the folder's setting); --contrast off is another job

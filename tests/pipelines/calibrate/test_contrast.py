@@ -45,7 +45,7 @@ def test_the_adjusted_similarity_keeps_the_similarity_scale_on_the_sample() -> N
     sims = (img * txt).sum(1)
     c = cm.fit_contrast(img, txt)
     assert c is not None
-    ungated = replace(c, caption_floor=None)
+    ungated = replace(c, caption_floor=None, image_floor=None)
     assert abs(float(ungated.adjust(sims, img, txt).mean() - sims.mean())) < 1e-4  # the rivals are centred on the sample
     # version 4's gate only ever lowers a pair, and few of a sample without boilerplate
     adjusted = c.adjust(sims, img, txt)
@@ -105,7 +105,7 @@ def test_a_version_1_contrast_keeps_its_one_weight_and_its_arithmetic() -> None:
     doc = c.to_json()
     assert doc["version"] == 4 and (doc["caption_gamma"], doc["image_gamma"]) == (cm.CAPTION_GAMMA, cm.IMAGE_GAMMA)
     assert cm.CAPTION_GAMMA != cm.IMAGE_GAMMA
-    v1 = {k: v for k, v in doc.items() if k not in ("caption_gamma", "image_gamma", "owner_cosine", "owner_odds", "caption_floor")} | {"version": 1, "gamma": 0.5}
+    v1 = {k: v for k, v in doc.items() if k not in ("caption_gamma", "image_gamma", "owner_cosine", "owner_odds", "caption_floor", "image_floor", "owner_min_fit")} | {"version": 1, "gamma": 0.5}
     old = cm.from_json(v1, c.bank)
     assert (old.caption_gamma, old.image_gamma) == (0.5, 0.5)
     sims = (img * txt).sum(1)
@@ -114,9 +114,9 @@ def test_a_version_1_contrast_keeps_its_one_weight_and_its_arithmetic() -> None:
     np.testing.assert_array_equal(old.adjust(sims, img, txt), sims - np.float32(0.5) * d)
     expected = sims - (np.float32(cm.CAPTION_GAMMA) * (cap - np.float32(c.mean_caption_rival))
                        + np.float32(cm.IMAGE_GAMMA) * (im - np.float32(c.mean_image_rival)))
-    np.testing.assert_allclose(replace(c, caption_floor=None).adjust(sims, img, txt), expected, atol=1e-6)
+    np.testing.assert_allclose(replace(c, caption_floor=None, image_floor=None).adjust(sims, img, txt), expected, atol=1e-6)
     # a version-3 record (no floor) reads back without the gate
-    v3 = {k: v for k, v in doc.items() if k != "caption_floor"} | {"version": 3}
+    v3 = {k: v for k, v in doc.items() if k not in ("caption_floor", "image_floor", "owner_min_fit")} | {"version": 3}
     assert cm.from_json(v3, c.bank).caption_floor is None
     with pytest.raises(ValueError, match="unknown contrast recipe"):
         cm.from_json({**doc, "version": "2"}, c.bank)
@@ -202,13 +202,13 @@ def test_a_version_2_contrast_has_no_owner_and_reads_back_unchanged() -> None:
     img, txt, _ = _corpus()
     c = cm.fit_contrast(img, txt)
     assert c is not None
-    v2 = {k: v for k, v in c.to_json().items() if k not in ("owner_cosine", "owner_odds", "caption_floor", "owner_min_fit")} | {"version": 2}
+    v2 = {k: v for k, v in c.to_json().items() if k not in ("owner_cosine", "owner_odds", "caption_floor", "image_floor", "owner_min_fit")} | {"version": 2}
     old = cm.from_json(v2, c.bank)
     assert old.owner_cosine is None and old.owner_odds is None and old.to_json() == v2
     sims = (img * txt).sum(1)
     assert np.isnan(old.owner_margin(sims, img, txt)).all()
     adjusted, owner = cm.table_columns(old, sims, img, txt, np.ones(len(sims), bool))
-    assert owner is None and adjusted is not None and np.array_equal(adjusted, replace(c, caption_floor=None).adjust(sims, img, txt))
+    assert owner is None and adjusted is not None and np.array_equal(adjusted, replace(c, caption_floor=None, image_floor=None).adjust(sims, img, txt))
     p = np.linspace(0.01, 0.99, len(sims))
     assert np.array_equal(cm.owner_p_clean(p, np.ones(len(sims)), None), p.astype(np.float32))
 
@@ -300,7 +300,7 @@ def test_a_caption_that_fits_no_image_is_not_lifted() -> None:
     c = cm.fit_contrast(img, txt)
     assert c is not None and c.caption_floor is not None and c.caption_floor < 0
     assert c.to_json()["version"] == 4 and cm.from_json(c.to_json(), c.bank).caption_floor == c.caption_floor
-    old = replace(c, caption_floor=None)
+    old = replace(c, caption_floor=None, image_floor=None)
     new_adj, old_adj = c.adjust(sims, img, txt), old.adjust(sims, img, txt)
     assert abs(float(sims[:80].mean())) < 0.05 and float(old_adj[:80].mean()) > 0.25  # version 3 lifted them from ~0
     assert float(new_adj[:80].mean()) < float(old_adj[:80].mean()) - 0.15
@@ -340,3 +340,22 @@ def test_a_repeated_string_that_fits_no_photo_has_no_owner_and_is_no_copy() -> N
     assert cm.copied_caption_share(sims, img, txt, min_fit=c.owner_min_fit) == 0.0
     assert cm.copied_caption_share(sims, img, txt) > 0.1
     assert cm.from_json(c.to_json(), c.bank).owner_min_fit == c.owner_min_fit
+
+
+def test_an_image_that_fits_no_caption_is_not_lifted() -> None:
+    """Version 4 on the image side: a placeholder photo (an embedding near no caption: a
+    failed download's "image not available") has an image rival far below the sample's;
+    version 3 lifted any caption on it by that gap."""
+    img, txt, _ = _corpus(n=400, near=0.0)
+    pad = np.zeros((400, 8), np.float32)
+    img, txt = np.hstack([img, pad]), np.hstack([txt, pad])
+    rng = np.random.default_rng(4)
+    img[:80] = _unit(np.hstack([0.1 * rng.normal(size=(80, 32)), rng.normal(size=(80, 8))]))
+    sims = (img * txt).sum(1)
+    c = cm.fit_contrast(img, txt)
+    assert c is not None and c.image_floor is not None and c.image_floor < 0
+    assert cm.from_json(c.to_json(), c.bank).image_floor == c.image_floor
+    old_adj, new_adj = replace(c, caption_floor=None, image_floor=None).adjust(sims, img, txt), c.adjust(sims, img, txt)
+    assert float(new_adj[:80].mean()) < float(old_adj[:80].mean()) - 0.1
+    clean = np.arange(400) >= 80
+    assert roc_auc(new_adj, clean) > roc_auc(old_adj, clean) + 0.02
