@@ -139,7 +139,7 @@ def _rescore_locked(out: OutputDir, old_spec: JobSpec, lock: RunLock, *, beta_re
         # the calibration sample's scores as OSA read them: the same pairs, already in memory
         scored = sims if fitted is None or img is None or txt is None else fitted.adjust(sims, img, txt)
         stored = out.read_judge_ratios()  # every calibration pair's ratio, where the folder kept them
-        calibration = with_judge_record(calibration, lambda cal: _judge_record(cal, judged, tables, scored, stored),
+        calibration = with_judge_record(calibration, lambda cal: _judge_record(cal, judged, tables, scored, sims, stored),
                                         lambda: fit(False))
     out.begin_rewrite("rescore")
     if fitted is not None:
@@ -167,8 +167,9 @@ def _rescore_locked(out: OutputDir, old_spec: JobSpec, lock: RunLock, *, beta_re
 
 def _old_judge(out: OutputDir, spec: JobSpec) -> dict[str, Any] | None:
     """The judge record of a judged job (None: not judged). The judge's ratios are kept from
-    the tables (``judge_score``: the sidecars hold no regions or tokens to judge again); the
-    judge's band and maps stay as scored."""
+    the tables (``judge_score``) and the calibration sample's file (``_judge_record``): the
+    sidecars hold no regions or tokens to judge again; the judge's band and maps stay as
+    scored."""
     if spec.judge == "off":
         return None
     old = out.read_calibration()
@@ -178,14 +179,17 @@ def _old_judge(out: OutputDir, spec: JobSpec) -> dict[str, Any] | None:
 
 
 def _judge_record(calibration: Calibration, frozen: dict[str, Any], tables: list[tuple[ShardRecord, pa.Table]],
-                  scored: np.ndarray, stored: np.ndarray | None = None) -> dict[str, Any]:
+                  scored: np.ndarray, sims: np.ndarray, stored: np.ndarray | None = None) -> dict[str, Any]:
     """The judge record ``frozen`` with its near-miss prior refitted under ``calibration`` on
     the calibration sample: its OSA scores ``scored`` (n,) and the judge's ratios of the same
-    first n ok pairs, ``stored`` (``OutputDir.read_judge_ratios``: every one, as a fresh score
-    fits it) where the folder kept n of them, else the tables' ``judge_score``."""
+    first n ok pairs (similarities ``sims``, (n,)): ``stored`` (``OutputDir.read_judge_ratios``,
+    (2, n): every one, as a fresh score fits it) where the folder kept them for exactly these
+    pairs (the same similarities), else the tables' ``judge_score`` (under ``--judge band``,
+    in-band pairs only)."""
     n = len(scored)
-    llr = stored if stored is not None and len(stored) == n else np.concatenate(
-        [np.zeros(0, np.float32)] + [_judge_scores(t)[schema.ok_mask(t)] for _, t in tables])[:n]
+    llr = np.concatenate([np.zeros(0, np.float32)] + [_judge_scores(t)[schema.ok_mask(t)] for _, t in tables])[:n]
+    if stored is not None and stored.shape[1] == n and np.array_equal(stored[0], sims):
+        llr = stored[1]  # the same pairs as the tables' first n ok ones (a shard re-scored since would differ)
     keep = np.isfinite(llr)  # tables of folders scored without the stored ratios: under --judge band, pairs outside it were never judged
     return refit_fine_prior(frozen, llr[keep], osa_p_clean(np.asarray(scored, np.float32)[keep], calibration))
 

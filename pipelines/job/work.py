@@ -167,9 +167,9 @@ def judge_calibration(results: Sequence[ShardResult], spec: JobSpec, calibration
 
 
 def calibration_ratios(results: Sequence[ShardResult], n: int) -> NDArray[np.float32]:
-    """The judge's ratios (n,) of the first ``n`` ok pairs of the calibration phase's judged
-    shards, in shard order (what ``judge_calibration`` fits on; kept beside the calibration,
-    ``OutputDir.write_judge_ratios``, for ``pairclean rescore``)."""
+    """The judge's ratios (at most n,) of the first ``n`` ok pairs of the calibration phase's
+    judged shards, in shard order (what ``judge_calibration`` fits on; kept beside the
+    calibration, ``OutputDir.write_judge_ratios``, for ``pairclean rescore``)."""
     out: NDArray[np.float32] = np.concatenate(
         [np.zeros(0, np.float32)] + [r.judge_llr[r.ok_mask] for r in results if r.judge_llr is not None])[:n].astype(np.float32)
     return out
@@ -423,7 +423,9 @@ class ShardWork:
                 lambda cal: judge_calibration(held, self.spec, cal, identity, self.contrast_of(cal)),
                 lambda: fit_calibration(held, self.spec, self.random_beta, dim)[0])
             # before the calibration is frozen: a rescore refits the near-miss prior on these
-            self.out.write_judge_ratios(calibration_ratios(held, self.spec.calibration_pairs))
+            n = self.spec.calibration_pairs
+            sims = np.concatenate([np.zeros(0, np.float32)] + [r.similarity[r.ok_mask] for r in held])[:n]
+            self.out.write_judge_ratios(sims, calibration_ratios(held, n))
         written = [
             ShardOutcome(u, self.write(r, calibration) if r is not None else None, e) for u, r, e in outcomes
         ]

@@ -483,33 +483,34 @@ class OutputDir:
             raise InputError(f"{self.store.url(schema.CONTRAST_BANK_FILE)} is missing: the calibration needs its contrast bank")
         try:
             arr = np.load(io.BytesIO(data), allow_pickle=False)
-        except ValueError as exc:
-            raise InputError(f"{self.store.url(schema.CONTRAST_BANK_FILE)} is damaged: {exc}") from exc
+        except (ValueError, EOFError, OSError) as exc:  # an empty file is an EOFError
+            raise InputError(f"{self.store.url(schema.CONTRAST_BANK_FILE)} is damaged: {first_line(exc) or type(exc).__name__}") from None
         if arr.ndim != 3 or arr.shape[0] != 2 or arr.dtype != np.float16:
             raise InputError(f"{self.store.url(schema.CONTRAST_BANK_FILE)} is not a (2, rows, dim) float16 array")
         bank: NDArray[np.float32] = np.asarray(arr, dtype=np.float32)
         return bank
 
-    def write_judge_ratios(self, llr: NDArray[np.float32]) -> None:
-        """Store the judge's ratios on the calibration sample ((n,) float32 .npy, atomically)."""
+    def write_judge_ratios(self, similarity: NDArray[np.float32], llr: NDArray[np.float32]) -> None:
+        """Store the judge's ratios on the calibration sample with those pairs' similarities
+        ((2, n) float32 .npy, atomically): the similarities say which pairs the ratios are of."""
         buf = io.BytesIO()
-        np.save(buf, np.asarray(llr, dtype=np.float32), allow_pickle=False)
+        np.save(buf, np.stack([np.asarray(similarity, dtype=np.float32), np.asarray(llr, dtype=np.float32)]), allow_pickle=False)
         self.store.put(schema.JUDGE_RATIOS_FILE, buf.getvalue())
 
     def read_judge_ratios(self) -> NDArray[np.float32] | None:
-        """The stored calibration ratios (``write_judge_ratios``); None where the folder has none
-        (scored before they were kept, or without a judge); ``InputError`` naming the file when it
-        is damaged."""
+        """The stored (similarities, ratios), (2, n) (``write_judge_ratios``); None where the
+        folder has none (scored before they were kept, or without a judge); ``InputError``
+        naming the file when it is damaged."""
         data = self.store.get(schema.JUDGE_RATIOS_FILE)
         if data is None:
             return None
         where = self.store.url(schema.JUDGE_RATIOS_FILE)
         try:
             arr = np.load(io.BytesIO(data), allow_pickle=False)
-        except ValueError as exc:
-            raise InputError(f"{where} is damaged: {first_line(exc)}") from None
-        if arr.ndim != 1 or arr.dtype != np.float32:
-            raise InputError(f"{where} is not a 1-D float32 array")
+        except (ValueError, EOFError, OSError) as exc:  # an empty file is an EOFError
+            raise InputError(f"{where} is damaged: {first_line(exc) or type(exc).__name__}") from None
+        if arr.ndim != 2 or arr.shape[0] != 2 or arr.dtype != np.float32:
+            raise InputError(f"{where} is not a (2, n) float32 array")
         ratios: NDArray[np.float32] = arr
         return ratios
 

@@ -128,8 +128,10 @@ def test_a_near_miss_judge_is_combined_with_osa_and_rescored_alike(make_shards, 
 def test_rescore_under_a_band_refits_the_word_check_on_every_calibration_pair(
         make_shards, tmp_path: Path, tiny_judge, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under --judge band the tables hold the judge's ratios inside the band only; the folder
-    keeps every calibration pair's ratio, so a rescore fits the word check's prior on what a
-    fresh score fitted it on (it used to refit on the in-band ratios alone)."""
+    keeps every calibration pair's ratio with its similarity, so a rescore fits the word
+    check's prior on what a fresh score fitted it on (it used to refit on the in-band ratios
+    alone), and only where the file is of the same pairs."""
+    from pairclean.errors import InputError
     from pairclean.judge import posterior
     from pairclean.output.folder import OutputDir
 
@@ -142,29 +144,43 @@ def test_rescore_under_a_band_refits_the_word_check_on_every_calibration_pair(
     band, fresh = tmp_path / "band", tmp_path / "fresh"
     assert _score(shards, band, *flags) == 0
     stems = ("part-00000", "part-00001")
-    ratios = OutputDir(str(band)).read_judge_ratios()
+    folder = OutputDir(str(band))
+    stored = folder.read_judge_ratios()
     # the calibration sample: the first 12 ok pairs (TINY's --calibration-pairs)
-    in_tables = np.concatenate([_table(band, stem)[schema.COL_JUDGE_SCORE].to_numpy() for stem in stems])[:12]
-    assert ratios is not None and len(ratios) == 12 and np.isfinite(ratios).all()
+    tables = [_table(band, stem) for stem in stems]
+    in_tables = np.concatenate([t[schema.COL_JUDGE_SCORE].to_numpy() for t in tables])[:12]
+    sims = np.concatenate([t["similarity"].to_numpy() for t in tables])[:12]
+    assert stored is not None and stored.shape == (2, 12) and np.isfinite(stored).all()
+    np.testing.assert_array_equal(stored[0], sims)  # which pairs the ratios are of
     judged = np.isfinite(in_tables)
     assert 0 < judged.sum() < 12  # outside the band, no ratio in the table
-    np.testing.assert_allclose(ratios[judged], in_tables[judged], atol=1e-6)
+    np.testing.assert_allclose(stored[1][judged], in_tables[judged], atol=1e-6)
     assert _score(shards, fresh, *flags, "--beta-recipe", "shuffled") == 0
-    assert main(["rescore", str(band), "--beta-recipe", "shuffled", "--weighting", "p-clean"]) == 0
+
+    def rescored_prior() -> float:
+        assert main(["rescore", str(band), "--beta-recipe", "shuffled", "--weighting", "p-clean"]) == 0
+        return float(_meta(band, "part-00000")["judge"]["fine_prior"])
+
+    fresh_prior = float(_meta(fresh, "part-00000")["judge"]["fine_prior"])
+    assert rescored_prior() == pytest.approx(fresh_prior, abs=1e-9)
     for stem in stems:
-        assert _meta(band, stem)["judge"]["fine_prior"] == pytest.approx(_meta(fresh, stem)["judge"]["fine_prior"], abs=1e-9)
         np.testing.assert_allclose(_table(band, stem)["p_clean"].to_numpy(), _table(fresh, stem)["p_clean"].to_numpy(), atol=1e-6)
     # the prior is refitted on the kept ratios, all of them: ratios made higher raise it
-    OutputDir(str(band)).write_judge_ratios(ratios + 3.0)
-    assert main(["rescore", str(band), "--beta-recipe", "shuffled", "--weighting", "p-clean"]) == 0
-    assert _meta(band, "part-00000")["judge"]["fine_prior"] > _meta(fresh, "part-00000")["judge"]["fine_prior"] + 0.05
+    folder.write_judge_ratios(stored[0], stored[1] + 3.0)
+    raised = rescored_prior()
+    assert raised > fresh_prior + 0.05
+    # ... but only where they are of the same pairs: other similarities (a shard re-scored
+    # since) and the tables' ratios are used instead
+    folder.write_judge_ratios(stored[0] + 0.01, stored[1] + 3.0)
+    assert rescored_prior() < raised - 0.05
     # a folder scored before the ratios were kept rescores from its tables' (in-band) ratios
     schema.local_side_path(band, schema.JUDGE_RATIOS_FILE).unlink()
-    assert main(["rescore", str(band), "--beta-recipe", "shuffled", "--weighting", "p-clean"]) == 0
-    # a damaged file is one line naming it
-    schema.local_side_path(band, schema.JUDGE_RATIOS_FILE).write_bytes(b"not an array")
-    with pytest.raises(Exception, match="judge-calibration-ratios.npy is damaged"):
-        OutputDir(str(band)).read_judge_ratios()
+    assert rescored_prior() < raised - 0.05
+    # a damaged or empty file is one line naming it
+    for data in (b"not an array", b""):
+        schema.local_side_path(band, schema.JUDGE_RATIOS_FILE).write_bytes(data)
+        with pytest.raises(InputError, match="judge-calibration-ratios.npy is damaged"):
+            folder.read_judge_ratios()
 
 
 def test_a_judge_with_a_near_miss_mixture_doubts_pairs_that_look_like_unseen_word_edits(

@@ -400,11 +400,16 @@ def test_the_corpus_contrast_is_on_by_default_recorded_and_rescored_alike(make_s
     from pairclean.output.report import format_summary, summarize
 
     text = format_summary(summarize(folder))
-    floor, image_floor = -cal.extra["contrast"]["caption_floor"], -cal.extra["contrast"]["image_floor"]
-    assert ("corpus contrast: on (bank-contrast v4: caption rival x1, image rival x0.75; a caption with a better owner "
+    # 24 calibration pairs: fewer than MIN_GATE_PAIRS, so version 3's contrast (no bounds)
+    assert ("corpus contrast: on (bank-contrast v3: caption rival x1, image rival x0.75; a caption with a better owner "
             "(another image, in the bank or the pair's shard, whose caption is at cosine >= 0.98 and which fits it better; "
-            f"owner_margin > 0) keeps x0.1 of its odds; a caption rival more than {floor:.3f} (an image rival more than "
-            f"{image_floor:.3f}) below its mean lifts a pair only as far as the pair beats it; bank of 24") in text
+            "owner_margin > 0) keeps x0.1 of its odds; bank of 24") in text
+    # a version-4 record's line says where the gate acts (a floor of 0 reads 0.000, never -0.000)
+    from pairclean.output.report import _contrast_line
+
+    v4 = {**cal.extra["contrast"], "version": 4, "caption_floor": -0.15, "image_floor": 0.0, "owner_min_fit": 0.12}
+    assert ("a caption rival more than 0.150 (an image rival more than 0.000) below its mean lifts a pair only as far as "
+            "the pair beats it; bank of 24") in _contrast_line(v4)
     assert "flagged noisy (adjusted_similarity <= beta, or p_clean <= 0.5 where owner_margin > 0)" in text
     assert "noise share by the p_clean mixture (calibration sample): " in text and "near-miss" in text
     # rerunning resumes (auto keeps the folder's setting); --contrast off is another job
@@ -447,7 +452,7 @@ def test_a_caption_copied_onto_another_photo_has_a_better_owner(make_shards, tmp
     out = tmp_path / "out"
     assert _score([str(s) for s in shards], out) == 0
     cal = OutputDir(str(out)).read_calibration()
-    assert cal is not None and cal.extra["contrast"]["version"] == 4
+    assert cal is not None and cal.extra["contrast"]["version"] == 3  # under MIN_GATE_PAIRS: no version-4 bounds
     meta = json.loads(pq.read_schema(out / "part-00000.parquet").metadata[schema.META_KEY])
     assert meta["noisy_rule"] == "adjusted_similarity <= beta, or p_clean <= 0.5 where owner_margin > 0"
     rows = _rows(out, "part-00000")

@@ -99,7 +99,7 @@ def test_the_recorded_contrast_round_trips_and_a_changed_bank_is_refused() -> No
 def test_a_version_1_contrast_keeps_its_one_weight_and_its_arithmetic() -> None:
     """A job calibrated under version 1 (one gamma for both rivals) resumes with exactly
     the adjusted similarities it was scored with; version 2 weighs the rivals apart."""
-    img, txt, _ = _corpus()
+    img, txt, _ = _corpus(n=400)  # at least MIN_GATE_PAIRS: a version-4 contrast
     c = cm.fit_contrast(img, txt)
     assert c is not None
     doc = c.to_json()
@@ -115,9 +115,14 @@ def test_a_version_1_contrast_keeps_its_one_weight_and_its_arithmetic() -> None:
     expected = sims - (np.float32(cm.CAPTION_GAMMA) * (cap - np.float32(c.mean_caption_rival))
                        + np.float32(cm.IMAGE_GAMMA) * (im - np.float32(c.mean_image_rival)))
     np.testing.assert_allclose(replace(c, caption_floor=None, image_floor=None).adjust(sims, img, txt), expected, atol=1e-6)
-    # a version-3 record (no floor) reads back without the gate
+    # a version-3 record (no bounds) reads back without them and adjusts as version 3 did
     v3 = {k: v for k, v in doc.items() if k not in ("caption_floor", "image_floor", "owner_min_fit")} | {"version": 3}
-    assert cm.from_json(v3, c.bank).caption_floor is None
+    back = cm.from_json(v3, c.bank)
+    assert (back.caption_floor, back.image_floor, back.owner_min_fit) == (None, None, None)
+    np.testing.assert_array_equal(back.adjust(sims, img, txt), replace(c, caption_floor=None, image_floor=None).adjust(sims, img, txt))
+    # a sample under MIN_GATE_PAIRS keeps version 3's contrast (too few pairs to place the bounds)
+    small = cm.fit_contrast(img[:cm.MIN_GATE_PAIRS - 1], txt[:cm.MIN_GATE_PAIRS - 1])
+    assert small is not None and small.caption_floor is None and small.to_json()["version"] == 3
     with pytest.raises(ValueError, match="unknown contrast recipe"):
         cm.from_json({**doc, "version": "2"}, c.bank)
 
@@ -243,9 +248,10 @@ def test_the_bank_file_is_checked_where_read(tmp_path) -> None:
     np.testing.assert_array_equal(out.read_contrast_bank(), c.bank)
     from pairclean import schema
 
-    out.store.put(schema.CONTRAST_BANK_FILE, b"not an array")
-    with pytest.raises(InputError, match="damaged"):
-        out.read_contrast_bank()
+    for data in (b"not an array", b""):  # an empty file too (np.load raises EOFError there)
+        out.store.put(schema.CONTRAST_BANK_FILE, data)
+        with pytest.raises(InputError, match="damaged"):
+            out.read_contrast_bank()
 
 
 def test_copied_captions_floor_the_near_miss_share() -> None:

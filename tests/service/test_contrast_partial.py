@@ -1,0 +1,37 @@
+"""The job page's corpus-contrast sentence (``templates/_contrast.html``) for every shape of
+contrast record a job's calibration can hold (off, version 2 without owners, version 3 with
+them, version 4 with its gate), rendered as the app renders it (StrictUndefined)."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import pytest
+
+jinja2 = pytest.importorskip("jinja2")
+
+OFF = {"contrast_rows": None, "owner_odds": None, "caption_floor": None}
+V2 = {"contrast_rows": 4096, "owner_odds": None, "caption_floor": None}
+V3 = {**V2, "owner_odds": 0.1}
+V4 = {**V3, "caption_floor": -0.153}
+
+
+def _render(why: dict) -> str:
+    folder = resources.files("pairclean_service") / "templates"
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(folder)), autoescape=True, undefined=jinja2.StrictUndefined)
+    return " ".join(env.get_template("_contrast.html").render(why=why).split())
+
+
+@pytest.mark.parametrize("why, says, owner, gate", [
+    (OFF, "Corpus contrast: off: weights read the similarity.", False, False),
+    (V2, "a bank of 4,096 calibration pairs", False, False),
+    (V3, "keeps 0.1 of its odds of being clean", True, False),
+    (V4, "a caption that fits no photo well (its best fit elsewhere more than 0.153 below the sample's)", True, True),
+    ({**V4, "caption_floor": 0.0}, "more than 0.000 below", True, True),  # never "-0.000"
+])
+def test_the_contrast_sentence_reads_every_record_shape(why: dict, says: str, owner: bool, gate: bool) -> None:
+    text = _render(why)
+    assert text.startswith('<p data-why="contrast">Corpus contrast:') and says in text
+    assert ("better <i>owner</i>" in text) == owner
+    assert ("a photo that fits no caption well (a placeholder)" in text) == gate
+    assert "-0.000" not in text
