@@ -9,11 +9,12 @@ from typing import Any
 import numpy as np
 
 from pairclean import osa, schema
+from pairclean.calibrate.p_clean import wide_clean_part
 from pairclean.output.folder import OutputDir
 from pairclean.output.tables import read_embeddings
 from pairclean.uris import shard_stem
 
-__all__ = ["Summary", "summarize", "format_summary", "mixture_noise", "expected_noise", "p_clean_sum"]
+__all__ = ["Summary", "summarize", "format_summary", "mixture_noise", "expected_noise", "p_clean_sum", "wide_clean_warning"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class Summary:
     #: The ``p_clean`` mixture's noise shares of the calibration sample (random, near-miss);
     #: None without a corpus-mixture curve.
     mixture_noise: tuple[float, float] | None = None
+    #: How many times wider p_clean's clean part is than the sample's top shows, where too wide.
+    wide_clean: float | None = None
     #: The judge's record in the metadata (None: the job ran without the judge).
     judge: dict[str, Any] | None = None
     #: ``pairclean refine``'s record in the metadata (None: the tables are as scored).
@@ -94,6 +97,7 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
         first=view.slice(0, rows).to_pylist(),
         noisy_rule=str(meta.get("noisy_rule", "similarity <= beta")),
         mixture_noise=mixture_noise(meta),
+        wide_clean=wide_clean_part(((meta.get("p_clean") or {}).get("fit")) or {}),
         contrast=meta.get("contrast"),
         judge=meta.get("judge"),
         refine=meta.get("refine"),
@@ -134,6 +138,14 @@ def p_clean_sum(status: Any, p_clean: Any) -> tuple[float, int]:
     p = np.asarray(p_clean, dtype=np.float64)[schema.ok_mask(status)]
     p = p[np.isfinite(p)]
     return float(p.sum()), int(p.size)
+
+
+def wide_clean_warning(ratio: float) -> str:
+    """The line that says p_clean's clean part is ``ratio`` times wider than the sample's top
+    shows (``p_clean.wide_clean_part``) and what to do about it."""
+    return (f"WARNING: p_clean's clean part is {ratio:.2f}x as wide as the top of the calibration sample shows: a large "
+            "share of noise of another shape (placeholder images, boilerplate captions) may be counted clean; "
+            "an audit of 200 pairs recalibrates it (README \"Hard noise\")")
 
 
 def mixture_noise(meta: dict[str, Any]) -> tuple[float, float] | None:
@@ -257,6 +269,7 @@ def format_summary(s: Summary) -> str:
         "noise share by the p_clean mixture (calibration sample): "
         + (f"{100 * sum(s.mixture_noise):.1f}% (random {100 * s.mixture_noise[0]:.1f}%, near-miss {100 * s.mixture_noise[1]:.1f}%)"
            if s.mixture_noise is not None else "n/a (no corpus-mixture p_clean)"),
+        *([wide_clean_warning(s.wide_clean)] if s.wide_clean is not None else []),
         "weight histogram:",
     ]
     top = max((c for _, _, c in s.weight_histogram), default=1) or 1
