@@ -1,6 +1,7 @@
 """The job page's corpus-contrast sentence (``templates/_contrast.html``) for every shape of
 contrast record a job's calibration can hold (off, version 2 without owners, version 3 with
-them, version 4 with its gate), rendered as the app renders it (StrictUndefined)."""
+them, version 4 with its gate), and its p_clean mixture sentences (``templates/_mixture.html``),
+rendered as the app renders them (StrictUndefined)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,24 @@ def test_the_contrast_sentence_reads_every_record_shape(why: dict, says: str, ow
     assert ("better <i>owner</i>" in text) == owner
     assert ("a photo that fits no caption well (a placeholder)" in text) == gate
     assert "-0.000" not in text
+
+
+def _render_mixture(why: dict) -> str:
+    from pairclean_service.routers.pages import _pct
+
+    folder = resources.files("pairclean_service") / "templates"
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(folder)), autoescape=True, undefined=jinja2.StrictUndefined)
+    return " ".join(env.get_template("_mixture.html").render(why=why, pct=_pct).split())
+
+
+@pytest.mark.parametrize("why, shares, warns", [
+    ({"mixture_noise": None, "wide_clean": None}, False, False),
+    ({"mixture_noise": (0.2, 0.05), "wide_clean": None}, True, False),
+    ({"mixture_noise": (0.13, 0.0), "wide_clean": 1.49}, True, True),
+])
+def test_the_mixture_sentences_warn_where_the_clean_part_is_too_wide(why: dict, shares: bool, warns: bool) -> None:
+    text = _render_mixture(why)
+    assert ('data-why="mixture-noise"' in text) == shares
+    assert ('data-why="wide-clean"' in text) == warns
+    if warns:
+        assert "clean part is 1.49x as wide as the top of the calibration sample shows" in text
