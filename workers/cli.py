@@ -347,16 +347,16 @@ def _p_clean_note(cal: Any, out: str) -> str | None:
     shares = mixture_noise(cal.extra) if cal is not None else None
     if shares is None:
         return None
-    from pairclean.calibrate.p_clean import wide_clean_part
-    from pairclean.output.report import wide_clean_warning
+    from pairclean.calibrate.p_clean import unexplained_random
+    from pairclean.output.report import junk_warning
 
     fit = cal.extra["p_clean"]["fit"]
     source = fit.get("near_share_source", "fitted")
-    wide = wide_clean_part(fit)
+    gap = unexplained_random(fit)
     return (f"p_clean: the calibration sample shows {100 * shares[0]:.1f}% random and {100 * shares[1]:.1f}% "
             f"near-miss pairs (near-miss share: {source}); near-misses whose caption has no better owner "
             f"in the bank or the shard are not counted: measure them with `pairclean audit {out} --sample 200`"
-            + ("" if wide is None else "\n" + wide_clean_warning(wide)))
+            + ("" if gap is None else "\n" + junk_warning(gap)))
 
 
 def _print_report(report: Any, out: str) -> int:

@@ -21,7 +21,7 @@ import numpy as np
 from numpy.typing import NDArray
 from pairclean import osa
 from pairclean.calibrate import p_clean as p_clean_model
-from pairclean.calibrate.contrast import Contrast, copied_caption_share
+from pairclean.calibrate.contrast import MIN_GATE_PAIRS, RANDOM_FIT_QUANTILE, Contrast, copied_caption_share, random_fit
 from pairclean.errors import InputError
 from pairclean.storage import write_file_atomic
 
@@ -142,6 +142,23 @@ def cached_random_beta(identity: Mapping[str, object], compute: RandomBeta) -> f
     return beta
 
 
+def _random_level(similarities: NDArray[np.float32], image_emb: NDArray[np.float32],
+                  text_emb: NDArray[np.float32]) -> dict[str, float] | None:
+    """How many calibration pairs fit at random level: the share of ``similarities`` (N,)
+    below the ``contrast.RANDOM_FIT_QUANTILE`` point of the sample's mismatched pairs
+    (``contrast.random_fit``), recorded in the p_clean fit for ``p_clean.unexplained_random``;
+    None for fewer than ``contrast.MIN_GATE_PAIRS`` pairs (a share of a few dozen pairs says
+    little: the tiny test model's 24 pairs read 25% unexplained)."""
+    if len(image_emb) < MIN_GATE_PAIRS:
+        return None
+    threshold = random_fit(image_emb, text_emb)
+    if not np.isfinite(threshold):
+        return None
+    x = np.asarray(similarities, dtype=np.float64)
+    x = x[np.isfinite(x)]
+    return {"threshold": threshold, "quantile": RANDOM_FIT_QUANTILE, "share": float((x < threshold).mean()) if x.size else 0.0}
+
+
 def calibrate(
     *,
     beta_recipe: str,
@@ -212,6 +229,18 @@ def calibrate(
         floor = (copied_caption_share(similarities, image_emb, text_emb, min_fit=contrast.owner_min_fit)
                  if pair_scores is not None and contrast is not None else 0.0)
         curve = p_clean_model.fit_p_clean(sims, refs, seed, min_near_share=floor, profile=not word_check).to_json()
+        level = _random_level(similarities, image_emb, text_emb)
+        if level is not None:
+            curve["fit"]["random_level"] = level
+        if (contrast is not None and pair_scores is not None and contrast.caption_floor is not None
+                and contrast.random_fit is None and p_clean_model.unexplained_random(curve["fit"]) is not None):
+            # A junk-heavy corpus (more pairs at random level than the random part explains: the
+            # clean part widened over noise the references do not describe): calibrate once more
+            # with every rival of a random-level pair gated (contrast.random_fit). Only here: on
+            # other corpora that gate cost near-misses (README "Hard noise", contrast version 4).
+            return calibrate(beta_recipe=beta_recipe, k=k, seed=seed, weighting=weighting, batch_size=batch_size,
+                             similarities=similarities, image_emb=image_emb, text_emb=text_emb, random_beta=random_beta,
+                             contrast=replace(contrast, random_fit=random_fit(image_emb, text_emb)), word_check=word_check)
     return Calibration(
         beta=float(beta),
         recipe=beta_recipe,

@@ -91,6 +91,15 @@ random swaps' noisy mean 0.175 -> 0.124, but nearest-image AUC -0.012 and neares
 -0.02, with the clean pairs' 1% point read from a normal fitted to the top 40%), and a cap
 on the whole lift (0.15: boilerplate 0.943 / 0.910, near-misses -0.003 to -0.005).
 
+On a junk-heavy corpus (half its pairs placeholders or boilerplate) those floors, read
+from the upper quantiles, no longer describe the clean pairs, and ``p_clean``'s mixture
+widened its clean part over the junk. ``calibration.calibrate`` recognises such a corpus
+(more pairs at random level than the fitted random share explains,
+``p_clean.unexplained_random``) and fits once more with ``random_fit`` set: every rival of a
+pair whose similarity is below the ``RANDOM_FIT_QUANTILE`` point of the sample's mismatched
+pairs is gated too. Only there: on every corpus, that gate cost near-misses' calibration
+(README "Hard noise").
+
 Version 4 also bounds owners from below (``owner_min_fit``, ``plausible_fit``): boilerplate
 repeats ("untitled" on eight photos), and under version 3 each copy found an "owner" in the
 photo the string fits least badly, so the copies counted as near-miss captions and the
@@ -114,7 +123,8 @@ from pairclean.calibrate.p_clean import DUPLICATE_COSINE
 __all__ = ["RECIPE", "VERSION", "K", "CAPTION_GAMMA", "IMAGE_GAMMA", "BANK_SIZE", "SAME_IMAGE_COSINE", "MIN_BANK", "Contrast", "fit_contrast",
            "copied_caption_share", "bank_sha256", "from_json", "rival_weights", "OWNER_COSINE", "OWNER_ODDS", "owner_p_clean",
            "table_columns", "owner_cosine_for", "OWNER_MODEL", "OWNER_SHARD_ROWS", "has_owner", "FLOOR_Z", "deviation_floor",
-           "OWNER_FIT_QUANTILE", "plausible_fit"]
+           "OWNER_FIT_QUANTILE", "plausible_fit",
+           "RANDOM_FIT_QUANTILE", "random_fit"]
 
 RECIPE: Final = "bank-contrast"
 VERSION: Final = 4
@@ -149,6 +159,12 @@ FLOOR_Z: Final = 2.0
 #: then version 3's): from the upper quantiles of 16-64 clean pairs the floor gated 4-15% of
 #: them (up to 37% in one draw) instead of about 2%.
 MIN_GATE_PAIRS: Final = 256
+#: On a junk-heavy corpus (``calibration.calibrate``), a pair whose similarity is below this
+#: quantile of the sample's mismatched pairs' gets no lift from either rival beyond how much
+#: it beats that rival (version 4, ``random_fit``).
+RANDOM_FIT_QUANTILE: Final = 0.75
+#: Mismatched pairs of the sample ``random_fit`` is read from (seeded, so a rescore reads the same).
+RANDOM_FIT_PAIRS: Final = 4096
 #: An owner (or a copy's better-fitting pair) counts only where its fit reaches this quantile
 #: of the calibration sample's clean-looking similarities (version 4, ``plausible_fit``).
 OWNER_FIT_QUANTILE: Final = 0.01
@@ -197,6 +213,9 @@ class Contrast:
     image_floor: float | None = None
     #: Version 4: the least fit an owner must have (None: any, versions 1-3).
     owner_min_fit: float | None = None
+    #: Version 4, set only on a junk-heavy corpus (``calibration.calibrate``): below this
+    #: similarity every rival is gated (``random_fit``; None: not set).
+    random_fit: float | None = None
 
     def rivals(self, image_emb: NDArray[Any], text_emb: NDArray[Any],
                source: NDArray[np.int64] | None = None) -> tuple[FloatArray, FloatArray]:
@@ -247,10 +266,14 @@ class Contrast:
             cap, im = self.rivals(np.asarray(image_emb)[ok], np.asarray(text_emb)[ok], None if source is None else source[ok])
             d_cap = np.where(np.isfinite(cap), cap - np.float32(self.mean_caption_rival), 0.0)
             d_img = np.where(np.isfinite(im), im - np.float32(self.mean_image_rival), 0.0)
-            if self.caption_floor is not None:  # version 4: a caption that fits nothing lifts nothing
-                d_cap = _gated(d_cap, self.caption_floor, s[ok], cap)
-            if self.image_floor is not None:  # nor does an image that fits no caption (a placeholder)
-                d_img = _gated(d_img, self.image_floor, s[ok], im)
+            # version 4: a caption that fits nothing lifts nothing, nor does an image that fits no
+            # caption (a placeholder), nor, on a junk-heavy corpus, any rival of a pair that fits
+            # no better than most random pairs do (``random_fit``)
+            low = None if self.random_fit is None else s[ok] < np.float32(self.random_fit)
+            if self.caption_floor is not None:
+                d_cap = _gated(d_cap, self.caption_floor, s[ok], cap, low)
+            if self.image_floor is not None:
+                d_img = _gated(d_img, self.image_floor, s[ok], im, low)
             if self.caption_gamma == self.image_gamma:  # version 1's arithmetic, so its jobs resume bit for bit
                 out[ok] = s[ok] - np.float32(self.image_gamma) * (d_cap + d_img).astype(np.float32)
             else:
@@ -289,17 +312,20 @@ class Contrast:
         bounds = (self.caption_floor, self.image_floor, self.owner_min_fit)
         # version 4 only with every bound finite (fit_contrast sets none otherwise): JSON has no infinity
         floors = ({} if not owner or any(b is None or not math.isfinite(b) for b in bounds)
-                  else {"caption_floor": self.caption_floor, "image_floor": self.image_floor, "owner_min_fit": self.owner_min_fit})
+                  else {"caption_floor": self.caption_floor, "image_floor": self.image_floor, "owner_min_fit": self.owner_min_fit,
+                        **({} if self.random_fit is None or not math.isfinite(self.random_fit) else {"random_fit": self.random_fit})})
         return {"recipe": RECIPE, "version": 4 if floors else 3 if owner else 2, **floors, "k": self.k, "caption_gamma": self.caption_gamma,
                 "image_gamma": self.image_gamma,
                 "mean_caption_rival": self.mean_caption_rival, "mean_image_rival": self.mean_image_rival,
                 "bank_rows": int(self.bank.shape[1]), "bank_sha256": bank_sha256(self.bank), **owner}
 
 
-def _gated(deviation: NDArray[Any], floor: float, similarity: FloatArray, rival: FloatArray) -> NDArray[Any]:
-    """Version 4's gate: a rival ``deviation`` (N,) below ``floor`` counts only as far down as
-    the pair's ``similarity`` exceeds that ``rival`` (a missing rival: no gate), so the lift
-    it gives is at most how much better the pair fits than the rival does.
+def _gated(deviation: NDArray[Any], floor: float, similarity: FloatArray, rival: FloatArray,
+           low: NDArray[np.bool_] | None = None) -> NDArray[Any]:
+    """Version 4's gate: a rival ``deviation`` (N,) below ``floor``, or any deviation of a pair
+    marked ``low`` (N,) (its similarity below ``random_fit``), counts only as far down as the
+    pair's ``similarity`` exceeds that ``rival`` (a missing rival: no gate), so the lift it
+    gives is at most how much better the pair fits than the rival does.
 
     Discontinuous on purpose: just above the floor a rival lifts by its whole deviation, just
     below by at most ``beat``. Below the floor the rival says the caption (image) fits nothing,
@@ -307,7 +333,10 @@ def _gated(deviation: NDArray[Any], floor: float, similarity: FloatArray, rival:
     floor, or ``beat`` if more) left boilerplate pairs the floor's lift (dev AUC 0.921 against
     0.961 at 20%, module docstring)."""
     beat = np.maximum(np.float32(0.0), np.where(np.isfinite(rival), similarity - rival, 0.0))
-    return np.where(deviation >= np.float32(floor), deviation, np.maximum(deviation, -beat))
+    free = deviation >= np.float32(floor)
+    if low is not None:
+        free &= ~low
+    return np.where(free, deviation, np.maximum(deviation, -beat))
 
 
 def _best_owner_fit(img: FloatArray, txt: FloatArray, ref_img: FloatArray, ref_txt: FloatArray, cosine: float) -> FloatArray:
@@ -436,6 +465,22 @@ def plausible_fit(similarities: NDArray[Any]) -> float:
     return float(centre + NormalDist().inv_cdf(OWNER_FIT_QUANTILE) * sd)
 
 
+def random_fit(image_emb: NDArray[Any], text_emb: NDArray[Any]) -> float:
+    """The ``RANDOM_FIT_QUANTILE`` quantile of the similarities of ``RANDOM_FIT_PAIRS`` seeded
+    mismatched pairs of the sample ((N, D) each, float16-rounded as the bank): how well a
+    caption fits a photo it was not written for. A threshold junk cannot move (mismatched
+    pairs fit at random level, junk or not), where every low quantile of the sample's own
+    similarities moves with the junk's share. About 0.10 on Flickr8k dev with pairclean-lite
+    (1.3% of clean pairs below it). -inf for fewer than 2 pairs."""
+    from pairclean import osa
+
+    img, txt = _f16(np.asarray(image_emb)), _f16(np.asarray(text_emb))
+    if len(img) < 2:
+        return -math.inf
+    i, j = osa.mismatched_pairs(len(img), RANDOM_FIT_PAIRS, 0)
+    return float(np.quantile(np.einsum("nd,nd->n", img[i], txt[j]), RANDOM_FIT_QUANTILE))
+
+
 def _upper_normal(values: NDArray[Any]) -> tuple[float, float] | None:
     """(centre, sd) of the normal whose 75th and 90th percentiles are the sample's (N,). Why
     the upper quantiles: pairs whose captions fit no image (boilerplate) or whose image fits
@@ -493,4 +538,5 @@ def from_json(doc: dict[str, Any], bank: NDArray[Any]) -> Contrast:
                     owner_odds=float(doc["owner_odds"]) if owner else None,
                     caption_floor=float(doc["caption_floor"]) if floors else None,
                     image_floor=float(doc["image_floor"]) if floors else None,
-                    owner_min_fit=float(doc["owner_min_fit"]) if floors else None)
+                    owner_min_fit=float(doc["owner_min_fit"]) if floors else None,
+                    random_fit=float(doc["random_fit"]) if floors and "random_fit" in doc else None)

@@ -68,8 +68,7 @@ __all__ = [
     "noise_references",
     "fit_p_clean",
     "fit_mixture_3",
-    "upper_tail_normal",
-    "wide_clean_part",
+    "unexplained_random",
 ]
 
 RECIPE: Final = "corpus-mixture"
@@ -88,12 +87,9 @@ SHARE_GRID: Final = tuple(round(0.05 * i, 2) for i in range(17))
 SHARE_PENALTY: Final = 0.1
 #: Share of the strictly rising logistic ramp mixed into the curve (breaks ties only).
 RAMP: Final = 1e-3
-#: The share of the highest similarities ``upper_tail_normal`` reads the clean pairs from.
-TOP_SHARE: Final = 0.4
-#: Fewer top similarities than this and ``upper_tail_normal`` says nothing.
-MIN_TOP_PAIRS: Final = 100
-#: A clean part wider than this many times the top's fit is reported (``wide_clean_part``).
-WIDE_CLEAN_RATIO: Final = 1.3
+#: More of the calibration pairs at random level than the fitted random share explains by
+#: this much, and the corpus holds noise of another shape (``unexplained_random``).
+UNEXPLAINED_RANDOM: Final = 0.1
 
 FloatArray = NDArray[np.float64]
 
@@ -196,59 +192,29 @@ def _normal(x: FloatArray, mean: float, std: float) -> FloatArray:
     return out
 
 
-def upper_tail_normal(x: FloatArray, share: float = TOP_SHARE) -> tuple[float, float] | None:
-    """(mean, sd) of the normal whose truncation to the top ``share`` of ``x`` (N,) fits those
-    values best (maximum likelihood of a normal truncated below at their least value, on a
-    grid refined four times; scipy's optimiser gives the same to 1e-3). The clean pairs make
-    up the top of a corpus's similarities however much noise lies below, so their spread read
-    there does not widen with the noise. None for fewer than ``MIN_TOP_PAIRS`` top values.
-
-    Hand-written (a grid over two parameters) rather than scipy: the library needs no scipy."""
-    x = np.asarray(x, dtype=np.float64)
-    x = x[np.isfinite(x)]
-    if x.size < 2:
-        return None
-    t = float(np.quantile(x, 1 - share))
-    u = x[x >= t]
-    spread = float(u.std())
-    if u.size < MIN_TOP_PAIRS or spread <= 0:
-        return None
-    from math import erfc, sqrt
-
-    def loglik(mu: FloatArray, sd: FloatArray) -> FloatArray:
-        z = (u[None, :] - mu[:, None]) / sd[:, None]
-        tail = np.array([0.5 * erfc((t - m) / (v * sqrt(2))) for m, v in zip(mu, sd)])
-        out: FloatArray = (-0.5 * z * z).sum(1) - u.size * np.log(sd) - u.size * np.log(np.maximum(tail, 1e-300))
-        return out
-
-    mu_c, sd_c = float(np.median(u)), spread
-    width_mu, ratio = 4 * spread, 4.0
-    for _ in range(4):
-        mm, ss = np.meshgrid(np.linspace(mu_c - width_mu, mu_c + width_mu, 41),
-                             sd_c * np.exp(np.linspace(-np.log(ratio), np.log(ratio), 41)), indexing="ij")
-        best = int(np.argmax(loglik(mm.ravel(), ss.ravel())))
-        mu_c, sd_c = float(mm.ravel()[best]), float(ss.ravel()[best])
-        width_mu, ratio = width_mu / 8, ratio ** 0.25
-    return mu_c, sd_c
-
-
-def wide_clean_part(fit: dict[str, Any]) -> float | None:
-    """How many times wider the fitted clean part is than the top of the sample shows
-    (``fit``: a curve's recorded fit, with ``std`` and ``top_std``), where that exceeds
-    ``WIDE_CLEAN_RATIO``; else None (also for fits recorded before ``top_std`` existed).
+def unexplained_random(fit: dict[str, Any]) -> float | None:
+    """The share of calibration pairs at random level that the fitted random part does not
+    explain, where it exceeds ``UNEXPLAINED_RANDOM``; else None (also for fits recorded
+    without ``random_level``). ``fit``: a curve's recorded fit, whose ``random_level`` (written
+    by ``calibration.calibrate``) holds the share of pairs whose similarity is below the
+    ``quantile`` point of the sample's mismatched pairs; random mismatches fall below it with
+    that probability, so ``share - quantile * pi_random`` is what the random part leaves out.
 
     Why: where much of a corpus is noise of another shape than the random references
     (placeholder images served for failed downloads, boilerplate captions), the mixture widens
     its clean part over it and calls many such pairs clean. On the hard-noise benchmark
-    (Flickr8k dev, contrast version 4) the ratio is 0.93-1.13 on every set but those corpora
-    at 50% (1.49 and 1.58, where 24% of the placeholder pairs got p_clean above 0.9); the
-    score's closing note and ``pairclean inspect`` say so and point at an audit, which fixes
-    them (README "Hard noise")."""
-    std, top = fit.get("std"), fit.get("top_std")
-    if not isinstance(std, (int, float)) or not isinstance(top, (int, float)) or top <= 0:
+    (Flickr8k dev, contrast version 4) the gap is -0.03 to +0.05 on every set but those
+    corpora at 50% (+0.28 placeholders, where 24% of them got p_clean above 0.9, and +0.40
+    boilerplate); a clean sample whose similarities are skewed has few pairs at random level
+    and is not read as junk (a spread-based check was, README "Hard noise")."""
+    level = fit.get("random_level")
+    if not isinstance(level, dict):
         return None
-    ratio = float(std) / float(top)
-    return ratio if ratio > WIDE_CLEAN_RATIO else None
+    share, quantile, pi_random = level.get("share"), level.get("quantile"), fit.get("pi_random")
+    if not all(isinstance(v, (int, float)) for v in (share, quantile, pi_random)):
+        return None
+    gap = float(share) - float(quantile) * float(pi_random)  # type: ignore[arg-type]
+    return gap if gap > UNEXPLAINED_RANDOM else None
 
 
 def fit_mixture_3(x: FloatArray, f_random: FloatArray, f_near: FloatArray, near_share: float, iters: int = 300) -> dict[str, float]:
@@ -321,7 +287,6 @@ def fit_p_clean(
     pad = 0.05 * (hi - lo) + 1e-3
     grid = np.linspace(lo - pad, hi + pad, 2048)
     d_random, d_near = _density(refs.random, grid), _density(near, grid)
-    top = upper_tail_normal(x)  # recorded: a clean part much wider than this is reported (wide_clean_part)
     profile_ll: list[float] = []
     source = "given"
     if near_share is None and not profile:
@@ -355,6 +320,5 @@ def fit_p_clean(
                     "share_profile": [round(v - profile_ll[0], 2) for v in profile_ll] if profile_ll else [],
                     "pi_random_spread": float(np.std([f["pi_random"] for f in fits])), "bootstraps": len(fits),
                     "calibration_pairs": int(x.size), "random_pairs": int(refs.random.size), "near_miss_pairs": int(near.size),
-                    "near_miss_mean": float(near.mean()), "random_mean": float(refs.random.mean()),
-                    "top_std": None if top is None else top[1]})
+                    "near_miss_mean": float(near.mean()), "random_mean": float(refs.random.mean())})
     return PCleanCurve(tuple(float(v) for v in grid[knots]), tuple(float(v) for v in post[knots]), fit=summary)

@@ -25,7 +25,7 @@ from pairclean.spec import JobSpec, spec_digest
 from pairclean.output.exports import refresh_exports
 from pairclean.output.lock import RunLock
 from pairclean.output.folder import OutputDir, ShardRecord
-from pairclean.job.work import has_word_check, judged_p_clean, osa_p_clean, refit_fine_prior, with_judge_record
+from pairclean.job.work import as_recorded, has_word_check, judged_p_clean, osa_p_clean, refit_fine_prior, with_judge_record
 from pairclean.output.tables import float_column, output_metadata, read_embeddings, scores_table
 
 __all__ = ["rescore"]
@@ -132,15 +132,15 @@ def _rescore_locked(out: OutputDir, old_spec: JobSpec, lock: RunLock, *, beta_re
         )
 
     calibration = fit(old_judge is not None and has_word_check(old_judge))
-    if "contrast" not in calibration.extra:
-        fitted = None
     if old_judge is not None:
         judged = old_judge  # bound for the lambda (mypy does not narrow inside it)
         # the calibration sample's scores as OSA read them: the same pairs, already in memory
-        scored = sims if fitted is None or img is None or txt is None else fitted.adjust(sims, img, txt)
+        recorded = as_recorded(calibration, fitted)  # calibrate may have set its random_fit (a junk-heavy corpus)
+        scored = sims if recorded is None or img is None or txt is None else recorded.adjust(sims, img, txt)
         stored = out.read_judge_ratios()  # every calibration pair's ratio, where the folder kept them
         calibration = with_judge_record(calibration, lambda cal: _judge_record(cal, judged, tables, scored, sims, stored),
                                         lambda: fit(False))
+    fitted = as_recorded(calibration, fitted)  # the contrast the final calibration recorded (None without one)
     out.begin_rewrite("rescore")
     if fitted is not None:
         out.write_contrast_bank(fitted.bank)

@@ -32,6 +32,7 @@ from numpy.typing import NDArray
 from pairclean import __version__, schema
 from pairclean.calibrate.calibration import calibrate, cached_random_beta, needs_corpus
 from pairclean.calibrate.contrast import Contrast, fit_contrast, owner_cosine_for, table_columns
+from pairclean.calibrate.contrast import from_json as contrast_from_json
 from pairclean.errors import InputError
 from pairclean.embed.estimators import Estimator
 from pairclean.calibrate.calibration import Calibration
@@ -122,9 +123,24 @@ def fit_calibration(results: Sequence[ShardResult], spec: JobSpec, random_beta: 
             batch_size=spec.batch_size, similarities=sims, image_emb=img, text_emb=txt, random_beta=random_beta,
             contrast=contrast, word_check=word_check,
         )
-        return calibration, contrast
+        return calibration, as_recorded(calibration, contrast)
     except ValueError as exc:
         raise InputError(f"cannot calibrate beta recipe {spec.beta_recipe!r} on this job: {exc}") from exc
+
+
+def _contrast_key(doc: dict[str, Any]) -> str:
+    """A contrast record as a key: the same bank can carry another ``random_fit`` (a refit)."""
+    return json.dumps(doc, sort_keys=True)
+
+
+def as_recorded(calibration: Calibration, contrast: Contrast | None) -> Contrast | None:
+    """``contrast`` as ``calibration`` recorded it: ``calibrate`` may have set its
+    ``random_fit`` (a junk-heavy corpus), and workers, tables and rescore must adjust with
+    exactly the recorded one (None when the calibration has no contrast)."""
+    doc = calibration.extra.get("contrast")
+    if contrast is None or doc is None:
+        return None
+    return contrast_from_json(doc, contrast.bank)
 
 
 def _load_judge_runner(estimator: Estimator, spec: JobSpec) -> Any:
@@ -374,7 +390,7 @@ class ShardWork:
         self.model_info = estimator.info.as_dict()
         self.digest = spec_digest(spec)
         self.judge = _load_judge_runner(estimator, spec)
-        self._contrast: tuple[str, Contrast] | None = None  # (bank sha256, contrast), loaded once
+        self._contrast: tuple[str, Contrast] | None = None  # (its record as JSON, contrast), loaded once
 
     def random_beta(self) -> float:
         """beta of the random-inputs recipe for this estimator (cached on disk)."""
@@ -416,7 +432,7 @@ class ShardWork:
         if contrast is not None and "contrast" in calibration.extra:
             # the bank first: a worker that sees the calibration can always read its bank
             self.out.write_contrast_bank(contrast.bank)
-            self._contrast = (calibration.extra["contrast"]["bank_sha256"], contrast)
+            self._contrast = (_contrast_key(calibration.extra["contrast"]), contrast)
         if identity is not None:
             calibration = with_judge_record(
                 calibration,
@@ -489,9 +505,9 @@ class ShardWork:
         doc = calibration.extra.get("contrast")
         if doc is None:
             return None
-        if self._contrast is None or self._contrast[0] != doc["bank_sha256"]:
+        if self._contrast is None or self._contrast[0] != _contrast_key(doc):
             loaded = self.out.read_contrast(calibration)
             assert loaded is not None
-            self._contrast = (doc["bank_sha256"], loaded)
+            self._contrast = (_contrast_key(doc), loaded)
         return self._contrast[1]
 

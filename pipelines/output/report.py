@@ -9,12 +9,12 @@ from typing import Any
 import numpy as np
 
 from pairclean import osa, schema
-from pairclean.calibrate.p_clean import wide_clean_part
+from pairclean.calibrate.p_clean import unexplained_random
 from pairclean.output.folder import OutputDir
 from pairclean.output.tables import read_embeddings
 from pairclean.uris import shard_stem
 
-__all__ = ["Summary", "summarize", "format_summary", "mixture_noise", "expected_noise", "p_clean_sum", "wide_clean_warning"]
+__all__ = ["Summary", "summarize", "format_summary", "mixture_noise", "expected_noise", "p_clean_sum", "junk_warning"]
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,8 @@ class Summary:
     #: The ``p_clean`` mixture's noise shares of the calibration sample (random, near-miss);
     #: None without a corpus-mixture curve.
     mixture_noise: tuple[float, float] | None = None
-    #: How many times wider p_clean's clean part is than the sample's top shows, where too wide.
-    wide_clean: float | None = None
+    #: The share of calibration pairs at random level that p_clean's random part leaves out, where large.
+    unexplained_random: float | None = None
     #: The judge's record in the metadata (None: the job ran without the judge).
     judge: dict[str, Any] | None = None
     #: ``pairclean refine``'s record in the metadata (None: the tables are as scored).
@@ -97,7 +97,7 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
         first=view.slice(0, rows).to_pylist(),
         noisy_rule=str(meta.get("noisy_rule", "similarity <= beta")),
         mixture_noise=mixture_noise(meta),
-        wide_clean=wide_clean_part(((meta.get("p_clean") or {}).get("fit")) or {}),
+        unexplained_random=unexplained_random(((meta.get("p_clean") or {}).get("fit")) or {}),
         contrast=meta.get("contrast"),
         judge=meta.get("judge"),
         refine=meta.get("refine"),
@@ -140,12 +140,12 @@ def p_clean_sum(status: Any, p_clean: Any) -> tuple[float, int]:
     return float(p.sum()), int(p.size)
 
 
-def wide_clean_warning(ratio: float) -> str:
-    """The line that says p_clean's clean part is ``ratio`` times wider than the sample's top
-    shows (``p_clean.wide_clean_part``) and what to do about it."""
-    return (f"WARNING: p_clean's clean part is {ratio:.2f}x as wide as the top of the calibration sample shows: a large "
-            "share of noise of another shape (placeholder images, boilerplate captions) may be counted clean; "
-            "an audit of 200 pairs recalibrates it (README \"Hard noise\")")
+def junk_warning(gap: float) -> str:
+    """The line that says ``gap`` of the calibration pairs fit at random level beyond what
+    p_clean's random part explains (``p_clean.unexplained_random``) and what to do about it."""
+    return (f"WARNING: {100 * gap:.0f}% of the calibration pairs fit no better than most random pairs beyond what p_clean "
+            "counts as random mismatches: a large share of noise of another shape (placeholder images, boilerplate "
+            "captions) may be counted clean; an audit of 200 pairs recalibrates it (README \"Hard noise\")")
 
 
 def mixture_noise(meta: dict[str, Any]) -> tuple[float, float] | None:
@@ -230,6 +230,9 @@ def _contrast_line(doc: dict[str, Any]) -> str:
     gate = (f"; a caption rival more than {abs(float(doc['caption_floor'])):.3f} (an image rival more than "
             f"{abs(float(doc['image_floor'])):.3f}) below its mean lifts a pair only as far as the pair beats it"
             if isinstance(doc.get("caption_floor"), (int, float)) and isinstance(doc.get("image_floor"), (int, float)) else "")
+    if isinstance(doc.get("random_fit"), (int, float)):
+        gate += (f"; a junk-heavy corpus (p_clean's clean part came out too wide), so every rival of a pair below "
+                 f"{float(doc['random_fit']):.3f} (random pairs' 75th percentile) is gated too")
     return (f"on ({doc.get('recipe')} v{doc.get('version')}: caption rival x{caption:g}, image rival x{image:g}{owner}{gate}; "
             f"bank of {doc['bank_rows']} calibration pairs; weights read adjusted_similarity)")
 
@@ -269,7 +272,7 @@ def format_summary(s: Summary) -> str:
         "noise share by the p_clean mixture (calibration sample): "
         + (f"{100 * sum(s.mixture_noise):.1f}% (random {100 * s.mixture_noise[0]:.1f}%, near-miss {100 * s.mixture_noise[1]:.1f}%)"
            if s.mixture_noise is not None else "n/a (no corpus-mixture p_clean)"),
-        *([wide_clean_warning(s.wide_clean)] if s.wide_clean is not None else []),
+        *([junk_warning(s.unexplained_random)] if s.unexplained_random is not None else []),
         "weight histogram:",
     ]
     top = max((c for _, _, c in s.weight_histogram), default=1) or 1

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pairclean import schema
 from pairclean.job.lifecycle import TERMINAL, State
-from pairclean.calibrate.p_clean import wide_clean_part
+from pairclean.calibrate.p_clean import unexplained_random
 from pairclean.output.report import mixture_noise
 
 from ..browse import GALLERY_MAX, PAGE_SIZE, Browser, JobOverview, RowFilter
@@ -409,8 +409,9 @@ def _why(view: JobOverview) -> dict[str, Any]:
         "contrast_rows": (cal.extra.get("contrast") or {}).get("bank_rows") if cal else None,
         "owner_odds": (cal.extra.get("contrast") or {}).get("owner_odds") if cal else None,
         "caption_floor": (cal.extra.get("contrast") or {}).get("caption_floor") if cal else None,
+        "random_fit": (cal.extra.get("contrast") or {}).get("random_fit") if cal else None,
         "mixture_noise": mixture_noise(cal.extra if cal else {}),
-        "wide_clean": wide_clean_part(((cal.extra.get("p_clean") or {}).get("fit") or {}) if cal else {}),
+        "unexplained_random": unexplained_random(((cal.extra.get("p_clean") or {}).get("fit") or {}) if cal else {}),
         "judge": cal.extra.get("judge") if cal else None,
     }
 

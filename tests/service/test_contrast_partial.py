@@ -11,8 +11,8 @@ import pytest
 
 jinja2 = pytest.importorskip("jinja2")
 
-OFF = {"contrast_rows": None, "owner_odds": None, "caption_floor": None}
-V2 = {"contrast_rows": 4096, "owner_odds": None, "caption_floor": None}
+OFF = {"contrast_rows": None, "owner_odds": None, "caption_floor": None, "random_fit": None}
+V2 = {"contrast_rows": 4096, "owner_odds": None, "caption_floor": None, "random_fit": None}
 V3 = {**V2, "owner_odds": 0.1}
 V4 = {**V3, "caption_floor": -0.153}
 
@@ -29,6 +29,7 @@ def _render(why: dict) -> str:
     (V3, "keeps 0.1 of its odds of being clean", True, False),
     (V4, "a caption that fits no photo well (its best fit elsewhere more than 0.153 below the sample's)", True, True),
     ({**V4, "caption_floor": 0.0}, "more than 0.000 below", True, True),  # never "-0.000"
+    ({**V4, "random_fit": 0.0999}, "a <b>junk-heavy</b> corpus", True, True),
 ])
 def test_the_contrast_sentence_reads_every_record_shape(why: dict, says: str, owner: bool, gate: bool) -> None:
     text = _render(why)
@@ -36,6 +37,9 @@ def test_the_contrast_sentence_reads_every_record_shape(why: dict, says: str, ow
     assert ("better <i>owner</i>" in text) == owner
     assert ("a photo that fits no caption well (a placeholder)" in text) == gate
     assert "-0.000" not in text
+    assert ("junk-heavy" in text) == (why["random_fit"] is not None)
+    if why["random_fit"] is not None:
+        assert "(below 0.100) gets no lift at all" in text
 
 
 def _render_mixture(why: dict) -> str:
@@ -47,13 +51,13 @@ def _render_mixture(why: dict) -> str:
 
 
 @pytest.mark.parametrize("why, shares, warns", [
-    ({"mixture_noise": None, "wide_clean": None}, False, False),
-    ({"mixture_noise": (0.2, 0.05), "wide_clean": None}, True, False),
-    ({"mixture_noise": (0.13, 0.0), "wide_clean": 1.49}, True, True),
+    ({"mixture_noise": None, "unexplained_random": None}, False, False),
+    ({"mixture_noise": (0.2, 0.05), "unexplained_random": None}, True, False),
+    ({"mixture_noise": (0.13, 0.0), "unexplained_random": 0.276}, True, True),
 ])
-def test_the_mixture_sentences_warn_where_the_clean_part_is_too_wide(why: dict, shares: bool, warns: bool) -> None:
+def test_the_mixture_sentences_warn_where_random_level_pairs_go_unexplained(why: dict, shares: bool, warns: bool) -> None:
     text = _render_mixture(why)
     assert ('data-why="mixture-noise"' in text) == shares
-    assert ('data-why="wide-clean"' in text) == warns
+    assert ('data-why="junk"' in text) == warns
     if warns:
-        assert "clean part is 1.49x as wide as the top of the calibration sample shows" in text
+        assert "27.6% of the calibration pairs fit no better than most random pairs" in text

@@ -142,38 +142,24 @@ def test_a_few_wide_references_on_a_tiny_sample_still_fit() -> None:
     assert len(curve.knots_s) == len(curve.knots_p) and all(0.0 <= p <= 1.0 for p in curve.knots_p)
 
 
-def test_the_top_of_a_sample_gives_the_clean_spread_however_much_noise_lies_below() -> None:
-    rng = np.random.default_rng(3)
-    clean = rng.normal(0.45, 0.12, 2000)
-    mu, sd = pc.upper_tail_normal(clean) or (0.0, 0.0)
-    assert mu == pytest.approx(0.45, abs=0.05) and sd == pytest.approx(0.12, abs=0.025)  # 800 top values: a noisy estimate
-    # half the sample far below (placeholder pairs): the top still reads the clean part
-    mixed = np.r_[clean[:1000], rng.normal(0.05, 0.12, 1000)]
-    _, sd_mixed = pc.upper_tail_normal(mixed) or (0.0, 0.0)
-    assert sd_mixed == pytest.approx(0.12, abs=0.025) and float(mixed.std()) > 0.2
-    assert pc.upper_tail_normal(clean[:100]) is None  # fewer than MIN_TOP_PAIRS top values
-
-
-def test_a_clean_part_widened_over_noise_of_another_shape_is_reported() -> None:
-    """Half the pairs junk that the random references do not describe (placeholder photos
-    with real captions sit above random pairs, and tighter): the mixture widens its clean
-    Gaussian over them, and ``wide_clean_part`` says so; a corpus of random swaps (noise of
-    the references' own shape) is not reported."""
-    rng = np.random.default_rng(4)
-    refs = pc.NoiseReferences(rng.normal(0.0, 0.15, 20_000), rng.normal(0.2, 0.05, 4_000))
-    junk = np.r_[rng.normal(0.45, 0.11, 2000), rng.normal(0.08, 0.1, 2000)]
-    fit = pc.fit_p_clean(junk, refs, seed=0).fit
-    ratio = pc.wide_clean_part(fit)
-    assert ratio is not None and ratio > pc.WIDE_CLEAN_RATIO and fit["top_std"] == pytest.approx(0.11, abs=0.02)
-    swaps = np.r_[rng.normal(0.45, 0.11, 2000), rng.normal(0.0, 0.15, 2000)]
-    assert pc.wide_clean_part(pc.fit_p_clean(swaps, refs, seed=0).fit) is None
-    assert pc.wide_clean_part({"std": 0.2}) is None  # a fit recorded before top_std existed
-    # the score's closing note and `pairclean inspect` carry the warning
+def test_random_level_pairs_the_random_part_leaves_out_are_reported() -> None:
+    """``random_level`` (written by ``calibrate``) says how many pairs fit at random level; where
+    that is well above what the fitted random share explains, the corpus holds noise of
+    another shape and ``unexplained_random`` says how much; the score's closing note and
+    ``pairclean inspect`` carry the warning."""
+    junk = {"pi_random": 0.126, "random_level": {"threshold": 0.1, "quantile": 0.75, "share": 0.37}}
+    assert pc.unexplained_random(junk) == pytest.approx(0.37 - 0.75 * 0.126)
+    swaps = {"pi_random": 0.217, "random_level": {"threshold": 0.1, "quantile": 0.75, "share": 0.156}}
+    assert pc.unexplained_random(swaps) is None  # random swaps: the random part explains them
+    assert pc.unexplained_random({"pi_random": 0.1}) is None  # a fit recorded before random_level existed
+    assert pc.unexplained_random({"pi_random": 0.1, "random_level": {"share": "x"}}) is None
     from types import SimpleNamespace
 
-    from pairclean.output.report import wide_clean_warning
+    from pairclean.output.report import junk_warning
     from pairclean_workers.cli import _p_clean_note
 
+    fit = {"pi_random": 0.126, "pi_near": 0.0, **{k: v for k, v in junk.items() if k != "pi_random"}}
     note = _p_clean_note(SimpleNamespace(extra={"p_clean": {"fit": fit}}), "OUT")
-    assert note is not None and note.endswith(wide_clean_warning(ratio)) and "WARNING: p_clean's clean part is" in note
-    assert "WARNING" not in (_p_clean_note(SimpleNamespace(extra={"p_clean": {"fit": {**fit, "std": fit["top_std"]}}}), "OUT") or "")
+    gap = pc.unexplained_random(fit)
+    assert note is not None and gap is not None and note.endswith(junk_warning(gap)) and "WARNING: 28% of the calibration" in note
+    assert "WARNING" not in (_p_clean_note(SimpleNamespace(extra={"p_clean": {"fit": {**fit, "pi_random": 0.45}}}), "OUT") or "")
