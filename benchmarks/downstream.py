@@ -175,6 +175,7 @@ def _job_p_clean(estimator_state, recipe, feats, contrast: bool) -> tuple[np.nda
     from pairclean import osa
     from pairclean.calibrate.calibration import calibrate
     from pairclean.calibrate.contrast import fit_contrast, table_columns
+    from pairclean.job.work import as_recorded
     from pairclean.output.tables import scores_table
     from pairclean.lite.train import _project
 
@@ -186,6 +187,7 @@ def _job_p_clean(estimator_state, recipe, feats, contrast: bool) -> tuple[np.nda
     con = fit_contrast(img[:n], txt[:n]) if contrast else None
     cal = calibrate(beta_recipe="gmm", k=256, seed=0, weighting="p-clean", batch_size=64, similarities=sims[:n],
                     image_emb=img[:n], text_emb=txt[:n], random_beta=lambda: float("nan"), contrast=con)
+    con = as_recorded(cal, con)  # calibrate may have refitted it (a junk-heavy sample): the tables use the recorded one
     n_all = len(sims)
     adjusted, owner = table_columns(con, sims, img, txt, np.ones(n_all, bool))
     # the job's own table code, so these weights are what a score table would hold

@@ -211,7 +211,7 @@ def unexplained_random(fit: dict[str, Any]) -> float | None:
     if not isinstance(level, dict):
         return None
     share, quantile, pi_random = level.get("share"), level.get("quantile"), fit.get("pi_random")
-    if not all(isinstance(v, (int, float)) for v in (share, quantile, pi_random)):
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (share, quantile, pi_random)):
         return None
     gap = float(share) - float(quantile) * float(pi_random)  # type: ignore[arg-type]
     return gap if gap > UNEXPLAINED_RANDOM else None

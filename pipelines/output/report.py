@@ -97,7 +97,8 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
         first=view.slice(0, rows).to_pylist(),
         noisy_rule=str(meta.get("noisy_rule", "similarity <= beta")),
         mixture_noise=mixture_noise(meta),
-        unexplained_random=unexplained_random(((meta.get("p_clean") or {}).get("fit")) or {}),
+        # an audit recalibrates p_clean from labels: the warning's remedy has been applied
+        unexplained_random=None if meta.get("audit") else unexplained_random(((meta.get("p_clean") or {}).get("fit")) or {}),
         contrast=meta.get("contrast"),
         judge=meta.get("judge"),
         refine=meta.get("refine"),
@@ -231,8 +232,8 @@ def _contrast_line(doc: dict[str, Any]) -> str:
             f"{abs(float(doc['image_floor'])):.3f}) below its mean lifts a pair only as far as the pair beats it"
             if isinstance(doc.get("caption_floor"), (int, float)) and isinstance(doc.get("image_floor"), (int, float)) else "")
     if isinstance(doc.get("random_fit"), (int, float)):
-        gate += (f"; a junk-heavy corpus (p_clean's clean part came out too wide), so every rival of a pair below "
-                 f"{float(doc['random_fit']):.3f} (random pairs' 75th percentile) is gated too")
+        gate += (f"; a junk-heavy corpus (more pairs at random level than p_clean's random part explains), so every rival "
+                 f"of a pair below {float(doc['random_fit']):.3f} (random pairs' 75th percentile) is gated too")
     return (f"on ({doc.get('recipe')} v{doc.get('version')}: caption rival x{caption:g}, image rival x{image:g}{owner}{gate}; "
             f"bank of {doc['bank_rows']} calibration pairs; weights read adjusted_similarity)")
 

@@ -39,7 +39,7 @@ def test_the_contrast_sentence_reads_every_record_shape(why: dict, says: str, ow
     assert "-0.000" not in text
     assert ("junk-heavy" in text) == (why["random_fit"] is not None)
     if why["random_fit"] is not None:
-        assert "(below 0.100) gets no lift at all" in text
+        assert "(below 0.100) is lifted only as far as it beats each rival" in text
 
 
 def _render_mixture(why: dict) -> str:

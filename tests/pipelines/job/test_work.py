@@ -188,3 +188,38 @@ def test_a_recipe_that_cannot_calibrate_on_the_job_is_an_input_error(make_spec) 
     spec = make_spec(["/x/part-00000.tar"], beta_recipe="shuffled")
     with pytest.raises(InputError, match="the shuffled recipe needs the embeddings of at least 2 ok pairs"):
         calibrate_on([], spec, lambda: 0.0, 32)
+
+
+def test_fit_calibration_returns_the_contrast_the_calibration_recorded(make_spec) -> None:
+    """On a junk-heavy sample ``calibrate`` refits with ``random_fit`` set: the contrast that
+    ``fit_calibration`` returns (the calibrating worker adjusts its tables with it and caches
+    it) must be the recorded one, as every other worker and ``pairclean rescore`` read it."""
+    from pairclean.calibrate import contrast as cm
+    from pairclean.embed.shard import ShardResult
+    from pairclean.job.work import as_recorded, fit_calibration
+
+    rng = np.random.default_rng(0)
+    n, dim = 800, 40
+
+    def unit(x: NDArray[np.float64]) -> NDArray[np.float32]:
+        return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+    # photos in pairs of look-alikes, captions near their own photo (test_contrast's corpus), then
+    # half the photos replaced by placeholders near no caption
+    base = rng.normal(size=(n // 2, 32))
+    photos = unit(np.repeat(base, 2, axis=0) + 0.5 * rng.normal(size=(n, 32)))
+    captions = unit(photos + 1.5 * rng.normal(size=(n, 32)) / np.sqrt(32))
+    img, txt = np.hstack([photos, np.zeros((n, 8), np.float32)]), np.hstack([captions, np.zeros((n, 8), np.float32)])
+    junk = np.random.default_rng(6)
+    img[:400] = unit(np.hstack([0.1 * junk.normal(size=(400, 32)), junk.normal(size=(400, 8))]))
+    img, txt = img.astype(np.float16).astype(np.float32), txt.astype(np.float16).astype(np.float32)
+    result = ShardResult(uri="s.tar", keys=[f"{i:05d}" for i in range(n)], idx=np.arange(n), status=["ok"] * n,
+                         error=[None] * n, similarity=(img * txt).sum(1), image_emb=img, text_emb=txt, uid=None, url=None)
+    spec = make_spec(["s.tar"], beta_recipe="gmm", weighting="p-clean", embeddings=True, contrast=True, calibration_pairs=n)
+    calibration, contrast = fit_calibration([result], spec, lambda: 0.0, dim)
+    doc = calibration.extra["contrast"]
+    assert contrast is not None and "random_fit" in doc and contrast.random_fit == doc["random_fit"]
+    assert contrast.to_json() == doc
+    np.testing.assert_array_equal(contrast.adjust(result.similarity, img, txt),
+                                  cm.from_json(doc, contrast.bank).adjust(result.similarity, img, txt))
+    assert as_recorded(calibration, None) is None
