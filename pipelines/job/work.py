@@ -441,7 +441,9 @@ class ShardWork:
             # before the calibration is frozen: a rescore refits the near-miss prior on these
             n = self.spec.calibration_pairs
             sims = np.concatenate([np.zeros(0, np.float32)] + [r.similarity[r.ok_mask] for r in held])[:n]
-            self.out.write_judge_ratios(sims, calibration_ratios(held, n))
+            ratios = calibration_ratios(held, n)
+            if len(ratios) == len(sims):  # else a shard judged nothing: rescore reads the tables, as before
+                self.out.write_judge_ratios(sims, ratios)
         written = [
             ShardOutcome(u, self.write(r, calibration) if r is not None else None, e) for u, r, e in outcomes
         ]

@@ -492,7 +492,10 @@ class OutputDir:
 
     def write_judge_ratios(self, similarity: NDArray[np.float32], llr: NDArray[np.float32]) -> None:
         """Store the judge's ratios on the calibration sample with those pairs' similarities
-        ((2, n) float32 .npy, atomically): the similarities say which pairs the ratios are of."""
+        ((2, n) float32 .npy, atomically): the similarities say which pairs the ratios are of.
+        ``ValueError`` when the two are not of one length."""
+        if len(similarity) != len(llr):
+            raise ValueError(f"{len(llr)} judge ratios for {len(similarity)} calibration pairs")
         buf = io.BytesIO()
         np.save(buf, np.stack([np.asarray(similarity, dtype=np.float32), np.asarray(llr, dtype=np.float32)]), allow_pickle=False)
         self.store.put(schema.JUDGE_RATIOS_FILE, buf.getvalue())
