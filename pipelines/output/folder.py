@@ -478,13 +478,9 @@ class OutputDir:
 
     def read_contrast_bank(self) -> NDArray[np.float32]:
         """The stored contrast bank; raises ``InputError`` naming the file when it is missing or damaged."""
-        data = self.store.get(schema.CONTRAST_BANK_FILE)
-        if data is None:
+        arr = self._read_array(schema.CONTRAST_BANK_FILE)
+        if arr is None:
             raise InputError(f"{self.store.url(schema.CONTRAST_BANK_FILE)} is missing: the calibration needs its contrast bank")
-        try:
-            arr = np.load(io.BytesIO(data), allow_pickle=False)
-        except (ValueError, EOFError, OSError) as exc:  # an empty file is an EOFError
-            raise InputError(f"{self.store.url(schema.CONTRAST_BANK_FILE)} is damaged: {first_line(exc) or type(exc).__name__}") from None
         if arr.ndim != 3 or arr.shape[0] != 2 or arr.dtype != np.float16:
             raise InputError(f"{self.store.url(schema.CONTRAST_BANK_FILE)} is not a (2, rows, dim) float16 array")
         bank: NDArray[np.float32] = np.asarray(arr, dtype=np.float32)
@@ -504,18 +500,25 @@ class OutputDir:
         """The stored (similarities, ratios), (2, n) (``write_judge_ratios``); None where the
         folder has none (scored before they were kept, or without a judge); ``InputError``
         naming the file when it is damaged."""
-        data = self.store.get(schema.JUDGE_RATIOS_FILE)
-        if data is None:
+        arr = self._read_array(schema.JUDGE_RATIOS_FILE)
+        if arr is None:
             return None
-        where = self.store.url(schema.JUDGE_RATIOS_FILE)
-        try:
-            arr = np.load(io.BytesIO(data), allow_pickle=False)
-        except (ValueError, EOFError, OSError) as exc:  # an empty file is an EOFError
-            raise InputError(f"{where} is damaged: {first_line(exc) or type(exc).__name__}") from None
         if arr.ndim != 2 or arr.shape[0] != 2 or arr.dtype != np.float32:
-            raise InputError(f"{where} is not a (2, n) float32 array")
+            raise InputError(f"{self.store.url(schema.JUDGE_RATIOS_FILE)} is not a (2, n) float32 array")
         ratios: NDArray[np.float32] = arr
         return ratios
+
+    def _read_array(self, name: str) -> NDArray[Any] | None:
+        """The .npy state file ``name`` (None when missing); ``InputError`` naming it when it is
+        not one (an empty file included: numpy raises ``EOFError`` there)."""
+        data = self.store.get(name)
+        if data is None:
+            return None
+        try:
+            arr: NDArray[Any] = np.load(io.BytesIO(data), allow_pickle=False)
+        except (ValueError, EOFError, OSError) as exc:
+            raise InputError(f"{self.store.url(name)} is damaged: {first_line(exc) or type(exc).__name__}") from None
+        return arr
 
     def read_contrast(self, calibration: Calibration) -> Contrast | None:
         """The corpus contrast frozen in ``calibration`` with its bank from this folder (None
