@@ -232,7 +232,7 @@ def calibrate(
         level = _random_level(similarities, image_emb, text_emb)
         if level is not None:
             curve["fit"]["random_level"] = level
-        if (contrast is not None and pair_scores is not None and contrast.caption_floor is not None
+        if (level is not None and contrast is not None and pair_scores is not None and contrast.caption_floor is not None
                 and contrast.random_fit is None and p_clean_model.unexplained_random(curve["fit"]) is not None):
             # A junk-heavy corpus (more pairs at random level than the random part explains: the
             # clean part widened over noise the references do not describe): calibrate once more
@@ -240,7 +240,7 @@ def calibrate(
             # other corpora that gate cost near-misses (README "Hard noise", contrast version 4).
             return calibrate(beta_recipe=beta_recipe, k=k, seed=seed, weighting=weighting, batch_size=batch_size,
                              similarities=similarities, image_emb=image_emb, text_emb=text_emb, random_beta=random_beta,
-                             contrast=replace(contrast, random_fit=random_fit(image_emb, text_emb)), word_check=word_check)
+                             contrast=replace(contrast, random_fit=level["threshold"]), word_check=word_check)
     return Calibration(
         beta=float(beta),
         recipe=beta_recipe,

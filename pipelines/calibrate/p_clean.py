@@ -210,10 +210,12 @@ def unexplained_random(fit: dict[str, Any]) -> float | None:
     level = fit.get("random_level")
     if not isinstance(level, dict):
         return None
-    share, quantile, pi_random = level.get("share"), level.get("quantile"), fit.get("pi_random")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (share, quantile, pi_random)):
+    values = (level.get("share"), level.get("quantile"), fit.get("pi_random"))
+    numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if len(numbers) != 3:
         return None
-    gap = float(share) - float(quantile) * float(pi_random)  # type: ignore[arg-type]
+    share, quantile, pi_random = numbers
+    gap = share - quantile * pi_random
     return gap if gap > UNEXPLAINED_RANDOM else None
 
 

@@ -170,7 +170,7 @@ def judge_calibration(results: Sequence[ShardResult], spec: JobSpec, calibration
     from pairclean.judge import posterior
 
     n = spec.calibration_pairs
-    sims = np.concatenate([np.zeros(0, np.float32)] + [r.similarity[r.ok_mask] for r in results])[:n]
+    sims = calibration_similarities(results, n)
     llr = calibration_ratios(results, n)
     scored = sims if contrast is None else np.concatenate(
         [np.zeros(0, np.float32)] + [contrast.adjust(r.similarity, r.image_emb, r.text_emb)[r.ok_mask] for r in results])[:n]
@@ -180,6 +180,13 @@ def judge_calibration(results: Sequence[ShardResult], spec: JobSpec, calibration
     band = posterior.FULL_BAND if spec.judge == "all" else posterior.choose_band(
         sims, judged_p_clean(llr, osa_p, doc), osa_p, float(spec.judge_budget or 0.0))
     return {**doc, "band": [_finite(band[0]), _finite(band[1])]}
+
+
+def calibration_similarities(results: Sequence[ShardResult], n: int) -> NDArray[np.float32]:
+    """The similarities (at most n,) of the first ``n`` ok pairs of the calibration phase's
+    shards, in shard order (the pairs ``calibration_ratios`` are of)."""
+    out: NDArray[np.float32] = np.concatenate([np.zeros(0, np.float32)] + [r.similarity[r.ok_mask] for r in results])[:n]
+    return out
 
 
 def calibration_ratios(results: Sequence[ShardResult], n: int) -> NDArray[np.float32]:
@@ -440,8 +447,7 @@ class ShardWork:
                 lambda: fit_calibration(held, self.spec, self.random_beta, dim)[0])
             # before the calibration is frozen: a rescore refits the near-miss prior on these
             n = self.spec.calibration_pairs
-            sims = np.concatenate([np.zeros(0, np.float32)] + [r.similarity[r.ok_mask] for r in held])[:n]
-            ratios = calibration_ratios(held, n)
+            sims, ratios = calibration_similarities(held, n), calibration_ratios(held, n)
             if len(ratios) == len(sims):  # else a shard judged nothing: rescore reads the tables, as before
                 self.out.write_judge_ratios(sims, ratios)
         written = [

@@ -411,7 +411,8 @@ def _why(view: JobOverview) -> dict[str, Any]:
         "caption_floor": (cal.extra.get("contrast") or {}).get("caption_floor") if cal else None,
         "random_fit": (cal.extra.get("contrast") or {}).get("random_fit") if cal else None,
         "mixture_noise": mixture_noise(cal.extra if cal else {}),
-        "unexplained_random": unexplained_random(((cal.extra.get("p_clean") or {}).get("fit") or {}) if cal else {}),
+        # as `pairclean inspect`: once an audit recalibrated p_clean, the warning's remedy is applied
+        "unexplained_random": None if meta.get("audit") or not cal else unexplained_random((cal.extra.get("p_clean") or {}).get("fit") or {}),
         "judge": cal.extra.get("judge") if cal else None,
     }
 
