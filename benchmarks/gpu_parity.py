@@ -7,8 +7,9 @@ pairs/s as the command reports it, and per score column the largest and mean abs
 difference from the CPU run, statuses and ``noisy`` flags that differ. Where no CUDA device
 is visible it prints ``{"skipped": "no CUDA device"}`` and exits 0.
 
-What README "On a GPU" reports came from this comparison on an H100 (2,000 Flickr8k dev
-pairs; the GPU runs as ``cuda`` and ``nvjpeg``).
+What README "On a GPU" reports came from this comparison: first on an H100 (2,000 Flickr8k
+dev pairs, as a one-off script), then as this script on an H200 (500 pairs of the hard-noise
+``mix`` set, the judge with its word grounding on every pair).
 
     python benchmarks/gpu_parity.py SHARD [SHARD ...] --work DIR [--extra-args "--judge all"]
 """
