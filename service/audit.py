@@ -32,7 +32,7 @@ from pairclean.job.lifecycle import FAILED, PARTIAL, SUCCEEDED
 from .browse import Browser
 from .metrics import Metrics
 from .settings import ServiceSettings
-from .store import JobRow, JobStore, Principal
+from .store import JobRow, JobStore, LabelTaken, Principal
 
 __all__ = ["EXPORT_COLUMNS", "MAX_LABELS_PER_REQUEST", "REPEAT_EVERY", "Auditor"]
 
@@ -40,6 +40,9 @@ __all__ = ["EXPORT_COLUMNS", "MAX_LABELS_PER_REQUEST", "REPEAT_EVERY", "Auditor"
 REPEAT_EVERY = 10
 MAX_LABELS_PER_REQUEST = 500
 _LOCKS = 64
+#: Times one request is checked and stored before another replica's labels of the same pairs
+#: make it give up (each try loses only where another request stored first).
+_ATTEMPTS = 3
 EXPORT_COLUMNS = ("key", "shard", "label", "who", "labelled_at", "position", "stratum", "inclusion_probability")
 
 
@@ -49,7 +52,8 @@ class Auditor:
     def __init__(self, settings: ServiceSettings, store: JobStore, browser: Browser, metrics: Metrics) -> None:
         self.settings, self.store, self.browser, self.metrics = settings, store, browser, metrics
         # Striped rather than one per job: bounded whatever the number of jobs. Per API
-        # process: replicas sharing one store can still race (the store has no lock of its own).
+        # process; across replicas the store's unique (job, labeller, pair, attempt) index
+        # refuses the second of two labels checked at once (``add``).
         self._locks = [threading.Lock() for _ in range(_LOCKS)]
 
     # -- the queue ----------------------------------------------------------------------------
@@ -122,9 +126,21 @@ class Auditor:
 
         One job's labels are checked and stored under one lock (per API process): checked
         apart, 24 copies of one request sent at once were all stored, and counted as blind
-        repeats that agreed with themselves."""
+        repeats that agreed with themselves. Replicas do not share that lock: each label
+        carries its attempt (how many labels of the pair its labeller held when it was
+        checked), unique in the store, so where another replica stored the same attempt
+        first the request is checked again against what is stored now (a copy of a stored
+        label is then ``already_stored``)."""
         with self._lock_of(job.id):
-            return self._add(job, who, items)
+            for _ in range(_ATTEMPTS - 1):
+                try:
+                    return self._add(job, who, items)
+                except LabelTaken:
+                    continue
+            try:
+                return self._add(job, who, items)
+            except LabelTaken:
+                raise HTTPException(409, "other requests keep storing labels of these pairs; send them again") from None
 
     def _lock_of(self, job_id: str) -> threading.Lock:
         """One of ``_LOCKS`` striped locks, the same for every request on ``job_id``."""
@@ -149,12 +165,12 @@ class Auditor:
                     already += 1
                     continue
                 raise HTTPException(409, f"labels[{i}]: you labelled this pair already; undo that label to change it")
-            rows.append((pos, queue[pos]["key"], item["label"]))
+            rows.append((pos, queue[pos]["key"], item["label"], len(mine)))
             labels = [*labels, {"who": who.name, "position": pos, "label": item["label"]}]
         if self.store.count_labels(job.id) + len(rows) > self.labels_cap(doc):
             raise HTTPException(409, f"this job holds the most labels it may ({self.labels_cap(doc)})")
         self.store.add_labels(job.id, job.owner, who.name, rows)
-        for _, _, label in rows:
+        for _, _, label, _ in rows:
             self.metrics.audit_labels.labels(label=label).inc()
         return {"stored": len(rows), "already_stored": already}
 

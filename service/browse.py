@@ -43,6 +43,7 @@ import pyarrow as pa
 from pairclean import schema
 from pairclean.calibrate.calibration import Calibration
 from pairclean.output.folder import OutputDir, ShardRecord
+from pairclean.output.report import warnings_of
 from pairclean.uris import shard_stem
 
 from .security import UriRefused, check_uri, checked_output, job_roots
@@ -285,6 +286,7 @@ class Browser:
         self.settings = settings
         self._outputs: _Lru[str, _Output] = _Lru(64)
         self._scans: _Lru[tuple[str, str, str], ShardScan] = _Lru(2048)
+        self._warnings: _Lru[tuple[str, str, str], list[str]] = _Lru(1024)
         self._tables: _Lru[tuple[str, str, str], _Table] = _Lru(32, 256 * 2**20, lambda t: t.view.nbytes)
         # keyed by the json field read too: one shard, two tenants' jobs reading two fields of
         # one json member (alice's "caption", bob's "alt") showed alice whichever came first
@@ -304,6 +306,24 @@ class Browser:
             got = _Output(uri, roots)
             self._outputs.put(uri, got)
         return got
+
+    def job_warnings(self, job: JobRow) -> list[str]:
+        """What `pairclean inspect` warns of for the job's output (``report.warnings_of``),
+        read from the metadata of its first committed table (by stem); none before a shard
+        is committed. Cached per table (stem and sha256), so pollers read one footer once."""
+        holder = self.output(job)
+        committed = holder.committed()
+        if not committed:
+            return []
+        record = committed[min(committed)]
+        key = (holder.out.uri, record.stem, record.sha256)
+        got = self._warnings.get(key)
+        if got is None:
+            with holder.lock:
+                meta = holder.out.store.parquet_metadata(record.output) or {}
+            got = warnings_of(json.loads(meta.get(schema.META_KEY, b"{}")))
+            self._warnings.put(key, got)
+        return list(got)
 
     def record(self, job: JobRow, stem: str) -> ShardRecord | None:
         """The committed record of one of the job's shards, by stem; None when the job has

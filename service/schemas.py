@@ -104,6 +104,13 @@ class JobPublic(BaseModel):
     created_at: str
     started_at: str | None
     finished_at: str | None
+    #: What `pairclean inspect` warns of for the output (a junk-heavy corpus whose p_clean may
+    #: count placeholder images or boilerplate captions clean), one line each; only
+    #: ``GET /v1/jobs/{id}`` reads the output for them (None in lists, and where the output
+    #: cannot be read right now).
+    warnings: list[str] | None = Field(default=None, description="what `pairclean inspect` warns of for the output, "
+                                       "one line each ([]: nothing); only GET /v1/jobs/{id} fills it, None elsewhere "
+                                       "or where the output cannot be read")
 
 
 class JobPage(BaseModel):

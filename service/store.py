@@ -89,6 +89,13 @@ class Principal:
     admin: bool = False
 
 
+class LabelTaken(Exception):
+    """Another request stored a label of the same pair, labeller and attempt first."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"job {job_id}: a label of this pair was stored by another request at the same time")
+
+
 class OutputInUse(Exception):
     """Another QUEUED or RUNNING job holds the output location (``owner``: that job's)."""
 
@@ -300,16 +307,22 @@ class JobStore:
         assert got is not None
         return got
 
-    def add_labels(self, job_id: str, tenant: str | None, who: str, items: Sequence[tuple[int, str, str]]) -> int:
-        """Store labels ``(queue position, key, label)`` given by ``who`` on a tenant's job."""
-        if any(label not in AUDIT_LABELS for _, _, label in items):
+    def add_labels(self, job_id: str, tenant: str | None, who: str, items: Sequence[tuple[int, str, str, int]]) -> int:
+        """Store labels ``(queue position, key, label, attempt)`` given by ``who`` on a
+        tenant's job, all or none; ``attempt``: how many labels of that pair ``who`` held when
+        the label was checked. Raises ``LabelTaken`` where another request stored that
+        attempt first (another replica checked the same labels at the same time)."""
+        if any(label not in AUDIT_LABELS for _, _, label, _ in items):
             raise ValueError("label must be one of " + ", ".join(AUDIT_LABELS))
         now = _now()
-        rows = [{"job_id": job_id, "tenant": tenant, "position": pos, "key": key, "label": label, "who": who, "labelled_at": now}
-                for pos, key, label in items]
+        rows = [{"job_id": job_id, "tenant": tenant, "position": pos, "key": key, "label": label, "who": who, "labelled_at": now,
+                 "attempt": attempt} for pos, key, label, attempt in items]
         if rows:
-            with self.engine.begin() as conn:
-                conn.execute(insert(audit_labels), rows)
+            try:
+                with self.engine.begin() as conn:
+                    conn.execute(insert(audit_labels), rows)
+            except IntegrityError as exc:  # the unique (job, who, pair, attempt) index: a concurrent store won
+                raise LabelTaken(job_id) from exc
         return len(rows)
 
     def audit_labels(self, job_id: str, tenant: str | None) -> list[dict[str, Any]]:

@@ -95,7 +95,11 @@ audit_labels = Table(
     Column("label", String(8), CheckConstraint("label IN ('clean', 'noisy', 'unsure')", name="audit_label_value"), nullable=False),
     Column("who", String(100), nullable=False),
     Column("labelled_at", String(32), nullable=False),
+    # which of ``who``'s labels of this pair it is (0 the first, 1 the asked-for blind repeat):
+    # unique below, so one label checked and stored by two replicas at once is stored once
+    Column("attempt", Integer, nullable=False, server_default="0"),
 )
 
 Index("audit_labels_job", audit_labels.c.job_id, audit_labels.c.position)
+Index("audit_labels_attempt", audit_labels.c.job_id, audit_labels.c.who, audit_labels.c.position, audit_labels.c.attempt, unique=True)
 Index("audit_labels_who", audit_labels.c.job_id, audit_labels.c.who, audit_labels.c.id)

@@ -14,7 +14,7 @@ from pairclean.output.folder import OutputDir
 from pairclean.output.tables import read_embeddings
 from pairclean.uris import shard_stem
 
-__all__ = ["Summary", "summarize", "format_summary", "mixture_noise", "expected_noise", "p_clean_sum", "junk_warning"]
+__all__ = ["Summary", "summarize", "format_summary", "mixture_noise", "expected_noise", "p_clean_sum", "junk_warning", "junk_gap", "warnings_of"]
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,7 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
         first=view.slice(0, rows).to_pylist(),
         noisy_rule=str(meta.get("noisy_rule", "similarity <= beta")),
         mixture_noise=mixture_noise(meta),
-        # an audit recalibrates p_clean from labels: the warning's remedy has been applied
-        unexplained_random=None if meta.get("audit") else unexplained_random(((meta.get("p_clean") or {}).get("fit")) or {}),
+        unexplained_random=junk_gap(meta),
         contrast=meta.get("contrast"),
         judge=meta.get("judge"),
         refine=meta.get("refine"),
@@ -139,6 +138,25 @@ def p_clean_sum(status: Any, p_clean: Any) -> tuple[float, int]:
     p = np.asarray(p_clean, dtype=np.float64)[schema.ok_mask(status)]
     p = p[np.isfinite(p)]
     return float(p.sum()), int(p.size)
+
+
+def junk_gap(meta: dict[str, Any]) -> float | None:
+    """``p_clean.unexplained_random`` of a table's metadata ``meta`` (its ``p_clean`` fit), or
+    None: also once an audit has recalibrated ``p_clean`` from labels (``meta["audit"]``),
+    which is the remedy the warning points at."""
+    if meta.get("audit"):
+        return None
+    p_clean = meta.get("p_clean")
+    fit = p_clean.get("fit") if isinstance(p_clean, dict) else None
+    return unexplained_random(fit if isinstance(fit, dict) else {})
+
+
+def warnings_of(meta: dict[str, Any]) -> list[str]:
+    """The warnings that `pairclean score`'s closing note, `pairclean inspect`, the job page
+    and the REST job (``GET /v1/jobs/{id}``) carry for tables with metadata ``meta``: today
+    at most one, ``junk_warning``."""
+    gap = junk_gap(meta)
+    return [] if gap is None else [junk_warning(gap)]
 
 
 def junk_warning(gap: float) -> str:

@@ -4,6 +4,7 @@ a job is visible to its owner and to admins only)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 import threading
@@ -11,7 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, Header, HTTPException, Query, Response
+from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 from sqlalchemy.exc import IntegrityError
 
 from pairclean import schema
@@ -28,6 +29,7 @@ from ..schemas import (
 
 __all__ = ["router", "read_log", "LOG_PAGE_BYTES"]
 
+_log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
 
 #: Held while a submission or retry counts the caller's queue share and inserts its job.
@@ -85,8 +87,19 @@ def list_jobs(who: Caller, store: Store, limit: Annotated[int, Query(ge=1, le=50
 
 
 @router.get("/jobs/{job_id}", response_model=JobPublic)
-def get_job(job_id: JobId, who: Caller, store: Store) -> JobPublic:
-    return public_job(job_or_404(store, job_id, who))
+def get_job(job_id: JobId, who: Caller, store: Store, request: Request) -> JobPublic:
+    job = job_or_404(store, job_id, who)
+    return public_job(job).model_copy(update={"warnings": _warnings(request, job)})
+
+
+def _warnings(request: Request, job: JobRow) -> list[str] | None:
+    """The job output's warnings (``Browser.job_warnings``), or None where the output cannot
+    be read right now: the job itself is still answered (its store row is the record)."""
+    try:
+        return list(request.app.state.browser.job_warnings(job))
+    except Exception as exc:  # noqa: BLE001 - any storage or policy failure: no warnings read, the job still answered
+        _log.info("job %s: warnings not read (%s)", job.id, type(exc).__name__)
+        return None
 
 
 @router.get("/jobs/{job_id}/shards", response_model=ShardPage)

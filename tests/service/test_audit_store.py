@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pairclean_service.store import JobStore
+from pairclean_service.store import JobStore, LabelTaken
 from pairclean_service.tables import audit_labels
 from sqlalchemy import create_engine, insert
 from sqlalchemy.exc import IntegrityError
@@ -46,8 +46,8 @@ def test_queue_labels_undo_and_tenancy(url: str) -> None:
     # a second freeze (another replica, a race) keeps the first queue
     assert store.put_audit_queue(job.id, "team-a", 5, 9, {"design": {}, "queue": []})["design"] == design
 
-    assert store.add_labels(job.id, "team-a", "alice", [(0, "k0", "clean"), (1, "k1", "unsure")]) == 2
-    store.add_labels(job.id, "team-a", "bob", [(0, "k0", "noisy")])
+    assert store.add_labels(job.id, "team-a", "alice", [(0, "k0", "clean", 0), (1, "k1", "unsure", 0)]) == 2
+    store.add_labels(job.id, "team-a", "bob", [(0, "k0", "noisy", 0)])
     rows = store.audit_labels(job.id, "team-a")
     assert [(r["position"], r["label"], r["who"]) for r in rows] == [(0, "clean", "alice"), (1, "unsure", "alice"), (0, "noisy", "bob")]
     assert store.audit_labels(job.id, "team-b") == []  # labels are per tenant
@@ -57,7 +57,7 @@ def test_queue_labels_undo_and_tenancy(url: str) -> None:
     assert [r["who"] for r in store.audit_labels(job.id, "team-a")] == ["alice", "bob"]
     assert store.undo_label(job.id, "carol") is None
     with pytest.raises(ValueError):
-        store.add_labels(job.id, "team-a", "alice", [(0, "k0", "maybe")])
+        store.add_labels(job.id, "team-a", "alice", [(0, "k0", "maybe", 0)])
 
 
 def test_the_label_is_an_enum_in_the_database_itself(url: str) -> None:
@@ -66,3 +66,55 @@ def test_the_label_is_an_enum_in_the_database_itself(url: str) -> None:
     with pytest.raises(IntegrityError), store.engine.begin() as conn:
         conn.execute(insert(audit_labels).values(job_id=job.id, tenant="team-a", position=0, key="k", label="maybe",
                                                  who="alice", labelled_at="2026-01-01T00:00:00+00:00"))
+
+
+def test_one_attempt_of_a_pair_by_one_labeller_is_stored_once(url: str) -> None:
+    """Two replicas that both checked a double-clicked label each store it as attempt 0: the
+    database keeps the first and refuses the whole second request."""
+    store = JobStore(url)
+    job, _ = store.create({"shards": ["/d/a.tar"], "output": "/d/o"}, "team-a", None, 1)
+    store.put_audit_queue(job.id, "team-a", 0, 2, {"design": {}, "queue": [{"key": "k0"}, {"key": "k1"}]})
+    assert store.add_labels(job.id, "team-a", "alice", [(0, "k0", "clean", 0)]) == 1
+    with pytest.raises(LabelTaken):
+        store.add_labels(job.id, "team-a", "alice", [(1, "k1", "noisy", 0), (0, "k0", "clean", 0)])
+    assert [(r["position"], r["label"]) for r in store.audit_labels(job.id, "team-a")] == [(0, "clean")]  # all or none
+    store.add_labels(job.id, "team-a", "alice", [(0, "k0", "clean", 1)])  # the blind repeat is its own attempt
+    store.add_labels(job.id, "team-a", "bob", [(0, "k0", "noisy", 0)])  # another labeller's first
+    assert store.count_labels(job.id) == 3
+    store.undo_label(job.id, "alice")
+    store.add_labels(job.id, "team-a", "alice", [(0, "k0", "noisy", 1)])  # an undone attempt can be made again
+    assert store.count_labels(job.id) == 3
+
+
+def test_two_replicas_checking_one_label_at_once_store_it_once(tmp_path: Path) -> None:
+    """Two API processes (two Auditors, each with its own lock) on one store: both read the
+    labels before either stores (a barrier in the store's read), as on two replicas."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pairclean_service.audit import Auditor
+    from pairclean_service.metrics import Metrics
+    from pairclean_service.settings import ServiceSettings
+    from pairclean_service.store import Principal
+
+    store = JobStore(f"sqlite:///{tmp_path / 'jobs.db'}")
+    job, _ = store.create({"shards": ["/d/a.tar"], "output": "/d/o"}, "team-a", None, 1)
+    store.put_audit_queue(job.id, "team-a", 0, 2, {"design": {"sizes": [2]}, "queue": [{"key": "k0"}, {"key": "k1"}]})
+    barrier, read = threading.Barrier(2, timeout=10), store.audit_labels
+    first_reads = iter([True, True])
+
+    def read_together(job_id: str, tenant: str | None) -> list:
+        got = read(job_id, tenant)
+        if next(first_reads, False):  # each replica's first check waits for the other's
+            barrier.wait()
+        return got
+
+    store.audit_labels = read_together  # type: ignore[method-assign]
+    settings = ServiceSettings(database_url=f"sqlite:///{tmp_path / 'jobs.db'}")
+    replicas = [Auditor(settings, store, None, Metrics()) for _ in range(2)]  # type: ignore[arg-type]
+    alice = Principal("team-a", admin=False)
+    body = [{"position": 0, "key": "k0", "label": "clean"}]
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(lambda a: a.add(store.get(job.id), alice, body), replicas))
+    assert sorted((r["stored"], r["already_stored"]) for r in replies) == [(0, 1), (1, 0)]
+    assert [(r["position"], r["label"]) for r in read(job.id, "team-a")] == [(0, "clean")]

@@ -139,3 +139,25 @@ def test_no_sql_in_the_service_is_built_from_strings() -> None:
             if name in raw_sql_calls and (built or (name != "execute" and not isinstance(first, ast.Constant))):
                 offenders.append(f"{path.relative_to(service.parent)}:{node.lineno}")
     assert offenders == []
+
+
+def test_labels_stored_before_0007_are_numbered_by_attempt(tmp_path: Path) -> None:
+    """A database at 0006 whose labeller labelled one pair twice (a blind repeat, or a race
+    of two replicas) upgrades: the labels are kept, numbered 0 and 1 in the order stored."""
+    from sqlalchemy import select, text
+
+    from pairclean_service.tables import audit_labels
+
+    store = JobStore(f"sqlite:///{tmp_path / 'j.db'}")
+    job, _ = store.create({"shards": ["/d/a.tar"], "output": "/d/o"}, "team-a", None, 1)
+    with store.engine.begin() as conn:
+        command.downgrade(migrations.config(conn), "0006")
+    with store.engine.begin() as conn:
+        for who, pos in (("alice", 0), ("alice", 0), ("bob", 0), ("alice", 1), ("alice", 0)):
+            conn.execute(text("INSERT INTO audit_labels (job_id, tenant, position, key, label, who, labelled_at) "
+                              "VALUES (:j, 'team-a', :p, 'k', 'clean', :w, '2026-01-01T00:00:00+00:00')"),
+                         {"j": job.id, "p": pos, "w": who})
+    assert store.migrate() == migrations.head() and _diffs(store.engine) == []
+    with store.engine.connect() as conn:
+        rows = conn.execute(select(audit_labels.c.who, audit_labels.c.position, audit_labels.c.attempt).order_by(audit_labels.c.id)).all()
+    assert [tuple(r) for r in rows] == [("alice", 0, 0), ("alice", 0, 1), ("bob", 0, 0), ("alice", 1, 0), ("alice", 0, 2)]

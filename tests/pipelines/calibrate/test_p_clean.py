@@ -163,3 +163,14 @@ def test_random_level_pairs_the_random_part_leaves_out_are_reported() -> None:
     gap = pc.unexplained_random(fit)
     assert note is not None and gap is not None and note.endswith(junk_warning(gap)) and "WARNING: 28% of the calibration" in note
     assert "WARNING" not in (_p_clean_note(SimpleNamespace(extra={"p_clean": {"fit": {**fit, "pi_random": 0.45}}}), "OUT") or "")
+
+
+def test_warnings_of_a_table_name_unexplained_random_pairs_until_an_audit() -> None:
+    from pairclean.output.report import junk_gap, junk_warning, warnings_of
+
+    fit = {"pi_random": 0.1, "random_level": {"threshold": 0.1, "quantile": 0.75, "share": 0.5}}
+    meta = {"p_clean": {"fit": fit}}
+    assert junk_gap(meta) == pytest.approx(0.425) and warnings_of(meta) == [junk_warning(0.425)]
+    assert warnings_of({**meta, "audit": {"labels": 200}}) == []  # the remedy was applied
+    assert warnings_of({"p_clean": {"fit": {**fit, "random_level": {**fit["random_level"], "share": 0.15}}}}) == []  # explained
+    assert warnings_of({}) == [] and warnings_of({"p_clean": "damaged"}) == [] and warnings_of({"p_clean": {"fit": 3}}) == []
