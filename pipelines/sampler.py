@@ -67,7 +67,7 @@ class WeightStore:
     """
 
     def __init__(self, output_dir: str | os.PathLike[str], max_cached_shards: int = 64) -> None:
-        self.root = Path(_local_folder(os.fspath(output_dir)))
+        self.root = Path(_output_folder(os.fspath(output_dir)))
         if not self.root.is_dir():
             raise FileNotFoundError(f"pairclean output folder not found: {self.root}")
         if not Path(local_side_path(self.root, JOB_FILE)).is_file():
@@ -186,7 +186,7 @@ class WeightStore:
         return state
 
 
-def _local_folder(uri: str) -> str:
+def _output_folder(uri: str) -> str:
     """A local folder from a path or ``file://`` URI; one-line ``InputError`` for a URI of
     another scheme (``file:///x`` was taken as the relative path ``file:/x``: "not found").
     Anything without ``://`` is a path as given (``weights:v2`` is a folder name)."""

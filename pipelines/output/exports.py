@@ -126,7 +126,7 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
         report.kept += int(clean.sum())
         # Checked as the trainer's WeightStage checks them: NaN would make the JSON invalid.
         sums[name] = float(schema.checked_weights(table.column(schema.COL_WEIGHT), out.store.url(record.output))[~twice].sum())
-        folder = _local_folder(record.shard)
+        folder = _shard_folder(record.shard)
         if folder is not None and folder not in shard_folders:
             shard_folders.append(folder)
         remote_shards += folder is None
@@ -314,7 +314,7 @@ def write_exports(out: OutputDir, **options: object) -> dict[str, str]:
     return export(out, **options).written  # type: ignore[arg-type]
 
 
-def _local_folder(uri: str) -> str | None:
+def _shard_folder(uri: str) -> str | None:
     """The folder of a local shard (plain path or file://); None for remote ones."""
     try:
         if scheme_of(uri) not in LOCAL_SCHEMES:
