@@ -32,7 +32,11 @@ wrong caption of one kind:
   Flickr8k's expert ratings were built): every image three times, with its own caption,
   with the nearest-image caption and with the nearest-text caption, in shuffled order, so
   images and captions repeat and two thirds of the pairs are near-misses (``--rates`` does
-  not apply; its rows say 67%).
+  not apply; its rows say 67%);
+- ``all-captions``: no noise at all: every image with each of its five human captions, in
+  shuffled order, so images repeat as in COCO- or Flickr-style sets; what such a clean
+  corpus loses (its flag rate, 1 - clean accuracy, and mean ``p_clean``; AUCs are NaN; 5,000
+  pairs; its rows say 0%).
 
 Each (kind, rate) becomes WebDataset shards scored by the real CLI (``pairclean score
 --executor local``; ``--judge MODE`` is passed through when the CLI has that option: the
@@ -83,7 +87,7 @@ from _embed_dev import embed_dev
 from pairclean.calibrate.calibration import cache_dir as _default_cache
 
 KINDS = ("random", "near-image", "near-text", "edit", "mix", "retrieved", "near-image-unseen", "edit-unseen", "boilerplate",
-         "placeholder")
+         "placeholder", "all-captions")
 #: A noisy pair whose p_clean is above this is called clean with confidence (a confident wrong answer).
 CONFIDENT = 0.9
 PER_SHARD = 250
@@ -242,6 +246,16 @@ def make_pairing(kind: str, rate: float, images: list[Any], emb: dict[str, np.nd
     return out, noisy, labels
 
 
+def make_all_captions(images: list[Any], seed: int) -> tuple[list[str], np.ndarray, list[str], np.ndarray]:
+    """The ``all-captions`` corpus: (captions, noisy flags, kinds, image index) of every image
+    with each of its own captions (5 x N pairs, none noisy) in shuffled order: a clean corpus
+    whose images repeat, as COCO- or Flickr-style sets with several captions per image are."""
+    pairs = [(i, c) for i, img in enumerate(images) for c in img.captions]
+    order = np.random.default_rng([seed, KINDS.index("all-captions")]).permutation(len(pairs))
+    pairs = [pairs[k] for k in order]
+    return [p[1] for p in pairs], np.zeros(len(pairs), bool), [""] * len(pairs), np.array([p[0] for p in pairs], dtype=np.int64)
+
+
 def make_retrieved(images: list[Any], emb: dict[str, np.ndarray], seed: int) -> tuple[list[str], np.ndarray, list[str], np.ndarray]:
     """The ``retrieved`` corpus: (captions, noisy flags, kinds, image index) of 3 x N pairs in shuffled order."""
     near_img = _nearest(emb["img"])
@@ -291,6 +305,18 @@ def ece(p: np.ndarray, y: np.ndarray, bins: int = 15) -> float:
     return float(sum((idx == b).mean() * abs(p[idx == b].mean() - y[idx == b].mean()) for b in range(bins) if (idx == b).any()))
 
 
+def _auc(clean: np.ndarray, score: np.ndarray) -> float:
+    """ROC-AUC of ``score`` for ``clean`` (positive); NaN where one class is missing (``all-captions``)."""
+    from sklearn.metrics import roc_auc_score
+
+    return float(roc_auc_score(clean, score)) if 0 < clean.mean() < 1 else float("nan")
+
+
+def _mean(values: np.ndarray) -> float:
+    """The mean of ``values``; NaN (no warning) where there are none."""
+    return float(np.mean(values)) if values.size else float("nan")
+
+
 def evaluate(out: Path, labels: dict[str, Any], skip: set[str] | None = None) -> dict[str, Any]:
     """The metrics of one scored folder against its labels (ok rows only, less the keys in ``skip``)."""
     import pandas as pd
@@ -309,16 +335,16 @@ def evaluate(out: Path, labels: dict[str, Any], skip: set[str] | None = None) ->
     cal = frozen.to_json() if frozen is not None else {}
     row = {
         "pairs": int(len(df)),
-        "auc_similarity": roc_auc_score(clean, df["similarity"]),
-        "auc_weight": roc_auc_score(clean, df["weight"]),
-        "auc_p_clean": roc_auc_score(clean, p),
-        "noise_recall": float(flag[truth].mean()),
-        "clean_accuracy": float((~flag)[clean].mean()),
+        "auc_similarity": _auc(clean, df["similarity"].to_numpy()),
+        "auc_weight": _auc(clean, df["weight"].to_numpy()),
+        "auc_p_clean": _auc(clean, p),
+        "noise_recall": _mean(flag[truth]),
+        "clean_accuracy": _mean((~flag)[clean]),
         "ece": ece(p, clean.astype(float)),
         "brier": float(((p - clean) ** 2).mean()),
-        "p_clean_clean": float(p[clean].mean()),
-        "p_clean_noisy": float(p[truth].mean()),
-        "noisy_confident": float((p[truth] > CONFIDENT).mean()),
+        "p_clean_clean": _mean(p[clean]),
+        "p_clean_noisy": _mean(p[truth]),
+        "noisy_confident": _mean(p[truth] > CONFIDENT),
         "max_tie": float(counts.max() / len(p)),
         # the job's noise-rate estimate as `pairclean inspect` and REST jobs report it, and the
         # random-mismatch share it replaced there (a lower bound: near-misses score above it)
@@ -475,10 +501,12 @@ def main() -> None:
           + (f" (copied from runs/{args.rescore_from}, then {_cli()} rescore OUT)" if args.rescore_from else ""), flush=True)
     rows = []
     for kind in args.kinds:
-        for rate in ([2 / 3] if kind == "retrieved" else args.rates):
+        for rate in ({"retrieved": [2 / 3], "all-captions": [0.0]}.get(kind, args.rates)):
             owner = None
             if kind == "retrieved":
                 captions, noisy, labels, owner = make_retrieved(images, emb, args.seed)
+            elif kind == "all-captions":
+                captions, noisy, labels, owner = make_all_captions(images, args.seed)
             else:
                 captions, noisy, labels = make_pairing(kind, rate, images, emb, args.seed)
             name = f"{kind}-{round(rate * 100)}"

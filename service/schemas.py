@@ -106,11 +106,12 @@ class JobPublic(BaseModel):
     finished_at: str | None
     #: What `pairclean inspect` warns of for the output (a junk-heavy corpus whose p_clean may
     #: count placeholder images or boilerplate captions clean), one line each; only
-    #: ``GET /v1/jobs/{id}`` reads the output for them (None in lists, and where the output
-    #: cannot be read right now).
+    #: ``GET /v1/jobs/{id}`` of an ended job reads the output for them (null elsewhere: lists,
+    #: submit, cancel, retry, a job still running, an output that cannot be read right now).
     warnings: list[str] | None = Field(default=None, description="what `pairclean inspect` warns of for the output, "
-                                       "one line each ([]: nothing); only GET /v1/jobs/{id} fills it, None elsewhere "
-                                       "or where the output cannot be read")
+                                       "one line each ([]: nothing); only GET /v1/jobs/{id} of an ended job fills "
+                                       "it: null in lists, submit, cancel and retry replies, while the job runs, and "
+                                       "where the output cannot be read right now")
 
 
 class JobPage(BaseModel):

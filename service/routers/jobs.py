@@ -16,6 +16,7 @@ from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 from sqlalchemy.exc import IntegrityError
 
 from pairclean import schema
+from pairclean.errors import PaircleanError, first_line
 from pairclean.job.lifecycle import FAILED, PARTIAL, QUEUED, RUNNING, TERMINAL, State
 
 from ..dependencies import Caller, JobId, Runner, Settings, Store, Validations, job_or_404, output_key
@@ -93,12 +94,16 @@ def get_job(job_id: JobId, who: Caller, store: Store, request: Request) -> JobPu
 
 
 def _warnings(request: Request, job: JobRow) -> list[str] | None:
-    """The job output's warnings (``Browser.job_warnings``), or None where the output cannot
-    be read right now: the job itself is still answered (its store row is the record)."""
+    """The job output's warnings (``Browser.job_warnings``) once the job has ended; None
+    before (``pairclean wait`` polls every second: a running job's folder is not listed for
+    them) and where the output cannot be read right now (the job is still answered: its
+    store row is the record)."""
+    if job.state not in TERMINAL:
+        return None
     try:
         return list(request.app.state.browser.job_warnings(job))
-    except Exception as exc:  # noqa: BLE001 - any storage or policy failure: no warnings read, the job still answered
-        _log.info("job %s: warnings not read (%s)", job.id, type(exc).__name__)
+    except (OSError, ValueError, PaircleanError) as exc:  # storage, policy (UriRefused), damaged metadata
+        _log.warning("job %s: the output's warnings could not be read: %s", job.id, first_line(exc))
         return None
 
 

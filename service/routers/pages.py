@@ -32,8 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pairclean import schema
 from pairclean.job.lifecycle import TERMINAL, State
-from pairclean.calibrate.p_clean import unexplained_random
-from pairclean.output.report import mixture_noise
+from pairclean.output.report import junk_gap, mixture_noise
 
 from ..browse import GALLERY_MAX, PAGE_SIZE, Browser, JobOverview, RowFilter
 from ..charts import Series, histogram_svg, reliability_svg
@@ -411,8 +410,9 @@ def _why(view: JobOverview) -> dict[str, Any]:
         "caption_floor": (cal.extra.get("contrast") or {}).get("caption_floor") if cal else None,
         "random_fit": (cal.extra.get("contrast") or {}).get("random_fit") if cal else None,
         "mixture_noise": mixture_noise(cal.extra if cal else {}),
-        # as `pairclean inspect`: once an audit recalibrated p_clean, the warning's remedy is applied
-        "unexplained_random": None if meta.get("audit") or not cal else unexplained_random((cal.extra.get("p_clean") or {}).get("fit") or {}),
+        # as `pairclean inspect` and the REST job read it (the first table's metadata): none once
+        # an audit recalibrated p_clean, the warning's remedy
+        "unexplained_random": junk_gap(meta),
         "judge": cal.extra.get("judge") if cal else None,
     }
 

@@ -65,6 +65,20 @@ def test_a_job_carries_the_junk_warning_of_its_output_and_lists_leave_it_out(dem
     assert listed[job]["warnings"] is None  # lists do not read outputs
 
 
-def test_another_tenant_gets_no_warnings_of_a_job_it_cannot_see(demo_service) -> None:
-    r = httpx.get(f"{demo_service.url}/v1/jobs/{demo_service.job_id}", headers={"Authorization": f"Bearer {demo_service.keys['team-b']}"})
-    assert r.status_code == 404 and "warnings" not in r.text
+def test_a_damaged_table_leaves_the_warnings_unread_and_the_job_answered(demo_service, caplog) -> None:
+    """Metadata that is not JSON: the job is still answered (its store row is the record),
+    ``warnings`` is null and the log says why in one line."""
+    import logging
+
+    import pyarrow.parquet as pq
+
+    from pairclean import schema
+
+    job = _finished_unread(demo_service, "damaged")
+    (path,) = sorted((demo_service.root / "damaged" / "out").glob("*.parquet"))
+    table = pq.read_table(path)
+    pq.write_table(table.replace_schema_metadata({schema.META_KEY: b"{not json"}), path)
+    with caplog.at_level(logging.WARNING, logger="pairclean_service.routers.jobs"):
+        r = _get(demo_service, f"/v1/jobs/{job}")
+    assert r.status_code == 200 and r.json()["state"] == "SUCCEEDED" and r.json()["warnings"] is None
+    assert any(f"job {job}: the output's warnings could not be read" in m for m in caplog.messages)

@@ -1,7 +1,9 @@
 """Which of a labeller's labels of one pair a label is (``attempt``: 0 the first, 1 the blind
 repeat the queue asked for, ...), unique per job, labeller and pair: two replicas that both
 check a double-clicked label and store it can no longer both succeed (the database refuses
-the second), where a lock per API process could not see the other replica.
+the second), where a lock per API process could not see the other replica. Upgrade every
+replica together: one of an earlier release stores each label as attempt 0, so its blind
+repeats would be refused (a 500 there).
 
 Revision ID: 0007
 Revises: 0006
