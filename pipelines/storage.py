@@ -18,6 +18,8 @@ from __future__ import annotations
 import builtins
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import io
 import os
@@ -172,6 +174,21 @@ class Store:
         self._check_opened(path, fd)
         return fd
 
+    def _open_file(self, path: str) -> int:
+        """A read-only descriptor of the local regular file ``path`` (checked against the
+        roots); ``OSError`` for anything else. Opened non-blocking and checked before any
+        read: a FIFO planted under a job's table name blocked its reader (and every request
+        waiting on that job) for good; a regular file ignores the flag, which is cleared."""
+        fd = self._open_checked(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", path)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def put(self, name: str, data: bytes) -> WriteInfo:
         """Write ``data`` as ``name``, complete or not at all; replaces an existing object."""
         if self.local:
@@ -214,7 +231,7 @@ class Store:
         """The bytes of ``name``, or None when it does not exist."""
         try:
             if self.local:
-                with os.fdopen(self._open_checked(self.path(name), os.O_RDONLY), "rb") as fh:
+                with os.fdopen(self._open_file(self.path(name)), "rb") as fh:
                     return fh.read()
             return bytes(self.fs.cat_file(self.path(name)))
         except FileNotFoundError:
@@ -236,7 +253,7 @@ class Store:
         """Size of ``name`` in bytes, None when absent."""
         try:
             if self.local:
-                fd = self._open_checked(self.path(name), os.O_RDONLY)
+                fd = self._open_file(self.path(name))
                 try:
                     return os.fstat(fd).st_size
                 finally:
@@ -290,7 +307,7 @@ class Store:
     def open_read(self, name: str) -> Any:
         """A binary file object for ``name`` (random access; for Parquet footers)."""
         if self.local:
-            return os.fdopen(self._open_checked(self.path(name), os.O_RDONLY), "rb")
+            return os.fdopen(self._open_file(self.path(name)), "rb")
         return self.fs.open(self.path(name), "rb")
 
     def read_parquet(self, name: str, columns: builtins.list[str] | None = None) -> pa.Table:

@@ -34,7 +34,7 @@ from .metrics import Metrics
 from .settings import ServiceSettings
 from .store import JobRow, JobStore, LabelTaken, Principal
 
-__all__ = ["EXPORT_COLUMNS", "MAX_LABELS_PER_REQUEST", "REPEAT_EVERY", "Auditor"]
+__all__ = ["EXPORT_COLUMNS", "MAX_LABELS_PER_REQUEST", "REPEAT_EVERY", "Auditor", "next_attempt"]
 
 #: One label in this many is a blind repeat of an earlier one (when there is one to repeat).
 REPEAT_EVERY = 10
@@ -44,6 +44,14 @@ _LOCKS = 64
 #: make it give up (each try loses only where another request stored first).
 _ATTEMPTS = 3
 EXPORT_COLUMNS = ("key", "shard", "label", "who", "labelled_at", "position", "stratum", "inclusion_probability")
+
+
+def next_attempt(mine: list[dict[str, Any]]) -> int:
+    """The attempt of a labeller's next label of a pair, from the labels of that pair it holds
+    (``mine``): one more than the highest, not their count. Undos that raced a blind repeat on
+    another replica can leave a gap (attempt 1 alone): a count would ask for the 1 it holds, be
+    refused every time, and lock the labeller out of that pair."""
+    return max((int(lab.get("attempt", 0)) for lab in mine), default=-1) + 1
 
 
 class Auditor:
@@ -165,8 +173,9 @@ class Auditor:
                     already += 1
                     continue
                 raise HTTPException(409, f"labels[{i}]: you labelled this pair already; undo that label to change it")
-            rows.append((pos, queue[pos]["key"], item["label"], len(mine)))
-            labels = [*labels, {"who": who.name, "position": pos, "label": item["label"]}]
+            attempt = next_attempt(mine)
+            rows.append((pos, queue[pos]["key"], item["label"], attempt))
+            labels = [*labels, {"who": who.name, "position": pos, "label": item["label"], "attempt": attempt}]
         if self.store.count_labels(job.id) + len(rows) > self.labels_cap(doc):
             raise HTTPException(409, f"this job holds the most labels it may ({self.labels_cap(doc)})")
         self.store.add_labels(job.id, job.owner, who.name, rows)

@@ -310,7 +310,9 @@ class Browser:
     def job_warnings(self, job: JobRow) -> list[str]:
         """What `pairclean inspect` warns of for the job's output (``report.warnings_of``),
         read from the metadata of its first committed table (by stem); none before a shard
-        is committed. Cached per table (stem and sha256), so pollers read one footer once."""
+        is committed. Cached per table (stem and sha256): a rewrite of the tables (audit,
+        rescore) records new checksums. ``OSError`` where the committed table's footer cannot
+        be read (never cached as "no warnings": a passing storage error would have stuck)."""
         holder = self.output(job)
         committed = holder.committed()
         if not committed:
@@ -319,8 +321,10 @@ class Browser:
         key = (holder.out.uri, record.stem, record.sha256)
         got = self._warnings.get(key)
         if got is None:
-            with holder.lock:
-                meta = holder.out.store.parquet_metadata(record.output) or {}
+            # not under the job's lock: a slow read of this footer holds up no page of the job
+            meta = holder.out.store.parquet_metadata(record.output)
+            if meta is None:
+                raise OSError(f"{record.output}: the committed table's footer could not be read")
             got = warnings_of(json.loads(meta.get(schema.META_KEY, b"{}")))
             self._warnings.put(key, got)
         return list(got)

@@ -310,13 +310,16 @@ class JobStore:
     def add_labels(self, job_id: str, tenant: str | None, who: str, items: Sequence[tuple[int, str, str, int]]) -> int:
         """Store labels ``(queue position, key, label, attempt)`` given by ``who`` on a
         tenant's job, all or none; ``attempt``: how many labels of that pair ``who`` held when
-        the label was checked. Raises ``LabelTaken`` where another request stored that
-        attempt first (another replica checked the same labels at the same time)."""
+        the label was checked (one more than the highest it held). Raises ``LabelTaken`` where
+        another request stored that attempt first (another replica checked the same labels at
+        the same time)."""
         if any(label not in AUDIT_LABELS for _, _, label, _ in items):
             raise ValueError("label must be one of " + ", ".join(AUDIT_LABELS))
         now = _now()
+        # In one order (pair, attempt): two replicas inserting overlapping labels in opposite
+        # orders deadlocked on PostgreSQL's unique index (a 500) instead of one losing cleanly.
         rows = [{"job_id": job_id, "tenant": tenant, "position": pos, "key": key, "label": label, "who": who, "labelled_at": now,
-                 "attempt": attempt} for pos, key, label, attempt in items]
+                 "attempt": attempt} for pos, key, label, attempt in sorted(items, key=lambda item: (item[0], item[3]))]
         if rows:
             try:
                 with self.engine.begin() as conn:
@@ -329,7 +332,8 @@ class JobStore:
         """Every label of the job (of its tenant), oldest first."""
         same = audit_labels.c.tenant.is_(None) if tenant is None else audit_labels.c.tenant == tenant
         query = (select(audit_labels.c.id, audit_labels.c.position, audit_labels.c.key, audit_labels.c.label, audit_labels.c.who,
-                        audit_labels.c.labelled_at).where(audit_labels.c.job_id == job_id, same).order_by(audit_labels.c.id))
+                        audit_labels.c.labelled_at, audit_labels.c.attempt)
+                 .where(audit_labels.c.job_id == job_id, same).order_by(audit_labels.c.id))
         with self.engine.connect() as conn:
             return [dict(r._mapping) for r in conn.execute(query)]
 

@@ -175,3 +175,29 @@ def test_sha256_file_matches_hashlib(tmp_path: Path) -> None:
     data = os.urandom(3 << 20)  # more than one read block
     (tmp_path / "f").write_bytes(data)
     assert sha256_file(tmp_path / "f") == hashlib.sha256(data).hexdigest()
+
+
+def test_a_fifo_under_a_file_name_is_refused_at_once_not_waited_on(tmp_path: Path) -> None:
+    """A FIFO planted where a table or state file belongs blocked every reader in open()
+    (the REST job's warnings, the pages) until a writer came: now each read refuses it."""
+    store = Store(str(tmp_path / "out"))
+    store.put("a.parquet", parquet_bytes(pa.table({"x": [1]})))
+    os.mkfifo(tmp_path / "out" / "fifo.parquet")
+    results: dict[str, object] = {}
+
+    def read_all() -> None:
+        for name, call in (("get", store.get), ("size", store.size), ("open_read", store.open_read)):
+            try:
+                call("fifo.parquet")
+                results[name] = "read"
+            except OSError as exc:
+                results[name] = str(exc)
+        results["parquet_metadata"] = store.parquet_metadata("fifo.parquet")
+
+    reader = threading.Thread(target=read_all, daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "a read of a FIFO blocked"
+    assert all("not a regular file" in str(results[n]) for n in ("get", "size", "open_read")), results
+    assert results["parquet_metadata"] is None
+    assert store.parquet_metadata("a.parquet") == {} and store.size("a.parquet") > 0  # regular files read as before

@@ -118,3 +118,59 @@ def test_two_replicas_checking_one_label_at_once_store_it_once(tmp_path: Path) -
         replies = list(pool.map(lambda a: a.add(store.get(job.id), alice, body), replicas))
     assert sorted((r["stored"], r["already_stored"]) for r in replies) == [(0, 1), (1, 0)]
     assert [(r["position"], r["label"]) for r in read(job.id, "team-a")] == [(0, "clean")]
+
+
+def test_the_next_attempt_is_one_more_than_the_highest_held_not_the_count() -> None:
+    from pairclean_service.audit import next_attempt
+
+    assert next_attempt([]) == 0
+    assert next_attempt([{"attempt": 0}, {"attempt": 1}]) == 2
+    assert next_attempt([{"attempt": 1}]) == 2  # a gap left by undos that raced a repeat: 1 is taken
+
+
+def test_replicas_storing_one_batch_in_opposite_orders_store_it_once(url: str) -> None:
+    """Two replicas (two Auditors, two engines) check one labeller's 200 first labels at once,
+    sent to each in the opposite order: on PostgreSQL the inserts deadlocked on the unique
+    index (a 500 in about one round in three) before add_labels stored rows in one order."""
+    import threading
+
+    from pairclean_service.audit import Auditor
+    from pairclean_service.metrics import Metrics
+    from pairclean_service.settings import ServiceSettings
+    from pairclean_service.store import Principal
+
+    n = 200
+    for trial in range(3):
+        first = JobStore(url)
+        job, _ = first.create({"shards": ["/d/a.tar"], "output": f"/d/o{trial}"}, "team-a", None, 1)
+        first.put_audit_queue(job.id, "team-a", 0, n, {"design": {"sizes": [n]}, "queue": [{"key": f"k{i}"} for i in range(n)]})
+        stores, barrier = [JobStore(url), JobStore(url)], threading.Barrier(2, timeout=20)
+        for store in stores:
+            read, once = store.audit_labels, iter([True])
+
+            def read_together(job_id: str, tenant: str | None, read=read, once=once) -> list:  # type: ignore[no-untyped-def]
+                got = read(job_id, tenant)
+                if next(once, False):  # each replica's first check waits for the other's
+                    barrier.wait()
+                return got
+
+            store.audit_labels = read_together  # type: ignore[method-assign]
+        replicas = [Auditor(ServiceSettings(database_url=url), s, None, Metrics()) for s in stores]  # type: ignore[arg-type]
+        body = [{"position": i, "key": f"k{i}", "label": "clean"} for i in range(n)]
+        replies: list[object] = []
+
+        def send(i: int) -> None:
+            try:
+                replies.append(replicas[i].add(stores[i].get(job.id), Principal("team-a"), body if i == 0 else body[::-1]))
+            except Exception as exc:  # noqa: BLE001 - what the test reports: a 500's cause
+                replies.append(f"{type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(replies, key=str) == [{"stored": 0, "already_stored": n}, {"stored": n, "already_stored": 0}], (trial, replies)
+        assert first.count_labels(job.id) == n
+        for s in (first, *stores):
+            s.engine.dispose()

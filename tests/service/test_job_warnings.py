@@ -82,3 +82,27 @@ def test_a_damaged_table_leaves_the_warnings_unread_and_the_job_answered(demo_se
         r = _get(demo_service, f"/v1/jobs/{job}")
     assert r.status_code == 200 and r.json()["state"] == "SUCCEEDED" and r.json()["warnings"] is None
     assert any(f"job {job}: the output's warnings could not be read" in m for m in caplog.messages)
+
+
+def test_an_unreadable_table_is_null_at_once_and_never_cached_as_no_warnings(demo_service) -> None:
+    """A FIFO planted in place of the table answered no poll (each held a worker for good);
+    a table missing for a moment was cached as "no warnings" for the process's life."""
+    import os
+    import time
+
+    job = _finished_unread(demo_service, "fifo")
+    out = demo_service.root / "fifo" / "out"
+    (path,) = sorted(out.glob("*.parquet"))
+    _plant_junk_fit(out, share=0.4)
+    kept = path.with_name("kept.bin")
+    path.rename(kept)
+    os.mkfifo(path)
+    started = time.monotonic()
+    r = _get(demo_service, f"/v1/jobs/{job}")
+    assert r.status_code == 200 and r.json()["warnings"] is None and time.monotonic() - started < 30
+    path.unlink()
+    assert _get(demo_service, f"/v1/jobs/{job}").json()["warnings"] is None  # missing: not read, not "nothing"
+    kept.rename(path)
+    from pairclean.output.report import junk_warning
+
+    assert _get(demo_service, f"/v1/jobs/{job}").json()["warnings"] == [junk_warning(0.4)]  # read once it is back
