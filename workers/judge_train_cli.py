@@ -94,7 +94,8 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
     from pairclean.lite.judge_data import build_cache, load_split, with_texts, word_edits
     from pairclean.judge.edits import VOCABULARIES
     from pairclean.judge.runner import JudgeRunner, load_judge, save_judge
-    from pairclean.lite.judge_train import JudgeRecipe, calibrated_report, fine_mixture, fine_rates, fit_platts, train_members
+    from pairclean.lite.judge_train import (JudgeRecipe, calibrated_report, dev_scores, fine_mixture, fine_rates, fit_platts,
+                                            train_members)
     from pairclean.lite.word_train import WordRecipe, fit_word_grounding
 
     if not 1 <= args.train_captions <= 5:
@@ -144,9 +145,10 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
         if words.weight == 0:  # it would add nothing but two passes a caption
             print("word grounding: weight 0 on dev; the judge is saved without it", flush=True)
             words = None
-    platt, platt_fine = fit_platts(model, dev, words)
-    rates = fine_rates(model, dev, platt_fine, words)
-    figures = calibrated_report(model, dev, platt, words=words)
+    scores = dev_scores(model, dev, words)  # one scoring of dev for the maps, the rates and the figures
+    platt, platt_fine = fit_platts(model, dev, words, scores)
+    rates = fine_rates(model, dev, platt_fine, words, scores)
+    figures = calibrated_report(model, dev, platt, words=words, scores=scores)
     for name, row in figures.items():
         print(f"{name:<22} judge AUC {row['judge_auc']:.3f} (cosine {row['cosine_auc']:.3f})  ECE {row['ece']:.3f}  "
               f"Brier {row['brier']:.3f}  p_clean clean {row['p_clean_clean']:.2f} noisy {row['p_clean_noisy']:.2f}", flush=True)

@@ -43,7 +43,8 @@ if TYPE_CHECKING:
     from pairclean.judge.posterior import FineMixture
     from pairclean.judge.words import WordGrounding
 
-__all__ = ["JudgeRecipe", "train_judge", "train_members", "ranking_loss", "dev_pairs", "score_pairs", "evaluate", "fit_platts", "fine_rates", "fine_mixture"]
+__all__ = ["JudgeRecipe", "train_judge", "train_members", "ranking_loss", "dev_pairs", "score_pairs", "evaluate", "fit_platts", "fine_rates", "fine_mixture",
+           "dev_scores", "DevScores"]
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +345,18 @@ def _is_fine(kind: str) -> bool:
     return kind.startswith("edit_")
 
 
-def fit_platts(model: Any, dev: SplitFeatures, words: WordGrounding | None = None) -> tuple[tuple[float, float], tuple[float, float]]:
+DevScores = dict[str, NDArray[np.float32]]
+
+
+def dev_scores(model: Any, dev: SplitFeatures, words: WordGrounding | None = None) -> DevScores:
+    """The judge's logits (with ``words`` added, as the runner adds them) of every kind of
+    ``dev_pairs``: one scoring of dev that ``fit_platts``, ``fine_rates`` and
+    ``calibrated_report`` share (each scored all of it before)."""
+    return {k: score_pairs(model, dev, *v, words=words) for k, v in dev_pairs(dev).items()}
+
+
+def fit_platts(model: Any, dev: SplitFeatures, words: WordGrounding | None = None,
+               scores: DevScores | None = None) -> tuple[tuple[float, float], tuple[float, float]]:
     """The two Platt maps of ``model`` on dev, from one scoring of the dev pairs, classes
     weighted equally: (general: clean pairs against every noise kind pooled; near-miss:
     against the one-word edits only, the map of ``posterior.combined_p_clean``).
@@ -356,7 +368,7 @@ def fit_platts(model: Any, dev: SplitFeatures, words: WordGrounding | None = Non
     edits were calibrated worse (ECE 0.11 / 0.16 at 20 / 50% against 0.06 / 0.06)."""
     from pairclean.judge.posterior import platt_fit
 
-    scores = {k: score_pairs(model, dev, *v, words=words) for k, v in dev_pairs(dev).items()}
+    scores = scores if scores is not None else dev_scores(model, dev, words)
 
     def against(kinds: list[str]) -> tuple[float, float]:
         noise = np.concatenate([scores[k] for k in kinds])
@@ -367,14 +379,16 @@ def fit_platts(model: Any, dev: SplitFeatures, words: WordGrounding | None = Non
     return against(noise_kinds), against([k for k in noise_kinds if _is_fine(k)])
 
 
-def fine_rates(model: Any, dev: SplitFeatures, platt_fine: tuple[float, float], words: WordGrounding | None = None) -> tuple[float, float]:
+def fine_rates(model: Any, dev: SplitFeatures, platt_fine: tuple[float, float], words: WordGrounding | None = None,
+               scores: DevScores | None = None) -> tuple[float, float]:
     """(share of dev clean pairs, share of dev one-word edits) whose ratio under the near-miss
-    map ``platt_fine`` is above 0: what ``posterior.adjusted_count`` corrects a corpus's count by."""
+    map ``platt_fine`` is above 0: what ``posterior.adjusted_count`` corrects a corpus's count by.
+    ``scores``: ``dev_scores`` of the same model and words, when already computed."""
     from pairclean.judge.posterior import llr_of
 
-    pairs = dev_pairs(dev)
-    clean = llr_of(score_pairs(model, dev, *pairs["clean"], words=words), platt_fine)
-    edits = np.concatenate([llr_of(score_pairs(model, dev, *v, words=words), platt_fine) for k, v in pairs.items() if _is_fine(k)])
+    scores = scores if scores is not None else dev_scores(model, dev, words)
+    clean = llr_of(scores["clean"], platt_fine)
+    edits = np.concatenate([llr_of(v, platt_fine) for k, v in scores.items() if _is_fine(k)])
     return float((clean > 0).mean()), float((edits > 0).mean())
 
 
@@ -413,7 +427,7 @@ def fine_mixture(model: Any, dev: SplitFeatures, platt_fine: tuple[float, float]
 
 
 def calibrated_report(model: Any, dev: SplitFeatures, platt: tuple[float, float], rates: tuple[float, ...] = (0.2, 0.5),
-                      seed: int = 0, words: WordGrounding | None = None) -> dict[str, dict[str, float]]:
+                      seed: int = 0, words: WordGrounding | None = None, scores: DevScores | None = None) -> dict[str, dict[str, float]]:
     """Per noise kind and rate, on dev mixes (clean first captions plus that kind's noise at
     ``rate``): AUC of the judge and of the cosine, and the judge's p_clean as the cascade
     computes it (prior estimated from the mix itself): ECE, Brier, mean p_clean of clean
@@ -422,7 +436,8 @@ def calibrated_report(model: Any, dev: SplitFeatures, platt: tuple[float, float]
     from pairclean.judge.posterior import estimate_prior, llr_of, p_clean_of
 
     pairs = dev_pairs(dev)
-    llr = {k: llr_of(score_pairs(model, dev, *v, words=words), platt) for k, v in pairs.items()}
+    scores = scores if scores is not None else dev_scores(model, dev, words)
+    llr = {k: llr_of(scores[k], platt) for k in pairs}
     cos = {k: np.einsum("nd,nd->n", dev.image_emb[v[0]], dev.text_emb[v[1]]) for k, v in pairs.items()}
     rng = np.random.default_rng(seed)
     kinds = [k for k in pairs if k != "clean"]

@@ -76,6 +76,13 @@ def test_a_tiny_judge_trains_and_reports(cached: Path, colours: bool) -> None:
     assert np.isfinite(platt).all() and np.isfinite(platt_fine).all()
     figures = calibrated_report(model, dev, platt)
     assert all(0.0 <= row["ece"] <= 1.0 for row in figures.values())
+    # one scoring of dev shared by the maps, the rates and the figures gives what each computed alone
+    from pairclean.lite.judge_train import dev_scores, fine_rates
+
+    scores = dev_scores(model, dev)
+    assert fit_platts(model, dev, scores=scores) == (platt, platt_fine)
+    assert fine_rates(model, dev, platt_fine, scores=scores) == fine_rates(model, dev, platt_fine)
+    assert calibrated_report(model, dev, platt, scores=scores) == figures
 
 
 def test_a_tiny_word_grounding_is_fitted_beside_the_judge_and_counted_in_its_maps(cached: Path, tmp_path: Path) -> None:
