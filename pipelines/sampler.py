@@ -35,7 +35,8 @@ import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
 from pairclean.errors import InputError, first_line
-from pairclean.schema import FAILED_DIR, IMAGE_EXTS, JOB_FILE, REWRITE_FILE, checked_weights, local_side_path, repeated_keys
+from pairclean.schema import FAILED_DIR, IMAGE_EXTS, JOB_FILE, REWRITE_FILE, checked_weights, local_side_path, repeated_keys, utf8_text
+from pairclean.storage import open_regular
 from pairclean.uris import local_path, shard_stem
 
 __all__ = [
@@ -81,6 +82,7 @@ class WeightStore:
         self.max_cached = max_cached_shards
         self._cache: dict[str, tuple[dict[str, tuple[float, bool]], dict[str, int]]] = {}
         self._warned: set[str] = set()
+        self._warned_keys: set[str] = set()
 
     def _load(self, stem: str) -> tuple[dict[str, tuple[float, bool]], dict[str, int]]:
         if stem in self._cache:
@@ -106,6 +108,19 @@ class WeightStore:
             return f"its scoring failed ({error}); score it again, or leave the shard out of training"
         return "the job scored no shard of that name (another folder's, or renamed since?)"
 
+    def say_unknown_key(self, stem: str, key: str, missing: str) -> None:
+        """Warn once per shard that its table, present, has no row for ``key`` (the sample
+        then follows ``missing``): the shard gained samples since it was scored, or its table
+        lost rows (filtered and saved again). Under ``missing="default"`` such pairs trained
+        at the default weight without a word."""
+        if stem in self._warned_keys:
+            return
+        self._warned_keys.add(stem)  # looked at once per shard, warned or not (a table-less shard has its own warning)
+        if (self.root / f"{stem}.parquet").exists():
+            log.warning("shard %r: key %r (and maybe more) has no row in %s; such samples follow missing=%r: "
+                        "the shard changed since it was scored, or its table lost rows (score it again)",
+                        stem, key, self.root / f"{stem}.parquet", missing)
+
     def _say_missing(self, stem: str) -> None:
         """Warn once per shard that has no table (its samples then follow ``missing``)."""
         if stem not in self._warned:
@@ -123,9 +138,11 @@ class WeightStore:
 
         where = str(path)
         try:
-            names = pq.read_schema(path).names
-            optional = [c for c in ("shard", "status", "image_size") if c in names]
-            table = pq.read_table(path, columns=["key", "weight", "noisy"] + optional)
+            with open_regular(path) as fh:  # a FIFO under the table's name hung the DataLoader worker
+                names = pq.read_schema(fh).names
+                optional = [c for c in ("shard", "status", "image_size") if c in names]
+                fh.seek(0)
+                table = pq.read_table(fh, columns=["key", "weight", "noisy"] + optional)
         except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
             first = first_line(exc)
             raise InputError(f"{where} is not a readable pairclean table with key, weight and noisy ({first})", uri=where) from None
@@ -153,11 +170,14 @@ class WeightStore:
         return rows, sizes
 
     def get(self, url: str, key: str) -> tuple[float, bool] | None:
-        return self._load(shard_stem(url))[0].get(key)
+        """``(weight, noisy)`` of ``key`` in ``url``'s shard, or None. The key as the table
+        holds it (``utf8_text``): webdataset hands a key that is not UTF-8 over with lone
+        surrogates, which ``pairclean score`` wrote escaped; it matched no row before."""
+        return self._load(shard_stem(url))[0].get(utf8_text(key)[0])
 
     def image_size(self, url: str, key: str) -> int | None:
         """The byte size of the image member scored for ``key`` of ``url``'s shard (None: not recorded)."""
-        return self._load(shard_stem(url))[1].get(key)
+        return self._load(shard_stem(url))[1].get(utf8_text(key)[0])
 
     def check_image(self, sample: dict[str, Any], url: str, key: str) -> None:
         """``InputError`` when ``sample``'s undecoded image member (``jpg``, ``png``, ...) has
@@ -314,6 +334,7 @@ class WeightStage:
                 stem = shard_stem(url)
                 why = self.store.why_missing(stem) if not (self.store.root / f"{stem}.parquet").exists() else "the shard's table has no such key"
                 raise KeyError(f"no pairclean weight for key {key!r} of shard {url!r} (stem {stem!r}) in {self.store.root}: {why}")
+            self.store.say_unknown_key(shard_stem(url), key, self.missing)
             if self.missing == "skip":
                 return None
             found = (self.default, False)

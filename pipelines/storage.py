@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 from pairclean.errors import InputError, UnsupportedSchemeError
 from pairclean.uris import LOCAL_WRITE_ROOTS_ENV, check_local_below, check_local_root, raw_scheme
 
-__all__ = ["OUTPUT_SCHEMES", "Store", "WriteInfo", "parquet_bytes", "write_file_atomic", "sha256_file"]
+__all__ = ["OUTPUT_SCHEMES", "Store", "WriteInfo", "parquet_bytes", "write_file_atomic", "sha256_file", "open_regular"]
 
 #: Where outputs may go. HTTP has no portable write; pipe: would run a command.
 OUTPUT_SCHEMES = frozenset({"", "file", "s3", "gs", "gcs"})
@@ -175,19 +175,9 @@ class Store:
         return fd
 
     def _open_file(self, path: str) -> int:
-        """A read-only descriptor of the local regular file ``path`` (checked against the
-        roots); ``OSError`` for anything else. Opened non-blocking and checked before any
-        read: a FIFO planted under a job's table name blocked its reader (and every request
-        waiting on that job) for good; a regular file ignores the flag, which is cleared."""
-        fd = self._open_checked(path, os.O_RDONLY | os.O_NONBLOCK)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.EINVAL, "not a regular file", path)
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        """A read-only descriptor of the local regular file ``path``, checked against the
+        roots (``_regular_only``: ``OSError`` for anything but a regular file)."""
+        return _regular_only(self._open_checked(path, os.O_RDONLY | os.O_NONBLOCK), path)
 
     def put(self, name: str, data: bytes) -> WriteInfo:
         """Write ``data`` as ``name``, complete or not at all; replaces an existing object."""
@@ -335,6 +325,28 @@ class Store:
             if _TEMPORARY.fullmatch(name):
                 removed += self.rm(f"{folder}/{name}" if folder else name)
         return removed
+
+
+def _regular_only(fd: int, path: str) -> int:
+    """``fd`` (opened with ``O_NONBLOCK``) when it is a regular file, the flag cleared; else
+    it is closed and ``OSError`` raised. Checked before any read: a FIFO planted under a
+    table's name blocked its reader (a trainer's DataLoader worker, every REST poll of the
+    job) for good, as ``open()`` without the flag waits for a writer."""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_regular(path: str | os.PathLike[str]) -> Any:
+    """A binary file object reading the local regular file ``path``; ``OSError`` (never a
+    wait) for a FIFO, device or folder there (``_regular_only``)."""
+    where = os.fspath(path)
+    return os.fdopen(_regular_only(os.open(where, os.O_RDONLY | os.O_NONBLOCK), where), "rb")
 
 
 def write_file_atomic(final: str | os.PathLike[str], data: bytes, check_folder: Callable[[str, int], None] | None = None,

@@ -189,6 +189,7 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
         _refuse_kept_beside_shards(copies, shard_folders, report.kept)
     previous = _previous_copies(out)
     for folder in copies:  # every refusal before the first write
+        _refuse_inside_tables(out, folder)
         _check_sizes_target(Path(folder), previous)
     names = [f"{schema.EXPORT_DIR}/{name}" for name in files]
     _refuse_foreign_exports(out, names)
@@ -335,6 +336,19 @@ def _previous_copies(out: OutputDir) -> dict[str, list[str]]:
         return {str(k): [str(d) for d in v] if isinstance(v, list) else [str(v)] for k, v in items}
     except (ValueError, AttributeError, TypeError):
         return {}
+
+
+def _refuse_inside_tables(out: OutputDir, folder: str) -> None:
+    """``InputError`` for a sizes.json copy into the tables' own folder or below it: OUT holds
+    the tables and nothing else, and with a sizes.json in it pyarrow, pandas and polars no
+    longer read OUT as one dataset (each rewrite of the tables wrote it there again)."""
+    if not out.store.local:
+        return
+    tables = os.path.realpath(out.store.path())
+    where = os.path.realpath(folder)
+    if where == tables or where.startswith(tables.rstrip(os.sep) + os.sep):
+        raise InputError(f"--sizes-dir {folder}: inside the output folder {out.uri}, which holds the tables and nothing "
+                         "else (a sizes.json there breaks reading it as one dataset); give another folder, e.g. the shards'")
 
 
 def _check_sizes_target(folder: Path, previous: dict[str, list[str]]) -> None:

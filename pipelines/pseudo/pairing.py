@@ -576,6 +576,24 @@ def _stem_of(url: str) -> str:
     return shard_stem(url)
 
 
+def _read_pseudo(path: Path) -> Any:
+    """One shard's pseudo-pairs (image_key, caption, weight), or a one-line ``InputError``
+    naming the file: a FIFO there is refused before any read (it hung the reader), a file
+    that is not such a table is damaged (pyarrow's own error had a 12-frame traceback)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pairclean.errors import InputError, first_line
+    from pairclean.storage import open_regular
+
+    try:
+        with open_regular(path) as fh:
+            return pq.read_table(fh, columns=["image_key", "caption", "weight"])
+    except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
+        raise InputError(f"{path} is not a readable pseudo-pair table with image_key, caption and weight ({first_line(exc)}); "
+                         "run pairclean pseudo-pair again", uri=str(path)) from None
+
+
 class PseudoCaptions:
     """Pseudo-captions of a job's images: ``get(shard_url, key)`` -> ``(caption, weight)`` or None.
 
@@ -611,24 +629,35 @@ class PseudoCaptions:
     def _load(self, stem: str) -> dict[str, tuple[str, float]]:
         if stem in self._cache:
             return self._cache[stem]
-        import pyarrow.parquet as pq
+        from pairclean import schema
 
         path = self.root / f"{stem}.parquet"
         best: dict[str, tuple[str, float]] = {}
         if path.exists():
-            t = pq.read_table(path, columns=["image_key", "caption", "weight"])
+            t = _read_pseudo(path)
+            weights = schema.checked_weights(t.column("weight"), str(path))
             # Rows are written i2t first, then by rank: keep the first of equal weights.
-            for key, caption, weight in zip(t.column("image_key").to_pylist(), t.column("caption").to_pylist(), t.column("weight").to_pylist()):
-                if caption is not None and (key not in best or weight > best[key][1]):
-                    best[key] = (caption, float(weight))
+            for key, caption, weight in zip(t.column("image_key").to_pylist(), t.column("caption").to_pylist(), weights):
+                if caption is not None and key is not None and (key not in best or weight > best[key][1]):
+                    best[key] = (str(caption), float(weight))
         if len(self._cache) >= self.max_cached:
             self._cache.pop(next(iter(self._cache)))
         self._cache[stem] = best
         return best
 
     def get(self, url: str, key: str) -> tuple[str, float] | None:
-        """The pseudo-caption and weight of image ``key`` of shard ``url``, or None."""
-        return self._load(_stem_of(url)).get(key)
+        """The pseudo-caption and weight of image ``key`` of shard ``url``, or None (the key
+        as the tables hold it, ``schema.utf8_text``, as ``WeightStore.get`` reads it)."""
+        from pairclean import schema
+
+        return self._load(_stem_of(url)).get(schema.utf8_text(key)[0])
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Workers get the configuration, not the parent's cache (as WeightStore): spawned
+        # DataLoader workers each got a copy of every shard the parent had read.
+        state = self.__dict__.copy()
+        state["_cache"] = {}
+        return state
 
     def substitute(self, sample: dict[str, Any], url: str, key: str, weight_key: str = "weight") -> bool:
         """Replace the caption and weight (``sample[weight_key]``) of ``sample`` in place;

@@ -84,6 +84,65 @@ def test_stage_missing_policies(scored) -> None:
     assert list(weight_stage(out, "loss", missing="default", default=0.5)(extra))[0]["weight"] == 0.5
 
 
+def test_a_key_its_table_lacks_is_said_once_per_shard_under_default_and_skip(scored, caplog) -> None:
+    """A shard that gained samples since it was scored (or a table that lost rows) trained
+    the new pairs at the default weight without a word."""
+    import logging
+
+    out, shards = scored
+    extra = [{"__key__": f"new-{i}", "__url__": str(shards[0])} for i in range(3)]
+    with caplog.at_level(logging.WARNING, logger="pairclean.sampler"):
+        assert [s["weight"] for s in weight_stage(out, "loss", missing="default", default=1.0)(extra)] == [1.0] * 3
+    said = [m for m in caplog.messages if "has no row in" in m]
+    assert len(said) == 1 and "'new-0'" in said[0] and "missing='default'" in said[0] and "changed since it was scored" in said[0]
+
+
+def test_a_key_that_is_not_utf8_finds_the_row_score_wrote_for_it(tmp_path: Path, dev_images: list) -> None:
+    """webdataset hands such a key over with lone surrogates ('caf\\udce9'); the table holds it
+    escaped ('caf\\\\xe9'): the pair matched no row (weight 1 under missing='default')."""
+    import pyarrow.parquet as pq
+
+    from pairclean.lite.evaldata import write_shard
+    from pairclean_workers.cli import main
+
+    raw = b"caf\xe9".decode("utf-8", "surrogateescape")
+    shard = write_shard(tmp_path / "s-00000.tar", [{"__key__": raw, "jpg": dev_images[0].path.read_bytes(), "txt": "a dog"},
+                                                   {"__key__": "plain", "jpg": dev_images[1].path.read_bytes(), "txt": "a cat"}])
+    out = tmp_path / "out"
+    assert main(["score", str(shard), "--out", str(out), "--model", "pairclean-tiny-test", "--executor", "local", "--no-progress"]) == 0
+    row = {r["key"]: r for r in pq.read_table(out / "s-00000.parquet").to_pylist()}["caf\\xe9"]
+    got = list(weight_stage(out, "loss")([{"__key__": raw, "__url__": str(shard)}]))
+    assert got[0]["weight"] == pytest.approx(row["weight"])
+
+
+def test_a_fifo_in_place_of_a_table_is_one_line_not_a_hung_worker(scored, tmp_path: Path) -> None:
+    import os
+    import shutil
+    import threading
+
+    from pairclean.errors import InputError
+
+    out, shards = scored
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    shutil.copytree(out.parent / f"{out.name}.pairclean", copy.parent / f"{copy.name}.pairclean")
+    (copy / "sh-00000.parquet").unlink()
+    os.mkfifo(copy / "sh-00000.parquet")
+    caught: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            list(weight_stage(copy, "loss")(_samples(shards)[:1]))
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            caught.append(exc)
+
+    worker = threading.Thread(target=read, daemon=True)
+    worker.start()
+    worker.join(20)
+    assert not worker.is_alive(), "the stage hung on a FIFO"
+    assert len(caught) == 1 and isinstance(caught[0], InputError) and "not a regular file" in str(caught[0])
+
+
 def test_the_stage_takes_only_an_output_folder_and_says_why_a_shard_has_no_table(
         scored, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Round 7: any folder that existed was taken, so with ``missing="default"`` a typo (the
@@ -328,6 +387,12 @@ def test_export_sizes_where_open_clip_looks_and_never_over_foreign_files(scored,
     beside.unlink()
     with pytest.raises(InputError, match="--sizes-dir s3://b/sizes: copies of sizes.json are written to local folders only"):
         export(OutputDir(str(out)), sizes_dirs=["s3://b/sizes"])  # was "cannot write into '/here/s3:/b/sizes'" (round 7)
+    for inside in (out, out / "sub"):  # the tables' own folder: pyarrow, pandas and polars then failed to read OUT
+        inside.mkdir(exist_ok=True)
+        with pytest.raises(InputError, match="inside the output folder"):
+            export(OutputDir(str(out)), sizes_dirs=[str(inside)])
+        assert not (inside / "sizes.json").exists()
+    (out / "sub").rmdir()
 
 
 def test_read_scores_for_notebooks(scored) -> None:

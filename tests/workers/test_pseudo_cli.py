@@ -383,3 +383,53 @@ def test_a_pool_in_the_loopback_s3_store(job, ray_session, s3_endpoint: str, tmp
     assert all(caption == captions[key] for _, key, caption, *_ in s3_rows)  # text read from the S3 shards
     first = pq.read_table(io.BytesIO(on_s3["part-00000.parquet"])).to_pylist()
     assert {r["image_shard"] for r in first} == {s3_shards[0]}
+
+
+def test_damaged_pseudo_tables_are_one_line_and_the_cache_stays_with_the_parent(job, tmp_path: Path) -> None:
+    """Pseudo-pair tables got none of the score tables' checks: NaN or 7.5 weights reached the
+    loss, a file that is not Parquet gave pyarrow's own traceback, a FIFO hung the reader;
+    and each pickled copy (a DataLoader worker) carried the parent's cache."""
+    import os
+    import shutil
+    import threading
+
+    import pyarrow as pa
+
+    from pairclean.errors import InputError
+    from pairclean.pseudo.pairing import PseudoCaptions
+
+    out = tmp_path / "out"
+    shutil.copytree(job[0], out)
+    shutil.copytree(f"{job[0]}{schema.SIDE_SUFFIX}", f"{out}{schema.SIDE_SUFFIX}")
+    assert main(["pseudo-pair", str(out), "--pool", "all"]) == 0
+    tables = sorted(_pseudo(out).glob("*.parquet"))
+    assert tables, "the fixture made no pseudo-pairs"
+    path, stem = tables[0], tables[0].stem
+    good = pq.read_table(path)
+    url = f"/x/{stem}.tar"
+    loaded = PseudoCaptions(out)
+    loaded.get(url, "any")
+    assert loaded._cache and pickle.loads(pickle.dumps(loaded))._cache == {}
+    for weight in (float("nan"), 7.5):
+        pq.write_table(good.set_column(good.schema.get_field_index("weight"), "weight",
+                                       pa.array([weight] * good.num_rows, pa.float32())), path)
+        with pytest.raises(InputError, match=str(path)):
+            PseudoCaptions(out).get(url, "any")
+    path.write_bytes(b"not parquet")
+    with pytest.raises(InputError, match="is not a readable pseudo-pair table") as err:
+        PseudoCaptions(out).get(url, "any")
+    assert "\n" not in str(err.value)
+    path.unlink()
+    os.mkfifo(path)
+    caught: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            PseudoCaptions(out).get(url, "any")
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            caught.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(20)
+    assert not reader.is_alive() and len(caught) == 1 and "not a regular file" in str(caught[0])
