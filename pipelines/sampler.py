@@ -76,17 +76,26 @@ class WeightStore:
             # side folder, an empty one) trained every sample at the default weight, silently.
             raise InputError(f"{self.root} is not a pairclean output folder (no {local_side_path(self.root, JOB_FILE)}): "
                              "give the --out of `pairclean score`", uri=str(self.root))
-        if Path(local_side_path(self.root, REWRITE_FILE)).exists():  # OutputDir.check_tables_whole, without the store
-            raise InputError(f"{self.root}: a pairclean rescore, refine or audit was interrupted while rewriting the tables "
-                             "(some hold its weights, some the earlier ones): run it again before training", uri=str(self.root))
+        self._refuse_interrupted_rewrite()
         self.max_cached = max_cached_shards
         self._cache: dict[str, tuple[dict[str, tuple[float, bool]], dict[str, int]]] = {}
         self._warned: set[str] = set()
         self._warned_keys: set[str] = set()
 
+    def _refuse_interrupted_rewrite(self) -> None:
+        """``InputError`` while a rescore, refine or audit rewrites the tables, or after one
+        was interrupted (``OutputDir.check_tables_whole``, without the store)."""
+        if Path(local_side_path(self.root, REWRITE_FILE)).exists():
+            raise InputError(f"{self.root}: a pairclean rescore, refine or audit is rewriting the tables, or was "
+                             "interrupted while rewriting the tables (some hold its weights, some the earlier ones): let it "
+                             "finish, or run it again, before training", uri=str(self.root))
+
     def _load(self, stem: str) -> tuple[dict[str, tuple[float, bool]], dict[str, int]]:
         if stem in self._cache:
             return self._cache[stem]
+        # Again at each shard's first read, not only when the stage was built: DataLoader
+        # workers copy the stage every epoch, and a rescore may have begun rewriting since.
+        self._refuse_interrupted_rewrite()
         path = self.root / f"{stem}.parquet"
         rows = self._read(path, stem) if path.exists() else ({}, {})
         if not path.exists():
@@ -284,6 +293,7 @@ class WeightStage:
         weight_key: str = WEIGHT_KEY,
         pseudo_key: str = PSEUDO_KEY,
         epoch_source: Any = None,
+        max_cached_shards: int = 64,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -293,7 +303,9 @@ class WeightStage:
             raise ValueError(f"w_cap must be a finite positive number, not {w_cap!r}")
         if not (isinstance(default, (int, float)) and math.isfinite(default) and 0 <= default <= 1):
             raise ValueError(f"default must be a weight in [0, 1], not {default!r}")
-        self.store = WeightStore(output_dir)
+        if not (isinstance(max_cached_shards, int) and max_cached_shards >= 1):
+            raise ValueError(f"max_cached_shards must be a whole number >= 1, not {max_cached_shards!r}")
+        self.store = WeightStore(output_dir, max_cached_shards=max_cached_shards)
         if mode == "pseudo" and pseudo is None:
             from pairclean.pseudo.pairing import PseudoCaptions
 

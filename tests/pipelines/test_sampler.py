@@ -115,6 +115,27 @@ def test_a_key_that_is_not_utf8_finds_the_row_score_wrote_for_it(tmp_path: Path,
     assert got[0]["weight"] == pytest.approx(row["weight"])
 
 
+def test_a_rewrite_begun_after_the_stage_was_built_stops_its_next_shard(scored, tmp_path: Path) -> None:
+    """The refusal ran once, when the stage was built: copies pickled into DataLoader workers
+    for later epochs read a half-rewritten folder."""
+    import pickle
+    import shutil
+
+    from pairclean.errors import InputError
+
+    out, shards = scored
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    shutil.copytree(out.parent / f"{out.name}.pairclean", copy.parent / f"{copy.name}.pairclean")
+    stage = WeightStage(copy, "loss", max_cached_shards=1)
+    assert list(stage(_samples(shards)[:1]))
+    Path(schema.local_side_path(copy, schema.REWRITE_FILE)).write_text("{}")
+    with pytest.raises(InputError, match="interrupted while rewriting the tables"):
+        list(pickle.loads(pickle.dumps(stage))(_samples(shards)[10:11]))  # a worker's copy, another shard
+    with pytest.raises(ValueError, match="max_cached_shards"):
+        WeightStage(out, "loss", max_cached_shards=0)
+
+
 def test_a_fifo_in_place_of_a_table_is_one_line_not_a_hung_worker(scored, tmp_path: Path) -> None:
     import os
     import shutil
