@@ -128,7 +128,9 @@ class Store:
 
     # -- names ------------------------------------------------------------------------------
     def _where(self, name: str) -> tuple[str, str]:
-        """(root, name inside it) of the logical ``name``: the side folder for side names."""
+        """(root, name inside it) of the logical ``name``: the side folder for side names.
+        ``InputError`` for a name that would leave the folder (``_inside``)."""
+        _inside(name, self.uri)
         if self.side_root is not None and name:
             from .schema import side_name
 
@@ -218,14 +220,21 @@ class Store:
 
     # -- reading ----------------------------------------------------------------------------
     def get(self, name: str) -> bytes | None:
-        """The bytes of ``name``, or None when it does not exist."""
+        """The bytes of ``name``, or None when it does not exist; ``InputError`` past
+        ``MAX_GET_BYTES`` (a job's own files are at most a few MiB: a 3 GiB sparse job.json
+        cost 4 GB of memory and 14 s before its error)."""
         try:
             if self.local:
                 with os.fdopen(self._open_file(self.path(name)), "rb") as fh:
-                    return fh.read()
-            return bytes(self.fs.cat_file(self.path(name)))
+                    data = fh.read(MAX_GET_BYTES + 1)
+            else:
+                data = bytes(self.fs.cat_file(self.path(name), start=0, end=MAX_GET_BYTES + 1))
         except FileNotFoundError:
             return None
+        if len(data) > MAX_GET_BYTES:
+            raise InputError(f"{self.url(name)} is over {MAX_GET_BYTES >> 20} MiB, which none of the job's own files is: "
+                             "damaged or not pairclean's", uri=self.url(name))
+        return data
 
     def exists(self, name: str) -> bool:
         """Whether the object ``name`` exists."""
@@ -325,6 +334,23 @@ class Store:
             if _TEMPORARY.fullmatch(name):
                 removed += self.rm(f"{folder}/{name}" if folder else name)
         return removed
+
+
+#: The most ``Store.get`` reads: a job's own files (state JSON, the contrast bank of at most
+#: 8 MiB, the judge's calibration ratios) are far smaller.
+MAX_GET_BYTES = 64 * 2**20
+
+
+def _inside(name: str, uri: str) -> None:
+    """``InputError`` unless ``name`` stays inside the folder: no absolute name, no ``..``
+    part. Names come from pairclean itself and from its state files (the manifest's
+    ``output``, ``exports.json``'s ``written``), which a damaged or hostile folder can hold:
+    ``../../x`` there had ``score --overwrite`` delete, and ``rescore`` rewrite, files
+    outside the job's folders."""
+    parts = name.replace("\\", "/").split("/")
+    if name.startswith(("/", "\\")) or ".." in parts:
+        raise InputError(f"{uri}: the name {name!r} (read from the job's own files) leaves the folder; the folder's state "
+                         "is damaged or was tampered with: nothing outside it is touched", uri=uri)
 
 
 def _regular_only(fd: int, path: str) -> int:

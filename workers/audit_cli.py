@@ -87,6 +87,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         raise InputError("--threshold is a p_clean value in [0, 1]")
     target = _target(args.target)
     design = run.read_design(out)
+    run.check_design_current(out, design)
     labels = run.read_labels(args.labels, storage)
     report = run.audit_report(design, labels, args.threshold, target)
     if report["status"] == "ok" and "recalibration" in report and not args.no_apply:

@@ -41,6 +41,7 @@ from .design import EDGES, draw_design
 
 __all__ = [
     "AUDIT_DIR",
+    "check_design_current",
     "COL_P_CLEAN_MODEL",
     "DESIGN_FILE",
     "EDGES",
@@ -174,12 +175,47 @@ def make_queue(out: OutputDir, n: int, seed: int, resample: bool = False) -> lis
 
 
 def read_design(out: OutputDir) -> dict[str, Any]:
-    """The saved design and queue; ``InputError`` when the job has none."""
+    """The saved design and queue; ``InputError`` when the job has none, or when the file is
+    not such a document (an empty, truncated or foreign design.json gave a JSONDecodeError,
+    TypeError or KeyError traceback)."""
     data = out.store.get(DESIGN_FILE)
     if data is None:
         raise InputError(f"{out.uri} has no audit sample yet: run `pairclean audit {out.uri} --sample N --out queue.csv`, "
                          "label the pairs, then pass the file with --labels", uri=out.uri)
-    return json.loads(data)  # type: ignore[no-any-return]
+    where = out.store.url(DESIGN_FILE)
+    try:
+        doc = json.loads(data)
+        queue, design = doc["queue"], doc["design"]
+        ok = isinstance(design, dict) and isinstance(queue, list) and all(
+            isinstance(q, dict) and {"key", "shard", "stem", "p_clean", "stratum"} <= set(q) for q in queue)
+    except (ValueError, TypeError, KeyError):
+        ok = False
+    if not ok:
+        raise InputError(f"{where} is not an audit sample pairclean wrote (damaged?): draw it again with "
+                         f"`pairclean audit {out.uri} --sample N --resample --out queue.csv`", uri=where)
+    return doc  # type: ignore[no-any-return]
+
+
+def check_design_current(out: OutputDir, doc: dict[str, Any]) -> None:
+    """``InputError`` where the queued pairs' model ``p_clean`` in today's tables is not what
+    the sample was drawn from: a ``rescore`` or ``refine`` since rewrote it, and a map fitted
+    on the queue's values would be applied to other ones (it was, silently: 0.036 in the
+    queue, 0.398 in the refined table). Reads only the tables of the queue's shards. An
+    audit's own recalibration keeps the model's value (``p_clean_model``), so it passes."""
+    queue = doc["queue"]
+    committed = out.committed()
+    records = [committed[s] for s in sorted({str(q["stem"]) for q in queue}) if s in committed]
+    if not records:
+        return
+    pop = population(out, records=records)
+    now = {(stem, key): p for stem, key, p in zip(pop.stems, pop.keys, pop.p_model)}
+    for q in queue:
+        p = now.get((str(q["stem"]), str(q["key"])))
+        if p is not None and abs(float(p) - float(q["p_clean"])) > 1e-5:
+            raise InputError(
+                f"{out.uri}: the audit sample was drawn from tables rewritten since (pair {q['key']!r}: p_clean "
+                f"{float(q['p_clean']):.3f} when drawn, {float(p):.3f} now; a rescore or refine?): draw it again with "
+                f"`pairclean audit {out.uri} --sample N --resample --out queue.csv` (labels count by key)", uri=out.uri)
 
 
 def queue_csv(queue: list[dict[str, Any]]) -> bytes:
@@ -263,7 +299,12 @@ def read_labels(path: str, storage_options: dict[str, Any] | None = None) -> lis
         import pyarrow.parquet as pq
 
         try:
-            table = pq.read_table(io.BytesIO(data))
+            # rows counted from the footer before any is decoded: 317 kB of Parquet held 50M
+            # rows and took 1.7 GB before the row limit below was reached
+            parquet = pq.ParquetFile(io.BytesIO(data))
+            if parquet.metadata.num_rows > MAX_LABEL_ROWS:
+                raise InputError(f"--labels {path} has more than {MAX_LABEL_ROWS:,} rows")
+            table = parquet.read()
         except (pa.ArrowInvalid, OSError) as exc:
             raise InputError(f"--labels {path} is not a readable Parquet file") from exc
         rows: list[dict[str, Any]] = table.slice(0, MAX_LABEL_ROWS + 1).to_pylist()

@@ -30,8 +30,9 @@ import pyarrow as pa
 from numpy.typing import NDArray
 
 from pairclean import schema
-from pairclean.errors import InputError
+from pairclean.errors import InputError, first_line
 from pairclean.output.folder import OutputDir
+from pairclean.storage import open_regular
 from pairclean.uris import LOCAL_SCHEMES, LOCAL_WRITE_ROOTS_ENV, check_local_root, local_path, scheme_of, shard_stem
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,11 @@ def export(
 
 
 def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], sizes_beside_shards: bool,
-                   skip_bad_uids: bool) -> ExportReport:
+                   skip_bad_uids: bool, refresh: bool = False) -> ExportReport:
+    """The export (``export``'s contract). ``refresh``: the options come from the job's own
+    record (``refresh_exports``), not from a command line: copies outside the job are then
+    only replaced where one is there, never made anew (a record naming another folder makes
+    no file in it)."""
     report = ExportReport()
     sizes: dict[str, int] = {}
     sums: dict[str, float] = {}
@@ -188,6 +193,11 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
     if sizes_of == "kept":
         _refuse_kept_beside_shards(copies, shard_folders, report.kept)
     previous = _previous_copies(out)
+    if refresh:
+        gone = [f for f in copies if not (Path(f) / "sizes.json").exists()]
+        report.notes += [f"{f}/sizes.json is not written again: it is not there any more (run pairclean export with "
+                         "the folder to make it)" for f in gone]
+        copies = [f for f in copies if f not in gone]
     for folder in copies:  # every refusal before the first write
         _refuse_inside_tables(out, folder)
         _check_sizes_target(Path(folder), previous)
@@ -300,7 +310,7 @@ def refresh_exports(out: OutputDir) -> tuple[ExportReport | None, str | None]:
         return None, None
     try:
         report = _export_locked(out, str(options.get("sizes_of", "all")), [str(d) for d in options.get("sizes_dirs", [])],
-                                bool(options.get("sizes_beside_shards")), bool(options.get("skip_bad_uids")))
+                                bool(options.get("sizes_beside_shards")), bool(options.get("skip_bad_uids")), refresh=True)
     except Exception as exc:  # noqa: BLE001 - the tables are rewritten already; a failed refresh must not fail the verb
         why = str(exc) if isinstance(exc, InputError) else f"{type(exc).__name__}: {exc}"
         log.warning("the exports of %s still hold the earlier weights: %s; run `pairclean export %s` once that is settled",
@@ -338,6 +348,10 @@ def _previous_copies(out: OutputDir) -> dict[str, list[str]]:
         return {}
 
 
+#: Read at most this much of a sizes.json found where a copy goes (ours are a few MiB at most).
+MAX_SIZES_BYTES = 64 * 2**20
+
+
 def _refuse_inside_tables(out: OutputDir, folder: str) -> None:
     """``InputError`` for a sizes.json copy into the tables' own folder or below it: OUT holds
     the tables and nothing else, and with a sizes.json in it pyarrow, pandas and polars no
@@ -358,8 +372,13 @@ def _check_sizes_target(folder: Path, previous: dict[str, list[str]]) -> None:
     if not folder.is_dir():
         raise InputError(f"cannot write sizes.json into {str(folder)!r}: not a local folder")
     target = folder / "sizes.json"
-    if target.exists():
-        digest = hashlib.sha256(target.read_bytes()).hexdigest()
+    if target.exists() or target.is_symlink():
+        try:  # a regular file only: a FIFO there hung the export, holding the job's lock
+            with open_regular(target) as fh:
+                digest = hashlib.sha256(fh.read(MAX_SIZES_BYTES + 1)).hexdigest()
+        except OSError as exc:
+            raise InputError(f"{str(target)!r} exists and cannot be read as a file ({first_line(exc)}): not replaced "
+                             "(move it away)") from None
         if digest not in previous.get(str(target), []):
             raise InputError(
                 f"{str(target)!r} exists and pairclean did not write it: not replaced (move it away, "

@@ -201,3 +201,33 @@ def test_a_fifo_under_a_file_name_is_refused_at_once_not_waited_on(tmp_path: Pat
     assert all("not a regular file" in str(results[n]) for n in ("get", "size", "open_read")), results
     assert results["parquet_metadata"] is None
     assert store.parquet_metadata("a.parquet") == {} and store.size("a.parquet") > 0  # regular files read as before
+
+
+def test_names_that_leave_the_folder_are_refused_before_anything_is_touched(tmp_path: Path) -> None:
+    """Names come from pairclean's own state files too (the manifest's output, exports.json's
+    written list): '../../victim/notes.txt' there had score --overwrite delete a file outside."""
+    from pairclean.errors import InputError
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    store = Store(str(tmp_path / "out"))
+    store.put("a..b.parquet", b"x")  # two dots inside a name are a name
+    for name in ("../victim.txt", "sub/../../victim.txt", "/etc/hostname", ".."):
+        for call in (store.rm, store.get, store.exists, lambda n: store.put(n, b"evil")):
+            with pytest.raises(InputError, match="leaves the folder"):
+                call(name)
+    assert victim.read_text() == "mine"
+
+
+def test_get_reads_at_most_max_get_bytes(tmp_path: Path) -> None:
+    """A 3 GiB sparse job.json (no disk used) cost 4 GB of memory and 14 s before its error."""
+    from pairclean.errors import InputError
+    from pairclean.storage import MAX_GET_BYTES
+
+    store = Store(str(tmp_path / "out"))
+    store.put("small.json", b"{}")
+    with open(tmp_path / "out" / "huge.json", "wb") as fh:
+        fh.truncate(MAX_GET_BYTES + 1)
+    with pytest.raises(InputError, match="is over 64 MiB"):
+        store.get("huge.json")
+    assert store.get("small.json") == b"{}"

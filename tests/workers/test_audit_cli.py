@@ -204,3 +204,29 @@ def test_overwrite_drops_the_audit_sample_of_the_tables_it_deletes(job: Path, tm
     capsys.readouterr()
     assert main(["audit", str(job), "--labels", str(labels)]) == 1
     assert "no audit sample yet" in capsys.readouterr().err
+
+
+def test_a_sample_drawn_before_a_refine_is_refused_and_a_damaged_one_is_one_line(job: Path, tmp_path: Path,
+                                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """audit --sample, then a refine, then audit --labels fitted its map on the queue's p_clean
+    and applied it to the refined one, without a word; a damaged design.json was a traceback."""
+    swapped, _ = _demo_truth(str(job))
+    queue = tmp_path / "queue.csv"
+    assert main(["audit", str(job), "--sample", "10", "--out", str(queue)]) == 0
+    labels = _label(queue, tmp_path / "labels.csv", swapped)
+    assert main(["refine", str(job), "--method", "ncr", "--executor", "local"]) == 0  # p_clean rewritten
+    capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in job.glob("*.parquet")}
+    assert main(["audit", str(job), "--labels", str(labels)]) == 1
+    err = capsys.readouterr().err
+    assert "the audit sample was drawn from tables rewritten since" in err and err.count("\n") == 1
+    assert {p.name: p.read_bytes() for p in job.glob("*.parquet")} == before  # nothing applied
+    assert main(["audit", str(job), "--sample", "10", "--resample", "--out", str(tmp_path / "q2.csv")]) == 0
+    assert main(["audit", str(job), "--labels", str(_label(tmp_path / "q2.csv", tmp_path / "l2.csv", swapped))]) == 0
+    design = Path(schema.local_side_path(job, schema.AUDIT_DESIGN_FILE))
+    for damaged in (b"", b"{not json", b"[]", b'{"design": {}, "queue": [{"key": "k"}]}', b"\xff\xfe"):
+        design.write_bytes(damaged)
+        capsys.readouterr()
+        assert main(["audit", str(job), "--labels", str(labels)]) == 1
+        err = capsys.readouterr().err
+        assert "is not an audit sample pairclean wrote" in err and err.count("\n") == 1, (damaged, err)

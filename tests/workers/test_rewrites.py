@@ -161,3 +161,26 @@ def test_exports_follow_every_rewrite_of_the_tables(scored, make_shards, tmp_pat
         assert main(["rescore", str(out), "--beta-recipe", "shuffled", "--weighting", "p-clean"]) == 0
     assert "still hold the earlier weights" in caplog.text and "pairclean export" in caplog.text
     assert (copy_dir / "sizes.json").read_text() == '{"theirs": 1}'
+
+
+def test_a_refresh_replaces_only_copies_that_are_there_and_never_waits_on_a_fifo(scored, tmp_path: Path,
+                                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The options a refresh reads come from the job's own exports.json: a record naming
+    another folder made a sizes.json there. And a FIFO named sizes.json where a copy goes
+    hung the export (with the job's lock held)."""
+    import os
+
+    out, _ = scored
+    copy_dir = tmp_path / "copy"
+    copy_dir.mkdir()
+    assert main(["export", str(out), "--sizes-dir", str(copy_dir)]) == 0
+    (copy_dir / "sizes.json").unlink()  # the user removed the copy: a rescore does not make it again
+    assert main(["rescore", str(out), "--beta-recipe", "shuffled", "--weighting", "paper"]) == 0
+    assert not (copy_dir / "sizes.json").exists()
+    fifo_dir = tmp_path / "fifo"
+    fifo_dir.mkdir()
+    os.mkfifo(fifo_dir / "sizes.json")
+    capsys.readouterr()
+    assert main(["export", str(out), "--sizes-dir", str(fifo_dir)]) == 1
+    err = capsys.readouterr().err
+    assert "cannot be read as a file" in err and "not a regular file" in err and err.count("\n") == 1
