@@ -234,11 +234,7 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
 def _refuse_foreign_exports(out: OutputDir, names: list[str]) -> None:
     """``InputError`` when a file at one of ``names`` was not written by an export of this job
     (its record lists what it wrote): a user's own ``sizes.json`` put there was replaced."""
-    earlier = out.store.get(schema.EXPORTS_FILE)
-    try:
-        ours = set(json.loads(earlier).get("written", [])) if earlier is not None else set()
-    except (ValueError, AttributeError):
-        ours = set()
+    ours = set(out.written_exports())
     for name in names:
         if name not in ours and out.store.exists(name):
             raise InputError(f"{out.store.url(name)} exists and pairclean did not write it: it is left untouched "

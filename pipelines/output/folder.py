@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import logging
 import os
 import time
@@ -161,6 +162,25 @@ def _table_records(table: pa.Table) -> Iterator[ShardRecord]:
 # Columns every score table / embedding sidecar has (what the readers use).
 _SCORE_COLUMNS = (schema.COL_KEY, schema.COL_STATUS, schema.COL_SIMILARITY, schema.COL_WEIGHT, schema.COL_NOISY)
 _EMB_COLUMNS = (schema.COL_KEY, schema.COL_IMAGE_EMB, schema.COL_TEXT_EMB)
+
+
+def _is_number(value: Any, whole: bool = False) -> bool:
+    return isinstance(value, int if whole else (int, float)) and not isinstance(value, bool) and (whole or math.isfinite(value))
+
+
+def _checked_calibration(cal: Calibration) -> Calibration:
+    """``cal`` when its fields have the types ``calibrate`` writes; ``TypeError`` naming the
+    first that has not (``beta: "x"`` or ``extra: []`` got as far as a ValueError or
+    AttributeError traceback in score, refine and rescore)."""
+    checks = {"beta": _is_number(cal.beta), "recipe": isinstance(cal.recipe, str), "k": _is_number(cal.k, whole=True),
+              "seed": _is_number(cal.seed, whole=True), "weighting": isinstance(cal.weighting, str),
+              "extra": isinstance(cal.extra, dict),
+              **{name: getattr(cal, name) is None or _is_number(getattr(cal, name), whole=name in ("weighting_batch_size", "calibration_pairs"))
+                 for name in ("d_ref", "weighting_batch_size", "noise_rate", "calibration_pairs")}}
+    bad = [name for name, ok in checks.items() if not ok]
+    if bad:
+        raise TypeError(f"its {bad[0]} is {getattr(cal, bad[0])!r}")
+    return cal
 
 
 class OutputDir:
@@ -358,9 +378,8 @@ class OutputDir:
         names += self._stray_outputs(doc.get("spec_sha256"), set(names))
         names += [f"{schema.COMPLETIONS_DIR}/{n}" for n in self.store.list(schema.COMPLETIONS_DIR)]
         names += [f"{schema.FAILED_DIR}/{n}" for n in self.store.list(schema.FAILED_DIR)]
-        exports = self.store.get(schema.EXPORTS_FILE)
-        if exports is not None:
-            names += list(json.loads(exports).get("written", [])) + [schema.EXPORTS_FILE]
+        if self.store.exists(schema.EXPORTS_FILE):
+            names += self.written_exports() + [schema.EXPORTS_FILE]
         names += [f"{schema.MANIFEST_DIR}/{n}" for n in self.store.list(schema.MANIFEST_DIR)]
         names += self._pseudo_outputs()
         # The audit's sample and report describe the tables being deleted: labels made for
@@ -460,7 +479,7 @@ class OutputDir:
         if data is None:
             return None
         try:
-            return Calibration(**json.loads(data))
+            return _checked_calibration(Calibration(**json.loads(data)))
         except (ValueError, TypeError) as exc:  # a traceback of 34 lines before
             where = self.store.url(schema.CALIBRATION_FILE)
             first = first_line(exc)
@@ -508,6 +527,17 @@ class OutputDir:
         ratios: NDArray[np.float32] = arr
         return ratios
 
+    def written_exports(self) -> list[str]:
+        """The export files ``exports.json`` names as written, inside the export folder only;
+        none where the record is not one pairclean wrote (a non-JSON record crashed ``score
+        --overwrite``; ``"written": 5`` crashed ``export``): those files are then left."""
+        try:
+            written = json.loads(self.store.get(schema.EXPORTS_FILE) or b"{}").get("written", [])
+        except (ValueError, AttributeError):
+            return []
+        prefix = f"{schema.EXPORT_DIR}/"
+        return [n for n in written if isinstance(n, str) and n.startswith(prefix)] if isinstance(written, list) else []
+
     def _read_array(self, name: str) -> NDArray[Any] | None:
         """The .npy state file ``name`` (None when missing); ``InputError`` naming it when it is
         not one (an empty file included: numpy raises ``EOFError`` there)."""
@@ -515,8 +545,10 @@ class OutputDir:
         if data is None:
             return None
         try:
+            # MemoryError too: a header may declare any shape (a huge one raised numpy's
+            # _ArrayMemoryError traceback); the data must then be what it declares
             arr: NDArray[Any] = np.load(io.BytesIO(data), allow_pickle=False)
-        except (ValueError, EOFError, OSError) as exc:
+        except (ValueError, EOFError, OSError, MemoryError) as exc:
             raise InputError(f"{self.store.url(name)} is damaged: {first_line(exc) or type(exc).__name__}") from None
         return arr
 

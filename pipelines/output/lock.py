@@ -47,7 +47,7 @@ def lock_ttl_from_env() -> float:
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError, ValueError):  # gone, or no pid a process can have (10**20 raised OverflowError)
         return False
     except PermissionError:
         return True  # someone else's process, alive
@@ -65,8 +65,9 @@ def _holder_alive(doc: dict[str, Any] | None, ttl_s: float = DEFAULT_TTL_S) -> b
         beat, ttl, pid = float(doc.get("heartbeat", 0)), float(doc.get("ttl_s", ttl_s)), int(doc.get("pid", 0))
     except (TypeError, ValueError):
         return False  # not a document a run wrote: nobody holds the folder
-    if time.time() - beat > ttl:
-        return False
+    now = time.time()
+    if now - beat > ttl or beat - now > ttl:  # stale, or a heartbeat from further ahead than any clock skew: no run wrote
+        return False  # it (one a day ahead held the folder until lock.json was deleted by hand)
     return not (doc.get("host") == socket.gethostname() and not _pid_alive(pid))
 
 

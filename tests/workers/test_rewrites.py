@@ -184,3 +184,53 @@ def test_a_refresh_replaces_only_copies_that_are_there_and_never_waits_on_a_fifo
     assert main(["export", str(out), "--sizes-dir", str(fifo_dir)]) == 1
     err = capsys.readouterr().err
     assert "cannot be read as a file" in err and "not a regular file" in err and err.count("\n") == 1
+
+
+def test_damaged_state_files_are_one_line_errors_or_left_alone(scored, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by attacking the verbs with damaged state: each was a traceback, or a lock no
+    run could take."""
+    import json
+    import time
+
+    import numpy as np
+
+    out, command = scored
+    state = Path(schema.local_side_path(out, schema.CALIBRATION_FILE)).parent
+    calibration = (state / "calibration.json").read_text()
+    for field, value in (("beta", "x"), ("extra", [])):  # a ValueError / AttributeError traceback
+        (state / "calibration.json").write_text(json.dumps({**json.loads(calibration), field: value}))
+        capsys.readouterr()
+        assert main(["refine", str(out), "--executor", "local"]) == 1  # it reads the frozen calibration
+        err = capsys.readouterr().err
+        assert "calibration.json is damaged" in err and f"its {field} is" in err and err.count("\n") == 1
+    (state / "calibration.json").write_text(calibration)
+    from pairclean.errors import InputError
+    from pairclean.output.folder import OutputDir
+
+    bank = state / "contrast-bank.npy"  # a header declaring a shape no memory holds: numpy's _ArrayMemoryError traceback
+    header = np.lib.format.header_data_from_array_1_0(np.zeros((2, 2), np.float16))
+    with bank.open("wb") as fh:
+        np.lib.format.write_array_header_1_0(fh, {**header, "shape": (2, 10**12, 512)})
+    with pytest.raises(InputError, match="contrast-bank.npy is damaged"):
+        OutputDir(str(out)).read_contrast_bank()
+    bank.unlink()
+    # a lock whose pid no process can have, or whose heartbeat is a day ahead, holds nothing
+    lock = Path(schema.local_side_path(out, schema.LOCK_FILE))
+    import socket
+
+    for doc in ({"pid": 10**20, "host": socket.gethostname(), "heartbeat": time.time()},  # OverflowError before
+                {"pid": 1, "host": "elsewhere", "heartbeat": time.time() + 86400}):  # held the folder for good before
+        lock.write_text(json.dumps({"run_id": "r", "ttl_s": 60, **doc}))
+        assert main(["export", str(out)]) == 0
+    # an exports record that is not one pairclean wrote (a traceback in export and in score
+    # --overwrite before): export says in one line it will not replace what it cannot call its
+    # own; --overwrite goes on and leaves the files that record would name
+    exports = Path(schema.local_side_path(out, schema.EXPORTS_FILE))
+    for record in ("{not json", json.dumps({"written": 5})):
+        exports.write_text(record)
+        capsys.readouterr()
+        assert main(["export", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert "pairclean did not write it" in err and err.count("\n") == 1
+    sizes = Path(schema.local_side_path(out, f"{schema.EXPORT_DIR}/sizes.json"))
+    assert main([*command, "--overwrite"]) == 0 and sizes.exists()
