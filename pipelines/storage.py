@@ -309,6 +309,18 @@ class Store:
             return os.fdopen(self._open_file(self.path(name)), "rb")
         return self.fs.open(self.path(name), "rb")
 
+    def sha256(self, name: str) -> str | None:
+        """Hex sha256 of ``name``, read in blocks (a table of any size: ``get`` reads at most
+        ``MAX_GET_BYTES``), or None when it does not exist."""
+        digest = hashlib.sha256()
+        try:
+            with self.open_read(name) as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    digest.update(block)
+        except FileNotFoundError:
+            return None
+        return digest.hexdigest()
+
     def read_parquet(self, name: str, columns: builtins.list[str] | None = None) -> pa.Table:
         """Read the Parquet file ``name``."""
         with self.open_read(name) as fh:

@@ -165,7 +165,7 @@ def make_queue(out: OutputDir, n: int, seed: int, resample: bool = False) -> lis
     doc, queue = queue_rows(population(out), n, seed)
     earlier = out.store.get(DESIGN_FILE)
     if earlier is not None and not resample:
-        before = json.loads(earlier)
+        before = read_design(out)  # one line where the saved sample is damaged (--resample replaces it)
         if [(r["shard"], r["key"]) for r in before["queue"]] != [(r["shard"], r["key"]) for r in queue]:
             raise InputError(f"{out.uri} already has an audit sample of {len(before['queue'])} pairs (seed {before['design'].get('seed')}); "
                              "labels made for it count only for its pairs: label that queue (--sample with the same size and "
@@ -558,6 +558,17 @@ def recalibrated_table(table: pa.Table, knots: dict[str, list[float]], doc: dict
     return pa.table(columns, schema=out_schema)
 
 
+def _applied_entry(data: bytes | None) -> dict[str, Any] | None:
+    """An applied record's ``sha256`` and ``bytes``, or None where it is missing or not one
+    pairclean wrote."""
+    try:
+        doc = json.loads(data) if data is not None else None
+    except ValueError:
+        return None
+    ok = isinstance(doc, dict) and isinstance(doc.get("sha256"), str) and isinstance(doc.get("bytes"), int)
+    return doc if ok else None
+
+
 def _applied_name(doc: dict[str, Any], stem: str) -> str:
     return f"{APPLIED_DIR}/{doc['map_sha256'][:12]}/{stem}.json"
 
@@ -578,11 +589,9 @@ def apply_recalibration(out: OutputDir, knots: dict[str, list[float]], labels: i
         done: dict[str, tuple[str, int]] = {}
         rewritten = 0
         for record in records:
-            known = out.store.get(_applied_name(doc, record.stem))
-            if known is not None:
-                entry = json.loads(known)
-                body = out.store.get(record.output) if record.sha256 != entry["sha256"] else None
-                if record.sha256 == entry["sha256"] or (body is not None and hashlib.sha256(body).hexdigest() == entry["sha256"]):
+            entry = _applied_entry(out.store.get(_applied_name(doc, record.stem)))
+            if entry is not None:  # a damaged record is as none: the shard is recalibrated again (the same table)
+                if record.sha256 == entry["sha256"] or out.store.sha256(record.output) == entry["sha256"]:
                     done[record.stem] = (entry["sha256"], entry["bytes"])
                     continue
             info = out.write_table(record.output, recalibrated_table(out.read_scores(record), knots, doc))

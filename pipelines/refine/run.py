@@ -305,9 +305,8 @@ def _obtain_heads(out: OutputDir, view: JobView, opts: RefineOptions, sample: Ca
     if total < MIN_FIT_PAIRS:
         raise InputError(f"{out.uri} has {total} ok pairs; fitting {method} needs at least {MIN_FIT_PAIRS}", uri=out.uri)
     fit_record = f"{FITS_DIR}/{_fit_key(out, view, method, opts)[:16]}.json"
-    known = out.store.get(fit_record)
-    if known is not None:
-        entry = json.loads(known)
+    entry = _fit_entry(out.store.get(fit_record))
+    if entry is not None:  # a damaged record is as none: the heads are fitted again
         stored = out.store.get(entry["heads"])
         if stored is not None and hashlib.sha256(stored).hexdigest() == entry["sha256"]:
             return heads_from_bytes(stored), stored, False, 0.0
@@ -471,18 +470,42 @@ def _record_name(doc: dict[str, Any], stem: str) -> str:
     return f"{REFINE_DIR}/{doc['method']}-{doc['heads_sha256'][:12]}/{stem}.json"
 
 
+def _fit_entry(data: bytes | None) -> dict[str, str] | None:
+    """A fit record's ``heads`` (a name in the refine folder) and ``sha256``, or None where
+    it is missing or not one pairclean wrote."""
+    try:
+        doc = json.loads(data) if data is not None else None
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or not all(isinstance(doc.get(k), str) for k in ("heads", "sha256")):
+        return None
+    return {"heads": doc["heads"], "sha256": doc["sha256"]}
+
+
+def _applied_record(data: bytes | None) -> ShardApplied | None:
+    """The applied record in ``data``, or None where there is none or it is not one pairclean
+    wrote (empty, not JSON, a missing or unknown field: a JSONDecodeError, KeyError or
+    TypeError traceback before)."""
+    if data is None:
+        return None
+    try:
+        doc = json.loads(data)
+        applied = ShardApplied(**doc) if isinstance(doc, dict) else None
+    except (ValueError, TypeError):
+        return None
+    return applied if applied is not None and isinstance(applied.sha256, str) else None
+
+
 def _plan(out: OutputDir, records: list[ShardRecord], doc: dict[str, Any]) -> tuple[list[ShardRecord], dict[str, ShardApplied]]:
     """(shards to refine, shards already refined by these heads with their applied record)."""
     todo, done = [], {}
     for record in records:
-        data = out.store.get(_record_name(doc, record.stem))
-        if data is not None:
-            applied = ShardApplied(**json.loads(data))
+        applied = _applied_record(out.store.get(_record_name(doc, record.stem)))
+        if applied is not None:  # a damaged record is as none: the shard is refined again (the same table)
             if record.sha256 == applied.sha256:
                 done[record.stem] = applied
                 continue
-            body = out.store.get(record.output)  # a crash before the records were refreshed
-            if body is not None and hashlib.sha256(body).hexdigest() == applied.sha256:
+            if out.store.sha256(record.output) == applied.sha256:  # a crash before the records were refreshed
                 done[record.stem] = applied
                 continue
         todo.append(record)
