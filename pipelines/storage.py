@@ -76,6 +76,11 @@ def _scheme(uri: str) -> str:
     return raw_scheme(uri)
 
 
+#: The most ``Store.get`` reads: a job's own files (state JSON, the contrast bank of at most
+#: 8 MiB, the judge's calibration ratios) are far smaller.
+MAX_GET_BYTES = 64 * 2**20
+
+
 class Store:
     """A folder at ``uri`` (created on demand); names are ``/``-separated paths inside it.
 
@@ -219,20 +224,23 @@ class Store:
             return False
 
     # -- reading ----------------------------------------------------------------------------
-    def get(self, name: str) -> bytes | None:
+    def get(self, name: str, max_bytes: int | None = MAX_GET_BYTES) -> bytes | None:
         """The bytes of ``name``, or None when it does not exist; ``InputError`` past
-        ``MAX_GET_BYTES`` (a job's own files are at most a few MiB: a 3 GiB sparse job.json
-        cost 4 GB of memory and 14 s before its error)."""
+        ``max_bytes`` (default ``MAX_GET_BYTES``: a job's state files are at most a few MiB,
+        and a 3 GiB sparse job.json cost 4 GB of memory and 14 s before its error). None
+        reads it whole: for what grows with the job (the manifest of 100,000s of shards)."""
         try:
             if self.local:
                 with os.fdopen(self._open_file(self.path(name)), "rb") as fh:
-                    data = fh.read(MAX_GET_BYTES + 1)
+                    data = fh.read() if max_bytes is None else fh.read(max_bytes + 1)
+            elif max_bytes is None:
+                data = bytes(self.fs.cat_file(self.path(name)))
             else:
-                data = bytes(self.fs.cat_file(self.path(name), start=0, end=MAX_GET_BYTES + 1))
+                data = bytes(self.fs.cat_file(self.path(name), start=0, end=max_bytes + 1))
         except FileNotFoundError:
             return None
-        if len(data) > MAX_GET_BYTES:
-            raise InputError(f"{self.url(name)} is over {MAX_GET_BYTES >> 20} MiB, which none of the job's own files is: "
+        if max_bytes is not None and len(data) > max_bytes:
+            raise InputError(f"{self.url(name)} is over {max_bytes >> 20} MiB, which none of the job's own files is: "
                              "damaged or not pairclean's", uri=self.url(name))
         return data
 
@@ -346,11 +354,6 @@ class Store:
             if _TEMPORARY.fullmatch(name):
                 removed += self.rm(f"{folder}/{name}" if folder else name)
         return removed
-
-
-#: The most ``Store.get`` reads: a job's own files (state JSON, the contrast bank of at most
-#: 8 MiB, the judge's calibration ratios) are far smaller.
-MAX_GET_BYTES = 64 * 2**20
 
 
 def _inside(name: str, uri: str) -> None:

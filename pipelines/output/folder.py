@@ -128,7 +128,24 @@ class ShardRecord:
         """Inverse of ``to_json``. Keys a later release added are ignored: a folder written
         by it stays readable here (a rolling upgrade, a trainer with an older install)."""
         known = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in data.items() if k in known})
+        record = cls(**{k: v for k, v in data.items() if k in known})
+        record.check()
+        return record
+
+    def check(self) -> None:
+        """``TypeError`` naming the first field without the type pairclean writes (a manifest
+        whose statuses were ``"[1,2]"`` raised ArrowTypeError or AttributeError far away)."""
+        def counts(value: Any, kind: type | tuple[type, ...]) -> bool:
+            return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, kind) and not isinstance(v, bool)
+                                                   for k, v in value.items())
+
+        checks = {"stem": isinstance(self.stem, str), "shard": isinstance(self.shard, str), "output": isinstance(self.output, str),
+                  "sha256": isinstance(self.sha256, str), "rows": isinstance(self.rows, int), "bytes": isinstance(self.bytes, int),
+                  "statuses": counts(self.statuses, int), "timings": counts(self.timings, (int, float)),
+                  "emb_output": self.emb_output is None or isinstance(self.emb_output, str)}
+        bad = next((name for name, ok in checks.items() if not ok), None)
+        if bad is not None:
+            raise TypeError(f"its {bad} is {getattr(self, bad)!r}")
 
 
 # The compacted manifest's columns; dicts are stored as JSON text.
@@ -148,6 +165,19 @@ def _records_table(records: list[ShardRecord]) -> pa.Table:
             value = getattr(r, name)
             cols[name].append(json.dumps(value, sort_keys=True) if isinstance(value, dict) else value)
     return pa.table(cols, schema=_MANIFEST_SCHEMA)
+
+
+def _completion_record(data: bytes, where: str) -> ShardRecord:
+    """One completion record, or a one-line ``InputError`` naming it where it is not one
+    pairclean wrote."""
+    try:
+        doc = json.loads(data)
+        if not isinstance(doc, dict):
+            raise TypeError("not a JSON object")
+        return ShardRecord.from_json(doc)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise InputError(f"{where} (a completion record) is damaged ({first_line(exc)}); restore it, or score into a new "
+                         "folder", uri=where) from None
 
 
 def _table_records(table: pa.Table) -> Iterator[ShardRecord]:
@@ -599,7 +629,7 @@ class OutputDir:
         missing = [s for s in pending if s not in self._pending]
         for stem, data in zip(missing, self._get_many([f"{schema.COMPLETIONS_DIR}/{pending[s]}" for s in missing])):
             if data is not None:
-                self._pending[stem] = ShardRecord.from_json(json.loads(data))
+                self._pending[stem] = _completion_record(data, self.store.url(f"{schema.COMPLETIONS_DIR}/{pending[stem]}"))
         # A record deleted since (compacted by a writer elsewhere) is in the manifest now.
         self._pending = {s: r for s, r in self._pending.items() if s in pending}
         return {**compacted, **self._pending}
@@ -612,7 +642,7 @@ class OutputDir:
             return self._compacted  # nothing new since the last look
         records: dict[str, ShardRecord] = {}
         # Later segments win: a merge that crashed before deleting leaves duplicates only.
-        for name, data in zip(segments, self._get_many([f"{schema.MANIFEST_DIR}/{n}" for n in segments])):
+        for name, data in zip(segments, self._get_many([f"{schema.MANIFEST_DIR}/{n}" for n in segments], whole=True)):
             if data is not None:
                 try:
                     records.update((r.stem, r) for r in _table_records(pq.read_table(pa.BufferReader(data))))
@@ -624,11 +654,13 @@ class OutputDir:
         self._compacted, self._segments = records, segments
         return records
 
-    def _get_many(self, names: list[str]) -> list[bytes | None]:
+    def _get_many(self, names: list[str], whole: bool = False) -> list[bytes | None]:
+        """The bytes of each of ``names`` (None where missing); ``whole``: past
+        ``storage.MAX_GET_BYTES`` too (manifest segments grow with the job)."""
         if not names:
             return []
         if self.store.local:
-            return [self.store.get(n) for n in names]
+            return [self.store.get(n, max_bytes=None) if whole else self.store.get(n) for n in names]
         # One concurrent batch of GETs rather than a round trip each.
         paths = [self.store.path(n) for n in names]
         got = self.store.fs.cat(paths, on_error="omit")

@@ -234,3 +234,16 @@ def test_damaged_state_files_are_one_line_errors_or_left_alone(scored, capsys: p
         assert "pairclean did not write it" in err and err.count("\n") == 1
     sizes = Path(schema.local_side_path(out, f"{schema.EXPORT_DIR}/sizes.json"))
     assert main([*command, "--overwrite"]) == 0 and sizes.exists()
+    # a manifest whose statuses are not counts (ArrowTypeError in rescore, AttributeError in refine before)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (segment,) = sorted(Path(schema.local_side_path(out, schema.MANIFEST_DIR)).glob("*.parquet"))
+    table = pq.read_table(segment)
+    pq.write_table(table.set_column(table.schema.get_field_index("statuses"), "statuses",
+                                    pa.array(["[1, 2]"] * table.num_rows, pa.string())), segment)
+    for verb in (["rescore", str(out), "--beta-recipe", "gmm", "--weighting", "paper"], ["refine", str(out), "--executor", "local"]):
+        capsys.readouterr()
+        assert main(verb) == 1
+        err = capsys.readouterr().err
+        assert "(completion records) is damaged (its statuses is [1, 2])" in err and err.count("\n") == 1, err
