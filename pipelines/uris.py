@@ -165,6 +165,7 @@ def expand_shards(
     *,
     max_shards: int | None = None,
     check: Callable[[str], None] | None = None,
+    deadline: float | None = None,
 ) -> list[str]:
     """Expand shard specs into a de-duplicated, ordered list of shard URIs.
 
@@ -180,12 +181,13 @@ def expand_shards(
     stop as soon as the limit is passed, so ``{0..999999999}`` costs nothing.
     ``check(uri)`` is called on every location before it is touched (a list file before it
     is opened, a glob pattern before it is listed, a local shard before its existence is
-    tested, every glob match): a caller's allow-list raises from it.
+    tested, every glob match): a caller's allow-list raises from it. ``deadline``
+    (``time.monotonic()`` seconds): ``InputError`` once expanding has run past it.
     """
     limit = max_shards if max_shards is not None else _env_limit()
     if check is None and local_roots(LOCAL_READ_ROOTS_ENV) is not None:
         check = _check_read  # a job process the service started: its read roots
-    budget = _Budget(limit)
+    budget = _Budget(limit, deadline)
     out: list[str] = []
     seen: set[str] = set()
     for spec in specs:
@@ -209,10 +211,11 @@ def _env_limit() -> int | None:
 
 
 class _Budget:
-    """Counts every URI produced (duplicates too: they cost time as well) against the limit."""
+    """Counts every URI produced (duplicates too: they cost time as well) against the limit,
+    and the time spent against ``deadline`` (``time.monotonic()`` seconds; None: none)."""
 
-    def __init__(self, limit: int | None) -> None:
-        self.limit, self.used = limit, 0
+    def __init__(self, limit: int | None, deadline: float | None = None) -> None:
+        self.limit, self.used, self.deadline = limit, 0, deadline
 
     def take(self, n: int = 1, spec: str = "") -> None:
         self.used += n
@@ -221,6 +224,15 @@ class _Budget:
             raise InputError(
                 f"more than {self.limit} shards{where}: split the job, or raise the limit", uri=spec or None
             )
+        self.check_time(spec)
+
+    def check_time(self, spec: str = "") -> None:
+        """``InputError`` once the deadline has passed: a 46-byte ``{00000..N}.t[a]r`` made N
+        globs over an N-file folder, N**2 work under the shard limit (3 s at N = 2,000)."""
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            where = f" (at {spec!r})" if spec else ""
+            raise InputError(f"expanding the shard specs took too long{where}: name the shards in an @list file, or "
+                             "use one glob instead of a brace range of globs", uri=spec or None)
 
 
 def _expand_one(
@@ -242,6 +254,7 @@ def _expand_one(
     for uri in braceexpand.braceexpand(spec):
         scheme = scheme_of(uri)
         if _GLOB_CHARS & set(uri):
+            budget.check_time(spec)
             if check is not None:
                 check(uri)
             yield from _expand_glob(uri, scheme, storage_options, budget, check)
@@ -297,6 +310,12 @@ _CHAR_RANGE = re.compile(r"^([A-Za-z])\.\.([A-Za-z])(?:\.\.-?(\d+))?$")
 _ALPHABET = string.ascii_uppercase + string.ascii_lowercase
 
 
+#: Brace groups nested deeper than this are refused (``brace_count`` recurses per level).
+MAX_BRACE_DEPTH = 16
+#: Path components after a glob's first wildcard (``_glob_below`` recurses per component).
+MAX_GLOB_PARTS = 64
+
+
 def brace_count(pattern: str) -> int:
     """How many strings ``braceexpand(pattern)`` yields, computed without expanding.
 
@@ -315,6 +334,8 @@ def brace_count(pattern: str) -> int:
             if depth == 0:
                 start = pos
             depth += 1
+            if depth > MAX_BRACE_DEPTH:  # counted by recursion: 500 nested groups were a RecursionError (a 500)
+                raise InputError(f"braces nested deeper than {MAX_BRACE_DEPTH} in {pattern[:80]!r}", uri=pattern[:200])
         elif char == "}":
             depth -= 1
             if depth == 0:
@@ -440,7 +461,11 @@ def _local_glob(pattern: str) -> Iterator[str]:
     parts = pattern.split("/")
     first = next(i for i, part in enumerate(parts) if _GLOB_CHARS & set(part))
     base = "/".join(parts[:first]) or ("/" if pattern.startswith("/") else ".")
-    yield from _glob_below(base, parts[first:])
+    rest = [p for p in parts[first:] if p]  # doubled slashes name nothing (1,500 of them were a RecursionError)
+    if len(rest) > MAX_GLOB_PARTS:
+        raise InputError(f"a glob with more than {MAX_GLOB_PARTS} path components after its first wildcard: "
+                         f"{pattern[:80]!r}...", uri=pattern[:200])
+    yield from _glob_below(base, rest)
 
 
 def _glob_below(folder: str, parts: list[str]) -> Iterator[str]:

@@ -46,7 +46,7 @@ from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.output.report import warnings_of
 from pairclean.uris import shard_stem
 
-from .security import UriRefused, check_uri, checked_output, job_roots
+from .security import UriRefused, check_uri, checked_output, job_roots, local_roots_of
 from .settings import ServiceSettings
 from .store import JobRow
 
@@ -325,7 +325,10 @@ class Browser:
             meta = holder.out.store.parquet_metadata(record.output)
             if meta is None:
                 raise OSError(f"{record.output}: the committed table's footer could not be read")
-            got = warnings_of(json.loads(meta.get(schema.META_KEY, b"{}")))
+            doc = json.loads(meta.get(schema.META_KEY, b"{}"))
+            if not isinstance(doc, dict):  # a list there was an AttributeError (a 500)
+                raise ValueError("the table's pairclean metadata is not a JSON object")
+            got = warnings_of(doc)
             self._warnings.put(key, got)
         return list(got)
 
@@ -375,7 +378,11 @@ class Browser:
         if records:
             first = records[0]
             meta = out.store.parquet_metadata(first.output) or {}
-            view.meta = json.loads(meta.get(schema.META_KEY, b"{}"))
+            try:
+                doc = json.loads(meta.get(schema.META_KEY, b"{}"))
+            except ValueError:
+                doc = None
+            view.meta = doc if isinstance(doc, dict) else {}  # damaged metadata: the page shows what it can
         _merge(view)
         return view
 
@@ -512,7 +519,12 @@ class Browser:
             return None
         try:
             check_uri(shard, self.settings.allowed_inputs, allow_pipe=False)
-            return read_member(shard, offset, size, max_bytes, http_allowed=self.settings.allowed_inputs, deadline=deadline)
+            # checked again on what is opened (a link swapped in after the check leads nowhere),
+            # and only at a tar member of the recorded size: the offsets come from the job's own
+            # tables, which their owner can edit, so a link to any file inside the inputs (or to
+            # another tenant's job files there) showed its bytes as a caption
+            return read_member(shard, offset, size, max_bytes, http_allowed=self.settings.allowed_inputs, deadline=deadline,
+                               local_roots=local_roots_of(self.settings.allowed_inputs), tar_header=True)
         except UriRefused:
             log.warning("a page asked for a member of a shard outside the allowed inputs; refused")
             return None
@@ -536,6 +548,11 @@ def _downscale(data: bytes, max_pixels: int, deadline: float) -> bytes | str:
                 forged = implausible_size(img, len(data))
                 if forged:
                     return "image cannot be decoded"
+                full = img.size[0] * img.size[1]
+                if full > max_pixels and (img.info.get("progressive") or img.info.get("progression")):
+                    # libjpeg keeps every coefficient of a progressive JPEG at full size, whatever
+                    # draft's scale: 1 MB of 13000 x 13000 took the API process from 221 to 1200 MiB
+                    return "image over the thumbnail pixel limit"
                 img.draft("RGB", (THUMB_EDGE, THUMB_EDGE))  # JPEG: decode at a reduced scale (size shrinks)
                 width, height = img.size
                 if width * height > max_pixels:

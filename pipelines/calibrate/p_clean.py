@@ -211,8 +211,11 @@ def unexplained_random(fit: dict[str, Any]) -> float | None:
     if not isinstance(level, dict):
         return None
     values = (level.get("share"), level.get("quantile"), fit.get("pi_random"))
-    numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    if len(numbers) != 3:
+    try:  # a huge integer in damaged metadata raised OverflowError (a 500 in the REST job)
+        numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    except OverflowError:
+        return None
+    if len(numbers) != 3 or not all(np.isfinite(numbers)):
         return None
     share, quantile, pi_random = numbers
     gap = share - quantile * pi_random

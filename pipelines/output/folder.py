@@ -167,6 +167,18 @@ def _records_table(records: list[ShardRecord]) -> pa.Table:
     return pa.table(cols, schema=_MANIFEST_SCHEMA)
 
 
+def _failure_record(data: bytes) -> dict[str, Any]:
+    """A failure record as written, or one saying it is unreadable: the shard failed either
+    way, and a record that is not JSON made the job's shard list a 500."""
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or not isinstance(doc.get("error", ""), str):
+        return {"state": schema.SHARD_QUARANTINED, "error": "its failure record is damaged", "attempts": 1}
+    return doc
+
+
 def _completion_record(data: bytes, where: str) -> ShardRecord:
     """One completion record, or a one-line ``InputError`` naming it where it is not one
     pairclean wrote."""
@@ -771,7 +783,7 @@ class OutputDir:
         out = {}
         for name, data in zip(names, self._get_many([f"{schema.FAILED_DIR}/{n}" for n in names])):
             if data is not None:
-                out[name[: -len(".json")]] = json.loads(data)
+                out[name[: -len(".json")]] = _failure_record(data)
         return out
 
     def quarantine(self, shard: str, stem: str, error: str, attempts: int) -> None:

@@ -9,13 +9,11 @@ before any byte is.
 
 from __future__ import annotations
 
-import os
-import stat
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pairclean.errors import InputError, ShardNotFoundError, ShardReadError
-from pairclean.uris import LOCAL_SCHEMES, SocketWatch, local_path, scheme_of, under_prefix, watched_opener
+from pairclean.uris import LOCAL_SCHEMES, SocketWatch, check_local_root, local_path, scheme_of, under_prefix, watched_opener
 
 __all__ = ["MemberTooLarge", "read_member"]
 
@@ -25,8 +23,15 @@ class MemberTooLarge(InputError):
 
 
 def read_member(uri: str, offset: int, size: int, max_bytes: int, storage_options: Mapping[str, Any] | None = None,
-                http_allowed: Sequence[str] | None = None, timeout_s: float = 30.0, deadline: float | None = None) -> bytes:
+                http_allowed: Sequence[str] | None = None, timeout_s: float = 30.0, deadline: float | None = None,
+                local_roots: Sequence[str] | None = None, tar_header: bool = False) -> bytes:
     """Exactly ``size`` bytes at byte ``offset`` of the shard at ``uri``.
+
+    ``local_roots``: a local shard must resolve inside one of these folders *as opened* (a
+    link swapped between a caller's check and the open leads nowhere). ``tar_header``: the
+    512 bytes before ``offset`` must be a tar header (checksum right) of a member of exactly
+    ``size`` bytes, as in the shard that was scored: a shard path swapped for a link to
+    another file (another tenant's job.json, /etc/passwd) had the pages show its bytes.
 
     Raises ``MemberTooLarge`` when ``size > max_bytes`` (nothing is read), ``InputError``
     for a negative offset or size, ``ShardNotFoundError`` when the shard is gone and
@@ -42,29 +47,54 @@ def read_member(uri: str, offset: int, size: int, max_bytes: int, storage_option
     if size == 0:
         return b""
     scheme = scheme_of(uri)
+    head = TAR_BLOCK if tar_header else 0
+    if offset < head:
+        raise ShardReadError(f"{uri!r}: no tar header before byte {offset}", uri=uri)
     try:
         if scheme in LOCAL_SCHEMES:
-            data = _read_local(local_path(uri), offset, size)
+            data = _read_local(local_path(uri), offset - head, size + head, local_roots)
         elif scheme in ("http", "https"):
-            data = _read_http(uri, offset, size, http_allowed, timeout_s, deadline)
+            data = _read_http(uri, offset - head, size + head, http_allowed, timeout_s, deadline)
         else:
-            data = _read_fsspec(uri, offset, size, storage_options or {})
+            data = _read_fsspec(uri, offset - head, size + head, storage_options or {})
     except FileNotFoundError as exc:
         raise ShardNotFoundError(f"shard not found: {uri!r}", uri=uri) from exc
     except (OSError, ValueError) as exc:
         raise ShardReadError(f"cannot read {size} bytes at {offset} of {uri!r}: {exc}", uri=uri) from exc
-    if len(data) != size:
-        raise ShardReadError(f"{uri!r} ends before byte {offset + size} (got {len(data)} of {size} bytes)", uri=uri)
+    if len(data) != size + head:
+        raise ShardReadError(f"{uri!r} ends before byte {offset + size} (got {max(0, len(data) - head)} of {size} bytes)", uri=uri)
+    if head:
+        _check_tar_header(data[:head], size, uri)
+        data = data[head:]
     return data
 
 
-def _read_local(path: str, offset: int, size: int) -> bytes:
-    with open(path, "rb") as fh:
-        st = os.fstat(fh.fileno())
-        if not stat.S_ISREG(st.st_mode):  # a FIFO or device would block or never end
-            raise ValueError("not a regular file")
+#: A tar block: a member's header is the block before its data.
+TAR_BLOCK = 512
+
+
+def _check_tar_header(block: bytes, size: int, uri: str) -> None:
+    """``ShardReadError`` unless ``block`` is a tar header (its checksum right) of a regular
+    member of ``size`` bytes."""
+    import tarfile
+
+    try:
+        info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+    except tarfile.TarError as exc:
+        raise ShardReadError(f"{uri!r}: no tar member header where the scored member was ({exc})", uri=uri) from None
+    if info.size != size or not info.isreg():
+        raise ShardReadError(f"{uri!r}: the member there is not the one scored ({info.size} bytes, not {size}): "
+                             "the shard changed since it was scored", uri=uri)
+
+
+def _read_local(path: str, offset: int, size: int, roots: Sequence[str] | None = None) -> bytes:
+    from pairclean.storage import open_regular
+
+    with open_regular(path) as fh:  # a FIFO or device would block or never end
+        if roots is not None:  # what was opened, not what the path named a moment before
+            check_local_root(path, "", "shard", fh=fh, roots=roots)
         fh.seek(offset)
-        return fh.read(size)
+        return bytes(fh.read(size))
 
 
 def _read_fsspec(uri: str, offset: int, size: int, storage_options: Mapping[str, Any]) -> bytes:

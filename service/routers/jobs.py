@@ -102,7 +102,7 @@ def _warnings(request: Request, job: JobRow) -> list[str] | None:
         return None
     try:
         return list(request.app.state.browser.job_warnings(job))
-    except (OSError, ValueError, PaircleanError) as exc:  # storage, policy (UriRefused), damaged metadata
+    except (OSError, ValueError, ArithmeticError, PaircleanError) as exc:  # storage, policy (UriRefused), damaged metadata
         _log.warning("job %s: the output's warnings could not be read: %s", job.id, first_line(exc))
         return None
 
@@ -253,8 +253,9 @@ def _check_output_owner(output: str, key: str, who: Principal, store: JobStore) 
         # Not named: the outer folder may be another tenant's.
         raise HTTPException(409, f"output {output!r} lies inside another pairclean job's output; choose a folder outside it")
 
-def expand(request: JobRequest, settings: ServiceSettings) -> list[str]:
-    """Allow-list every location before it is touched and expand the shards; 422 otherwise."""
+def expand(request: JobRequest, settings: ServiceSettings, deadline: float | None = None) -> list[str]:
+    """Allow-list every location before it is touched and expand the shards; 422 otherwise,
+    also once expanding runs past ``deadline`` (default: ``validate_timeout_s`` from now)."""
     from pairclean.errors import PaircleanError
     from pairclean.schema import side_folder
     from pairclean.uris import expand_shards
@@ -278,7 +279,8 @@ def expand(request: JobRequest, settings: ServiceSettings) -> list[str]:
             raise UriRefused(f"output {request.output!r} exists and is not a folder")
         # The check runs on every list file, glob and shard before it is opened or
         # listed, so nothing outside the allow-list is touched or reported on.
-        return expand_shards(request.shards, max_shards=settings.max_shards, check=allowed_input)
+        limit = deadline if deadline is not None else time.monotonic() + settings.validate_timeout_s
+        return expand_shards(request.shards, max_shards=settings.max_shards, check=allowed_input, deadline=limit)
     except UriRefused as exc:
         raise HTTPException(422, str(exc)) from exc
     except PaircleanError as exc:
@@ -292,7 +294,7 @@ def validate_blocking(request: JobRequest, settings: ServiceSettings) -> Validat
     from pairclean.uris import open_shard
 
     deadline = time.monotonic() + settings.validate_timeout_s  # the whole request's, expansion included
-    shards = expand(request, settings)
+    shards = expand(request, settings, deadline)
     first = shards[0]
     statuses: dict[str, int] = {}
     problems: list[str] = []

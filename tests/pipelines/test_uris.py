@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,26 @@ def test_a_refused_connection_is_not_reported_as_a_missing_shard() -> None:
         with open_shard(f"http://127.0.0.1:{port}/a.tar"):
             pass
     assert not isinstance(info.value, ShardNotFoundError)
+
+
+def test_expansion_is_bounded_in_time_depth_and_components(tmp_path: Path) -> None:
+    """A 46-byte '{00000..N}.t[a]r' made N globs over an N-file folder (3 s at N = 2,000,
+    hours at 100,000, under the shard limit); 500 nested brace groups and a glob after 1,500
+    slashes were RecursionErrors (a 500 in the service)."""
+    import time
+
+    from pairclean.errors import InputError
+    from pairclean.uris import MAX_BRACE_DEPTH, expand_shards
+
+    for i in range(300):
+        (tmp_path / f"{i:05d}.tar").write_bytes(b"")
+    spec = str(tmp_path / "{00000..00299}.t[a]r")
+    assert len(expand_shards([spec])) == 300  # no deadline: as before
+    with pytest.raises(InputError, match="expanding the shard specs took too long"):
+        expand_shards([spec], deadline=time.monotonic() - 1)
+    with pytest.raises(InputError, match=f"braces nested deeper than {MAX_BRACE_DEPTH}"):
+        expand_shards([str(tmp_path / ("{a," * 500 + "b" + "}" * 500))])
+    with pytest.raises(InputError, match="more than 64 path components"):
+        expand_shards([str(tmp_path) + "/*" + "/x" * 100])
+    (found,) = expand_shards([str(tmp_path) + "/" * 1500 + "0000[0].tar"])  # doubled slashes: a RecursionError before
+    assert os.path.samefile(found, tmp_path / "00000.tar")

@@ -39,3 +39,24 @@ def test_two_jobs_reading_two_fields_of_one_json_each_see_their_own(tmp_path: Pa
         offset, size = next(iter_pairs(shard, ReadOptions(caption_field=field))).caption_span
         shown = browser._caption(record, offset, size, field, time.monotonic() + 10)  # type: ignore[arg-type]
         assert shown == ("BOB-CHOSEN TEXT" if field == "alt" else "alice's field")
+
+
+def test_a_progressive_jpeg_over_the_pixel_limit_is_a_placeholder_whatever_its_decode_scale() -> None:
+    """libjpeg keeps a progressive JPEG's coefficients at full size however small draft()
+    decodes it: a 1 MB 13000 x 13000 one took the API process from 221 to 1200 MiB."""
+    import io
+    import time
+
+    from PIL import Image
+
+    from pairclean_service.browse import _downscale
+
+    def jpeg(progressive: bool) -> bytes:
+        buf = io.BytesIO()
+        Image.new("RGB", (1200, 1000), (90, 140, 200)).save(buf, format="JPEG", progressive=progressive, quality=70)
+        return buf.getvalue()
+
+    later = time.monotonic() + 30
+    assert _downscale(jpeg(True), 500_000, later) == "image over the thumbnail pixel limit"
+    assert isinstance(_downscale(jpeg(False), 500_000, later), bytes)  # baseline: decoded at 1/8, under the limit
+    assert isinstance(_downscale(jpeg(True), 2_000_000, later), bytes)  # under the limit at full size

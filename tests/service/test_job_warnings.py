@@ -106,3 +106,21 @@ def test_an_unreadable_table_is_null_at_once_and_never_cached_as_no_warnings(dem
     from pairclean.output.report import junk_warning
 
     assert _get(demo_service, f"/v1/jobs/{job}").json()["warnings"] == [junk_warning(0.4)]  # read once it is back
+
+
+def test_metadata_of_the_wrong_shape_is_null_not_a_500(demo_service) -> None:
+    """A list in place of the metadata object (AttributeError) or a huge integer in the fit
+    (OverflowError) made GET /v1/jobs/{id} a 500."""
+    import pyarrow.parquet as pq
+
+    from pairclean import schema
+
+    for name, meta in (("listmeta", b"[1, 2]"), ("hugeint", json.dumps({"p_clean": {"fit": {
+            "pi_random": 10**400, "random_level": {"threshold": 0.1, "quantile": 0.75, "share": 0.4}}}}).encode())):
+        job = _finished_unread(demo_service, name)
+        (path,) = sorted((demo_service.root / name / "out").glob("*.parquet"))
+        table = pq.read_table(path)
+        pq.write_table(table.replace_schema_metadata({schema.META_KEY: meta}), path)
+        r = _get(demo_service, f"/v1/jobs/{job}")
+        assert r.status_code == 200, (name, r.text)
+        assert r.json()["warnings"] in (None, []), (name, r.json()["warnings"])

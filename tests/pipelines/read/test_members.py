@@ -106,6 +106,39 @@ def test_read_member_local_bounds(tmp_path: Path) -> None:
         read_member(str(tmp_path / "gone.tar"), 0, 4, max_bytes=1024)
 
 
+def test_a_member_is_read_only_at_a_tar_header_of_its_size_and_inside_the_roots_as_opened(tmp_path: Path) -> None:
+    """The pages read members at offsets from a job's own tables, which their owner can edit:
+    a shard path swapped for a link to another file (another tenant's job.json, /etc/passwd)
+    had its bytes shown as a caption."""
+    import os
+
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    shard = write_shard(inputs / "s.tar", _samples())
+    pairs = list(iter_pairs(str(shard)))
+    for pair in pairs:  # every recorded span, long PAX names included, has its header before it
+        for span, member in ((pair.image_span, pair.image), (pair.caption_span, None)):
+            if span is not None:
+                got = read_member(str(shard), *span, max_bytes=1 << 20, tar_header=True, local_roots=[str(inputs)])
+                assert member is None or got == member
+    secret = tmp_path / "inputs" / "job.json"
+    secret.write_text('{"shards": ["s3://team-a/private"]}' + " " * 20000)
+    offset, size = pairs[0].caption_span
+    link = inputs / "swapped.tar"
+    link.symlink_to(secret)
+    with pytest.raises(ShardReadError, match="no tar member header|not the one scored"):
+        read_member(str(link), offset, size, max_bytes=1 << 20, tar_header=True)
+    with pytest.raises(ShardReadError, match="not the one scored"):  # a header there, of another size
+        read_member(str(shard), offset, size + 1, max_bytes=1 << 20, tar_header=True)
+    with pytest.raises(ShardReadError, match="no tar header before"):
+        read_member(str(shard), 100, 4, max_bytes=1 << 20, tar_header=True)
+    outside = tmp_path / "outside.tar"
+    os.replace(write_shard(tmp_path / "o.tar", _samples()), outside)
+    (inputs / "out.tar").symlink_to(outside)  # resolves outside the roots as opened
+    with pytest.raises(InputError, match="outside the locations"):
+        read_member(str(inputs / "out.tar"), offset, size, max_bytes=1 << 20, tar_header=True, local_roots=[str(inputs)])
+
+
 class _Quiet(SimpleHTTPRequestHandler):
     def log_message(self, *args: object) -> None:
         pass
