@@ -728,6 +728,11 @@ def _open_http_checked(uri: str, allowed: Sequence[str], deadline: float | None 
     return response  # type: ignore[no-any-return]
 
 
+#: Seconds to connect to an HTTP(S) shard's server, and at most between two reads of its body.
+HTTP_CONNECT_S = 30.0
+HTTP_READ_S = 120.0
+
+
 @contextlib.contextmanager
 def _open_any(uri: str, storage_options: Mapping[str, Any], http_allowed: Sequence[str] | None = None,
               deadline: float | None = None) -> Iterator[BinaryIO]:
@@ -753,6 +758,13 @@ def _open_any(uri: str, storage_options: Mapping[str, Any], http_allowed: Sequen
         # block_size=0 gives a forward-only stream: a shard is never downloaded whole and
         # servers without Range support work too.
         opts.setdefault("block_size", 0)
+        if "client_kwargs" not in opts:
+            # aiohttp's default is 300 s for the whole response: every shard that took longer
+            # to score than that failed each try ("unreadable tar: "). Time per read instead.
+            import aiohttp
+
+            opts["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=HTTP_CONNECT_S,
+                                                                      sock_read=HTTP_READ_S)}
     with fsspec.open(uri, "rb", **opts) as fh:
         yield fh
 

@@ -22,10 +22,12 @@ ranged read.
 
 from __future__ import annotations
 
+import asyncio
 import bz2
 import codecs
 import gzip
 import json
+import sys
 import lzma
 import os
 import re
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from pairclean import schema
-from pairclean.errors import ShardReadError, ShardTimeoutError
+from pairclean.errors import ShardReadError, ShardTimeoutError, first_line
 from pairclean.uris import open_shard
 
 __all__ = [
@@ -76,9 +78,21 @@ _MAX_HEADER_READ = 1 << 20
 _MAX_HEADER_CHAIN = 8
 # Bytes after the end-of-archive marker are drained to compare the total with the
 # object's size; tar writers pad to a 10 KiB record, so more than this is not padding.
-_MAX_TRAILER = 1 << 20
+_MAX_TRAILER = 1 << 16
+#: The most bytes of one pax extended header: real ones hold a path and a few numbers (under
+#: 4 KiB). CPython before 3.11.10 / 3.12.6 parses a pax header of digits in quadratic time
+#: holding the GIL (CVE-2024-6232): 1 MiB of it, 1.7 kB gzipped, stalled the process ~10 min.
+_MAX_PAX_BYTES = 1 << 14
+#: The most bytes a member may declare: a pax size of 10**30 had tarfile "skip" the member
+#: by ~10**25 reads of the ended stream (a run spinning for good). Members this large are no
+#: image-text pair.
+_MAX_DECLARED_BYTES = 1 << 34
 #: Characters a sample key may have (PATH_MAX; WebDataset keys are file paths less extensions).
 MAX_KEY_CHARS = 4096
+#: Characters of a json ``uid`` or ``url`` kept in the table (a URL is at most a few kB).
+MAX_FIELD_CHARS = 8192
+#: Characters of a field name shown in a row's error.
+_MAX_SHOWN_FIELD = 64
 #: Characters of a caption kept for scoring (the text towers read at most 77 tokens).
 MAX_CAPTION_CHARS = 8192
 
@@ -230,6 +244,18 @@ def _header_recorder(uri: str) -> tuple[type[tarfile.TarInfo], list[bytes]]:
     depth = [0]  # extended headers (pax, long names) call fromtarfile again for the header they extend
 
     class _Info(tarfile.TarInfo):
+        def _proc_member(self, tar: tarfile.TarFile) -> Any:
+            # Before tarfile reads and parses an extended header (a private hook, the one
+            # place that sees the header's declared size first): see _MAX_PAX_BYTES.
+            if self.type in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE) and self.size > _MAX_PAX_BYTES:
+                raise ShardReadError(f"unreadable tar {uri!r}: a pax header of {self.size} bytes (at most {_MAX_PAX_BYTES})",
+                                     uri=uri)
+            member = super()._proc_member(tar)  # type: ignore[misc]  # private; see above
+            if member.size > _MAX_DECLARED_BYTES or member.size < 0:
+                raise ShardReadError(f"unreadable tar {uri!r}: member {member.name[:200]!r} declares {member.size} bytes",
+                                     uri=uri)
+            return member
+
         @classmethod
         def fromtarfile(cls, tar: tarfile.TarFile) -> _Info:
             if depth[0] >= _MAX_HEADER_CHAIN:
@@ -372,6 +398,15 @@ def _iter_members(fh: BinaryIO, uri: str, max_member_bytes: int | None,
                 raise ShardReadError(f"unreadable tar {uri!r}: read {counted.count} of its {size} bytes", uri=uri)
     except (tarfile.TarError, EOFError, OSError, ValueError, zlib.error, lzma.LZMAError, RecursionError) as exc:
         raise ShardReadError(f"unreadable tar {uri!r}: {type(exc).__name__ if isinstance(exc, RecursionError) else exc}", uri=uri) from exc
+    except Exception as exc:
+        # fsspec's HTTP raises aiohttp's errors as they are: a server that dropped the
+        # connection mid-body (ClientPayloadError, no OSError) ended the whole job with a
+        # traceback. Only those are taken here, without importing aiohttp for local shards.
+        aiohttp = sys.modules.get("aiohttp")
+        if aiohttp is None or not isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)):
+            raise
+        raise ShardReadError(f"unreadable tar {uri!r}: the connection failed mid-shard ({type(exc).__name__}: "
+                             f"{first_line(exc) or 'no reason given'})", uri=uri) from exc
 
 
 def iter_raw_samples(uri: str, options: ReadOptions | None = None) -> Iterator[RawSample]:
@@ -446,6 +481,8 @@ def _parse_json(sample: RawSample) -> tuple[dict[str, Any], str | None]:
         meta = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         return {}, f"unreadable json member: {exc}"
+    except RecursionError:  # ~1,000 nested '[' in one 2 KB member crashed the job (and every rerun)
+        return {}, "unreadable json member: nested too deeply"
     if not isinstance(meta, dict):
         return {}, "json member is not an object"
     return meta, None
@@ -562,8 +599,9 @@ def _blank(text: str) -> bool:
 
 def _opt_str(value: Any) -> str | None:
     """A json ``uid``/``url`` as text; a lone surrogate (``"\\udcff"`` is valid JSON) escaped,
-    as a key's bytes are (``schema.utf8_text``): no Parquet writer takes it, and the job died."""
-    return None if value is None else schema.utf8_text(str(value))[0]
+    as a key's bytes are (``schema.utf8_text``): no Parquet writer takes it, and the job died.
+    At most ``MAX_FIELD_CHARS`` characters (2 MB ones were carried into every table row)."""
+    return None if value is None else schema.utf8_text(str(value)[:MAX_FIELD_CHARS])[0]
 
 
 def to_pair(sample: RawSample, caption_field: str | None = None) -> PairSample:
@@ -588,7 +626,7 @@ def to_pair(sample: RawSample, caption_field: str | None = None) -> PairSample:
     if sample.issue is not None:
         return row(*sample.issue)
     # The fields found say why: "a.v1.jpg" is field "v1.jpg" of key "a" (WebDataset's key rule).
-    found = ", ".join(sorted(sample.files)[:5]) or "none"
+    found = ", ".join(name[:_MAX_SHOWN_FIELD] for name in sorted(sample.files)[:5]) or "none"  # 1 MB field names: 5 MB a row
     if image is None:
         return row(schema.STATUS_MISSING_IMAGE, f"no jpg/jpeg/png/webp member (its fields: {found})")
     if text is None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -344,8 +346,49 @@ def test_a_sample_cannot_make_the_reader_hold_what_it_does_not_use(tmp_path: Pat
         info.pax_headers = {"comment": "x" * (2 * 2**20)}
         info.size = 2
         tar.addfile(info, io.BytesIO(b"hi"))
-    with pytest.raises(ShardReadError, match="member header .* of over"):
+    with pytest.raises(ShardReadError, match="a pax header of .* bytes"):  # refused before tarfile reads it
         list(iter_pairs(str(pax)))
+
+
+def test_declared_sizes_pax_headers_zero_tails_and_deep_json_are_bounded(tmp_path: Path) -> None:
+    """Found attacking the reader: a pax size of 10**30 had tarfile skip the member by ~10**25
+    reads of the ended stream (a run spinning for good); a pax header of digits is parsed in
+    quadratic time holding the GIL on Pythons before 3.11.10 (CVE-2024-6232); a shard whose
+    tail was zeroed (a preallocated download cut short) read as 13 of its 40 samples; a json
+    member of 1,000 nested '[' crashed the job."""
+    import time
+
+    huge = tmp_path / "huge.tar"
+    with tarfile.open(huge, "w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("a.txt")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"cap"))
+        info = tarfile.TarInfo("b.jpg")
+        info.pax_headers = {"size": str(10**30)}
+        info.size = 0
+        tar.addfile(info, io.BytesIO(b""))
+    started = time.monotonic()
+    with pytest.raises(ShardReadError, match="declares 10{30} bytes"):
+        list(iter_pairs(str(huge)))
+    assert time.monotonic() - started < 10
+    digits = tmp_path / "digits.tar"
+    with tarfile.open(digits, "w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("c.txt")
+        info.pax_headers = {"comment": "1" * 20_000}
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"hi"))
+    with pytest.raises(ShardReadError, match="a pax header of .* bytes"):
+        list(iter_pairs(str(digits)))
+    samples = [{"__key__": f"k{i:03d}", "txt": f"caption {i}".encode(), "bin": os.urandom(20_000)} for i in range(40)]
+    cut = write_shard(tmp_path / "cut.tar", samples)
+    data = bytearray(cut.read_bytes())
+    data[len(data) // 3 :] = bytes(len(data) - len(data) // 3)  # the tail zeroed, the size kept
+    cut.write_bytes(bytes(data))
+    with pytest.raises(ShardReadError, match="bytes after its end-of-archive marker"):
+        list(iter_pairs(str(cut)))
+    nested = write_shard(tmp_path / "nested.tar", [{"__key__": "n", "txt": b"a caption", "json": b"[" * 1000 + b"]" * 1000},
+                                                   {"__key__": "m", "txt": b"another"}])
+    assert [p.key for p in iter_pairs(str(nested))] == ["n", "m"]
 
 
 def test_round_5_reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -462,3 +505,39 @@ def test_a_key_that_is_not_utf8_is_a_row_with_its_bytes_escaped(tmp_path: Path) 
     assert [(p.key, p.status) for p in pairs] == [("k\\xff", schema.STATUS_BAD_KEY), ("fine", "ok")]
     for p in pairs:
         (p.key + (p.error or "")).encode("utf-8")  # writable as it is
+
+
+def test_long_json_fields_are_cut_and_a_connection_dropped_mid_shard_is_the_shards_error(tmp_path: Path) -> None:
+    """2 MB json urls were carried into every row (GBs for a small shard); a server that
+    closed the connection mid-body raised aiohttp's ClientPayloadError, no OSError: a
+    traceback that ended the whole job."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from pairclean.read.shards import MAX_FIELD_CHARS
+
+    shard = write_shard(tmp_path / "long.tar", [{"__key__": "a", "jpg": b"x", "txt": b"a caption",
+                                                 "json": {"url": "http://h/" + "u" * 100_000, "uid": "1" * 50_000}}])
+    (pair,) = list(iter_pairs(str(shard)))
+    assert len(pair.url) == MAX_FIELD_CHARS and len(pair.uid) == MAX_FIELD_CHARS
+    body = shard.read_bytes()
+
+    class Short(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body) + 50_000))
+            self.end_headers()
+            self.wfile.write(body[: len(body) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Short)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ShardReadError, match="unreadable tar"):
+            list(iter_pairs(f"http://127.0.0.1:{server.server_address[1]}/s.tar"))
+    finally:
+        server.shutdown()
