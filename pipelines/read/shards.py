@@ -83,10 +83,10 @@ _MAX_TRAILER = 1 << 16
 #: 4 KiB). CPython before 3.11.10 / 3.12.6 parses a pax header of digits in quadratic time
 #: holding the GIL (CVE-2024-6232): 1 MiB of it, 1.7 kB gzipped, stalled the process ~10 min.
 _MAX_PAX_BYTES = 1 << 14
-#: The most bytes a member may declare: a pax size of 10**30 had tarfile "skip" the member
-#: by ~10**25 reads of the ended stream (a run spinning for good). Members this large are no
-#: image-text pair.
-_MAX_DECLARED_BYTES = 1 << 34
+#: The most bytes a member may declare (64 GiB): a pax size of 10**30 had tarfile "skip" the
+#: member by ~10**25 reads of the ended stream (a run spinning for good). Members this large
+#: are no image-text pair; below it a gzip bomb of zeros is the shard time limit's to stop.
+_MAX_DECLARED_BYTES = 1 << 36
 #: Characters a sample key may have (PATH_MAX; WebDataset keys are file paths less extensions).
 MAX_KEY_CHARS = 4096
 #: Characters of a json ``uid`` or ``url`` kept in the table (a URL is at most a few kB).
