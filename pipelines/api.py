@@ -82,7 +82,7 @@ def load_calibration(source: Any, *, model: str | None = None, storage_options: 
     import json
 
     from pairclean.calibrate.calibration import Calibration
-    from pairclean.errors import InputError
+    from pairclean.errors import InputError, first_line
     from pairclean.output.folder import OutputDir
 
     if isinstance(source, Calibration):
@@ -92,7 +92,10 @@ def load_calibration(source: Any, *, model: str | None = None, storage_options: 
         with open(path, "rb") as fh:
             doc = json.loads(fh.read())
         found_model = doc.get("model") if "calibration" in doc else None
-        calibration = Calibration(**(doc["calibration"] if "calibration" in doc else doc))
+        try:
+            calibration = Calibration.from_json(doc["calibration"] if "calibration" in doc else doc)
+        except TypeError as exc:
+            raise InputError(f"{path} is not a calibration pairclean wrote ({first_line(exc)})") from None
     else:
         out = OutputDir(path, storage_options)
         spec, frozen = out.read_spec(), out.read_calibration()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from collections.abc import Sequence
 from typing import Any, Final, Literal
 
@@ -86,6 +88,7 @@ __all__ = [
     "side_name",
     "local_side_path",
     "utf8_text",
+    "json_object",
     "repeated_keys",
 ]
 
@@ -245,6 +248,19 @@ def side_name(name: str) -> str | None:
     if folder is None:
         return None
     return f"{folder}{sep}{rest}"
+
+
+def json_object(data: bytes | str | None) -> dict[str, Any] | None:
+    """The JSON object in ``data`` (a state file's bytes); None where there is none, or where
+    it is not JSON or not an object: the readers of pairclean's own records treat a damaged
+    one as absent (and redo the work) or say so in one line, never a traceback."""
+    if data is None:
+        return None
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def utf8_text(text: str) -> tuple[str, bool]:

@@ -325,8 +325,8 @@ class Browser:
             meta = holder.out.store.parquet_metadata(record.output)
             if meta is None:
                 raise OSError(f"{record.output}: the committed table's footer could not be read")
-            doc = json.loads(meta.get(schema.META_KEY, b"{}"))
-            if not isinstance(doc, dict):  # a list there was an AttributeError (a 500)
+            doc = schema.json_object(meta.get(schema.META_KEY, b"{}"))
+            if doc is None:  # a list there was an AttributeError (a 500)
                 raise ValueError("the table's pairclean metadata is not a JSON object")
             got = warnings_of(doc)
             self._warnings.put(key, got)
@@ -378,11 +378,7 @@ class Browser:
         if records:
             first = records[0]
             meta = out.store.parquet_metadata(first.output) or {}
-            try:
-                doc = json.loads(meta.get(schema.META_KEY, b"{}"))
-            except ValueError:
-                doc = None
-            view.meta = doc if isinstance(doc, dict) else {}  # damaged metadata: the page shows what it can
+            view.meta = schema.json_object(meta.get(schema.META_KEY, b"{}")) or {}  # damaged: the page shows what it can
         _merge(view)
         return view
 

@@ -561,11 +561,8 @@ def recalibrated_table(table: pa.Table, knots: dict[str, list[float]], doc: dict
 def _applied_entry(data: bytes | None) -> dict[str, Any] | None:
     """An applied record's ``sha256`` and ``bytes``, or None where it is missing or not one
     pairclean wrote."""
-    try:
-        doc = json.loads(data) if data is not None else None
-    except ValueError:
-        return None
-    ok = isinstance(doc, dict) and isinstance(doc.get("sha256"), str) and isinstance(doc.get("bytes"), int)
+    doc = schema.json_object(data)
+    ok = doc is not None and isinstance(doc.get("sha256"), str) and isinstance(doc.get("bytes"), int)
     return doc if ok else None
 
 

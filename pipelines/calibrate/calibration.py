@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -32,6 +33,11 @@ RandomBeta = Callable[[], float]
 log = logging.getLogger(__name__)
 
 
+def _is_number(value: Any, whole: bool = False) -> bool:
+    """A finite number (a whole one where ``whole``), not a bool."""
+    return isinstance(value, int if whole else (int, float)) and not isinstance(value, bool) and (whole or math.isfinite(value))
+
+
 @dataclass(frozen=True)
 class Calibration:
     """The resolved beta and weighting parameters of a job, frozen once computed."""
@@ -50,6 +56,26 @@ class Calibration:
     #: contrast and was loaded with it (``pairclean.api.load_calibration`` of a job folder);
     #: not part of the JSON (the job keeps it in ``OUT.pairclean/state/contrast-bank.npy``).
     bank: Any = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Calibration:
+        """Inverse of ``to_json``; ``TypeError`` naming the first field that is missing or
+        not of the type ``calibrate`` writes (``beta: "x"`` or ``extra: []`` in a damaged
+        calibration.json got as far as a ValueError or AttributeError traceback in score,
+        refine and rescore)."""
+        if not isinstance(doc, dict):
+            raise TypeError("it is not a JSON object")
+        cal = cls(**doc)
+        wholes = ("k", "seed", "weighting_batch_size", "calibration_pairs")
+        checks = {"beta": _is_number(cal.beta), "recipe": isinstance(cal.recipe, str), "k": _is_number(cal.k, whole=True),
+                  "seed": _is_number(cal.seed, whole=True), "weighting": isinstance(cal.weighting, str),
+                  "extra": isinstance(cal.extra, dict),
+                  **{name: getattr(cal, name) is None or _is_number(getattr(cal, name), whole=name in wholes)
+                     for name in ("d_ref", "weighting_batch_size", "noise_rate", "calibration_pairs")}}
+        bad = next((name for name, ok in checks.items() if not ok), None)
+        if bad is not None:
+            raise TypeError(f"its {bad} is {getattr(cal, bad)!r}")
+        return cal
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict (without ``bank``)."""

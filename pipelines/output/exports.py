@@ -282,13 +282,7 @@ def _refuse_kept_beside_shards(copies: Sequence[str], shard_folders: Sequence[st
 def export_options(out: OutputDir) -> dict[str, Any] | None:
     """The options the job's last ``export`` ran with (None: never exported, or by a release
     that did not record them)."""
-    raw = out.store.get(schema.EXPORTS_FILE)
-    if raw is None:
-        return None
-    try:
-        options = json.loads(raw).get("options")
-    except (ValueError, AttributeError):
-        return None
+    options = (schema.json_object(out.store.get(schema.EXPORTS_FILE)) or {}).get("options")
     return dict(options) if isinstance(options, dict) else None
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import logging
 import os
 import time
@@ -170,11 +169,8 @@ def _records_table(records: list[ShardRecord]) -> pa.Table:
 def _failure_record(data: bytes) -> dict[str, Any]:
     """A failure record as written, or one saying it is unreadable: the shard failed either
     way, and a record that is not JSON made the job's shard list a 500."""
-    try:
-        doc = json.loads(data)
-    except ValueError:
-        doc = None
-    if not isinstance(doc, dict) or not isinstance(doc.get("error", ""), str):
+    doc = schema.json_object(data)
+    if doc is None or not isinstance(doc.get("error", ""), str):
         return {"state": schema.SHARD_QUARANTINED, "error": "its failure record is damaged", "attempts": 1}
     return doc
 
@@ -204,25 +200,6 @@ def _table_records(table: pa.Table) -> Iterator[ShardRecord]:
 # Columns every score table / embedding sidecar has (what the readers use).
 _SCORE_COLUMNS = (schema.COL_KEY, schema.COL_STATUS, schema.COL_SIMILARITY, schema.COL_WEIGHT, schema.COL_NOISY)
 _EMB_COLUMNS = (schema.COL_KEY, schema.COL_IMAGE_EMB, schema.COL_TEXT_EMB)
-
-
-def _is_number(value: Any, whole: bool = False) -> bool:
-    return isinstance(value, int if whole else (int, float)) and not isinstance(value, bool) and (whole or math.isfinite(value))
-
-
-def _checked_calibration(cal: Calibration) -> Calibration:
-    """``cal`` when its fields have the types ``calibrate`` writes; ``TypeError`` naming the
-    first that has not (``beta: "x"`` or ``extra: []`` got as far as a ValueError or
-    AttributeError traceback in score, refine and rescore)."""
-    checks = {"beta": _is_number(cal.beta), "recipe": isinstance(cal.recipe, str), "k": _is_number(cal.k, whole=True),
-              "seed": _is_number(cal.seed, whole=True), "weighting": isinstance(cal.weighting, str),
-              "extra": isinstance(cal.extra, dict),
-              **{name: getattr(cal, name) is None or _is_number(getattr(cal, name), whole=name in ("weighting_batch_size", "calibration_pairs"))
-                 for name in ("d_ref", "weighting_batch_size", "noise_rate", "calibration_pairs")}}
-    bad = [name for name, ok in checks.items() if not ok]
-    if bad:
-        raise TypeError(f"its {bad[0]} is {getattr(cal, bad[0])!r}")
-    return cal
 
 
 class OutputDir:
@@ -521,7 +498,7 @@ class OutputDir:
         if data is None:
             return None
         try:
-            return _checked_calibration(Calibration(**json.loads(data)))
+            return Calibration.from_json(json.loads(data))
         except (ValueError, TypeError) as exc:  # a traceback of 34 lines before
             where = self.store.url(schema.CALIBRATION_FILE)
             first = first_line(exc)
@@ -573,10 +550,7 @@ class OutputDir:
         """The export files ``exports.json`` names as written, inside the export folder only;
         none where the record is not one pairclean wrote (a non-JSON record crashed ``score
         --overwrite``; ``"written": 5`` crashed ``export``): those files are then left."""
-        try:
-            written = json.loads(self.store.get(schema.EXPORTS_FILE) or b"{}").get("written", [])
-        except (ValueError, AttributeError):
-            return []
+        written = (schema.json_object(self.store.get(schema.EXPORTS_FILE)) or {}).get("written", [])
         prefix = f"{schema.EXPORT_DIR}/"
         return [n for n in written if isinstance(n, str) and n.startswith(prefix)] if isinstance(written, list) else []
 

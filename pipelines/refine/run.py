@@ -473,11 +473,8 @@ def _record_name(doc: dict[str, Any], stem: str) -> str:
 def _fit_entry(data: bytes | None) -> dict[str, str] | None:
     """A fit record's ``heads`` (a name in the refine folder) and ``sha256``, or None where
     it is missing or not one pairclean wrote."""
-    try:
-        doc = json.loads(data) if data is not None else None
-    except ValueError:
-        return None
-    if not isinstance(doc, dict) or not all(isinstance(doc.get(k), str) for k in ("heads", "sha256")):
+    doc = schema.json_object(data)
+    if doc is None or not all(isinstance(doc.get(k), str) for k in ("heads", "sha256")):
         return None
     return {"heads": doc["heads"], "sha256": doc["sha256"]}
 
@@ -486,12 +483,10 @@ def _applied_record(data: bytes | None) -> ShardApplied | None:
     """The applied record in ``data``, or None where there is none or it is not one pairclean
     wrote (empty, not JSON, a missing or unknown field: a JSONDecodeError, KeyError or
     TypeError traceback before)."""
-    if data is None:
-        return None
+    doc = schema.json_object(data)
     try:
-        doc = json.loads(data)
-        applied = ShardApplied(**doc) if isinstance(doc, dict) else None
-    except (ValueError, TypeError):
+        applied = ShardApplied(**doc) if doc is not None else None
+    except TypeError:  # a missing or unknown field
         return None
     return applied if applied is not None and isinstance(applied.sha256, str) else None
 
