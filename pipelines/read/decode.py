@@ -125,18 +125,24 @@ def decode_image(
         return DecodeFailure(schema.STATUS_DECODE_ERROR, f"{type(exc).__name__}: {_without_addresses(str(exc))}")
 
 
+#: Rows rescaled at a time in ``_to_rgb``: the float temporaries stay a few MB for any width
+#: the pixel cap admits, where the whole 64-megapixel picture in float64 took 1.5 GB.
+_RESCALE_ROWS = 256
+
+
 def _to_rgb(img: Image.Image) -> Image.Image:
     """RGB with the full tonal range kept.
 
     PIL's ``convert("RGB")`` clips 16-bit and 32-bit integer and float greyscale images
     (``I;16``, ``I``, ``F``: 16-bit PNGs, some TIFFs) at 255, turning most of the picture
-    white; those are rescaled to 8 bits instead.
+    white; those are rescaled to 8 bits instead, a band of rows at a time, so memory is
+    the picture's own array plus its 8-bit result (about 3 bytes a pixel for 16 bits).
     """
     if img.mode not in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
         return img.convert("RGB")
     import numpy as np
 
-    values = np.asarray(img, dtype=np.float64)
+    values = np.asarray(img)  # the native dtype (uint16, int32, float32): no float64 copy
     peak = float(values.max()) if values.size else 0.0
     if img.mode.startswith("I;16") or peak > 255:
         top = 65535.0
@@ -144,7 +150,11 @@ def _to_rgb(img: Image.Image) -> Image.Image:
         top = 1.0
     else:
         top = 255.0
-    scaled = np.clip(values / top * 255.0 + 0.5, 0, 255).astype(np.uint8)
+    scaled = np.empty(values.shape, dtype=np.uint8)
+    for start in range(0, values.shape[0], _RESCALE_ROWS):
+        band = values[start:start + _RESCALE_ROWS].astype(np.float64) * (255.0 / top) + 0.5
+        scaled[start:start + _RESCALE_ROWS] = np.clip(band, 0, 255)
+    del values
     return Image.fromarray(scaled, "L").convert("RGB")
 
 

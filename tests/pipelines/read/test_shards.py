@@ -541,3 +541,31 @@ def test_long_json_fields_are_cut_and_a_connection_dropped_mid_shard_is_the_shar
             list(iter_pairs(f"http://127.0.0.1:{server.server_address[1]}/s.tar"))
     finally:
         server.shutdown()
+
+
+def test_sixteen_bit_png_is_rescaled_without_float_copies_of_the_picture() -> None:
+    """A 16-bit picture was rescaled in float64 whole: five 8-byte copies of every pixel
+    at once (1.5 GB for a 64-megapixel PNG the pixel cap admits). Now a band of rows at a
+    time: numpy's allocations stay near the picture's own array and its 8-bit result."""
+    import tracemalloc
+
+    import numpy as np
+    from PIL import Image
+
+    width, height = 2000, 1500
+    ramp = (np.arange(width * height, dtype=np.uint64).reshape(height, width) % 65536).astype(np.uint16)
+    buf = io.BytesIO()
+    Image.fromarray(ramp).save(buf, format="PNG", compress_level=1)
+    data = buf.getvalue()
+    tracemalloc.start()
+    try:
+        img = decode_image(data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert not isinstance(img, DecodeFailure) and img.size == (width, height)
+    pixels = width * height
+    # 5.7 bytes a pixel (PIL hands numpy its 2-byte pixels through a joined bytes copy); 24 whole in float64
+    assert peak < 8 * pixels, f"{peak / pixels:.1f} bytes a pixel"
+    got = np.asarray(img)[..., 0].astype(float)
+    assert abs(got - ramp / 65535 * 255).max() <= 0.51
