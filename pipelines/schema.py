@@ -111,7 +111,7 @@ STATUS_TOO_LARGE: Final = "too_large"
 STATUS_DUPLICATE_KEY: Final = "duplicate_key"
 #: Member extensions read as the image, in order of preference (WebDataset field names).
 IMAGE_EXTS: Final = ("jpg", "jpeg", "png", "webp")
-#: A sample with a symlink or hard-link member (links are never followed).
+#: A sample with a symlink, hard-link, FIFO or device member (never followed, never read).
 STATUS_LINK_MEMBER: Final = "link_member"
 #: The judge (``--judge``) failed on this pair (its error says why); the shard goes on.
 STATUS_JUDGE_ERROR: Final = "judge_error"

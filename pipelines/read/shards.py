@@ -365,16 +365,23 @@ def _iter_members(fh: BinaryIO, uri: str, max_member_bytes: int | None,
             # Offsets are file offsets only when the stream is not compressed.
             plain = not compressed
             for member in tar:
-                if wanted is not None and not wanted(member.name) and (member.isfile() or member.issym() or member.islnk()):
+                if wanted is not None and not wanted(member.name) and not member.isdir():
                     # Not extracted (skipped block by block, as below): a sample's fields that
                     # the pair does not use cannot make it hold gigabytes, nor fail it for size
-                    # or for being a link (never followed, never read).
+                    # or for being a link, FIFO or device (never followed, never read).
                     yield _Member(member.name, b"")
                     continue
                 if member.issym() or member.islnk():
                     yield _Member(member.name, None, (schema.STATUS_LINK_MEMBER, f"member {member.name!r} is a link; links are not followed"))
                     continue
+                if member.isdir():
+                    continue  # a folder entry holds no data (tar writes one per folder)
                 if not member.isfile():
+                    # A FIFO or device member: never opened. It still makes its sample a row
+                    # (a sample of such members alone had none: the shard was silently short).
+                    # The link status, not a new one, so readers that list the statuses hold.
+                    kind = "a FIFO" if member.isfifo() else "a device" if member.isdev() else "not a regular file"
+                    yield _Member(member.name, None, (schema.STATUS_LINK_MEMBER, f"member {member.name!r} is {kind}; not read"))
                     continue
                 if max_member_bytes is not None and member.size > max_member_bytes:
                     # Not extracted: the stream skips its bytes block by block when the

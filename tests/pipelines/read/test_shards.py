@@ -14,7 +14,7 @@ from pairclean import schema
 from pairclean.read.decode import DecodeFailure, decode_image
 from pairclean.errors import ShardReadError
 from pairclean.lite.evaldata import write_shard
-from pairclean.read.shards import ReadOptions, iter_pairs, split_member_name
+from pairclean.read.shards import ReadOptions, iter_pairs, iter_raw_samples_from, split_member_name
 
 
 def test_key_rule_matches_webdataset() -> None:
@@ -569,3 +569,30 @@ def test_sixteen_bit_png_is_rescaled_without_float_copies_of_the_picture() -> No
     assert peak < 8 * pixels, f"{peak / pixels:.1f} bytes a pixel"
     got = np.asarray(img)[..., 0].astype(float)
     assert abs(got - ramp / 65535 * 255).max() <= 0.51
+
+
+def test_a_sample_of_fifo_or_device_members_is_a_row_not_skipped(tmp_path: Path) -> None:
+    """FIFO and device members were skipped like folders, so a sample made only of them had
+    no row at all: the shard's table was silently one sample short."""
+    import tarfile
+
+    path = tmp_path / "special.tar"
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        folder = tarfile.TarInfo("sub")
+        folder.type = tarfile.DIRTYPE
+        tar.addfile(folder)  # a folder entry: no row
+        for name, kind in (("f.jpg", tarfile.FIFOTYPE), ("f.txt", tarfile.FIFOTYPE), ("d.jpg", tarfile.CHRTYPE),
+                           ("ok.extra", tarfile.FIFOTYPE)):
+            info = tarfile.TarInfo(name)
+            info.type = kind
+            tar.addfile(info)
+        for name, data in (("d.txt", b"a device beside me"), ("ok.jpg", b"\xff" * 10), ("ok.txt", b"fine")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    pairs = list(iter_pairs(str(path)))
+    assert [(p.key, p.status) for p in pairs] == [("f", "link_member"), ("d", "link_member"), ("ok", "ok")]
+    assert "is a FIFO; not read" in (pairs[0].error or "") and "is a device; not read" in (pairs[1].error or "")
+    with path.open("rb") as fh:  # a field the pair does not read is never judged, as for links
+        raw = list(iter_raw_samples_from(fh, str(path), fields=lambda field: field in ("jpg", "txt")))
+    assert [(r.key, r.issue is None) for r in raw] == [("f", False), ("d", False), ("ok", True)]
