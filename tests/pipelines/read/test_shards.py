@@ -581,15 +581,17 @@ def test_a_sample_of_fifo_or_device_members_is_a_row_not_skipped(tmp_path: Path)
         folder = tarfile.TarInfo("sub")
         folder.type = tarfile.DIRTYPE
         tar.addfile(folder)  # a folder entry: no row
-        for name, kind in (("f.jpg", tarfile.FIFOTYPE), ("f.txt", tarfile.FIFOTYPE), ("d.jpg", tarfile.CHRTYPE),
-                           ("ok.extra", tarfile.FIFOTYPE)):
+        members: list[tuple[str, bytes]] = [  # FIFOTYPE and CHRTYPE are one-byte type flags
+            ("f.jpg", tarfile.FIFOTYPE), ("f.txt", tarfile.FIFOTYPE), ("d.jpg", tarfile.CHRTYPE),
+            ("d.txt", b"a device beside me"), ("ok.jpg", b"\xff" * 10), ("ok.txt", b"fine"), ("ok.extra", tarfile.FIFOTYPE)]
+        for name, what in members:
             info = tarfile.TarInfo(name)
-            info.type = kind
-            tar.addfile(info)
-        for name, data in (("d.txt", b"a device beside me"), ("ok.jpg", b"\xff" * 10), ("ok.txt", b"fine")):
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+            if what in (tarfile.FIFOTYPE, tarfile.CHRTYPE):
+                info.type = what
+                tar.addfile(info)
+            else:
+                info.size = len(what)
+                tar.addfile(info, io.BytesIO(what))
     pairs = list(iter_pairs(str(path)))
     assert [(p.key, p.status) for p in pairs] == [("f", "link_member"), ("d", "link_member"), ("ok", "ok")]
     assert "is a FIFO; not read" in (pairs[0].error or "") and "is a device; not read" in (pairs[1].error or "")
