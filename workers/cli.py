@@ -219,7 +219,7 @@ class _Bar:
 
 #: What ``--judge auto`` (the default) means for a new folder scored with the estimator the
 #: judge was trained for (a resumed folder keeps its own setting). "all" from the hard-noise
-#: benchmark (README, "Hard noise"; Flickr8k dev, 1,000 pairs): the judge combined with OSA
+#: benchmark (``docs/hard_noise.md``; Flickr8k dev, 1,000 pairs): the judge combined with OSA
 #: lifts one-word edits from AUC 0.60-0.61 to 0.81-0.83 (ECE 0.11 / 0.46 -> 0.06 / 0.06 at
 #: 20 / 50%) and the mix from 0.74 to 0.77, keeps random swaps (ECE <= 0.05) and costs a few
 #: percent of throughput (it reads the towers' one pass); it loses 0.02 AUC on 50%

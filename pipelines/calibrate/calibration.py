@@ -263,7 +263,7 @@ def calibrate(
             # A junk-heavy corpus (more pairs at random level than the random part explains: the
             # clean part widened over noise the references do not describe): calibrate once more
             # with every rival of a random-level pair gated (contrast.random_fit). Only here: on
-            # other corpora that gate cost near-misses (README "Hard noise", contrast version 4).
+            # other corpora that gate cost near-misses (``docs/hard_noise.md``, contrast version 4).
             return calibrate(beta_recipe=beta_recipe, k=k, seed=seed, weighting=weighting, batch_size=batch_size,
                              similarities=similarities, image_emb=image_emb, text_emb=text_emb, random_beta=random_beta,
                              contrast=replace(contrast, random_fit=level["threshold"]), word_check=word_check)

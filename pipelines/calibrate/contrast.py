@@ -59,7 +59,7 @@ the corpus: 0.02 of clean pairs, 0.14-0.68 of near-misses by kind, so about 0.1)
 without one keep their ``p_clean`` (never more confident). The margin (how much better the
 owner's image fits, NaN where there is no owner) is written as ``owner_margin``. Measured
 end to end (``benchmarks/hard_noise.py``, AUC of ``p_clean`` at 20% / 50%, version 2 -> 3):
-README "Hard noise". Owners are searched in the bank (the first ``BANK_SIZE`` calibration
+``docs/hard_noise.md``. Owners are searched in the bank (the first ``BANK_SIZE`` calibration
 pairs) and in the pair's own shard (its first ``OWNER_SHARD_ROWS`` ok pairs), so in a
 corpus much larger than both most near-misses' source images are in neither and the factor seldom applies; it never makes ``p_clean`` more
 confident, so where it does not apply the pair is scored as under version 2. The 0.85 was
@@ -98,12 +98,12 @@ widened its clean part over the junk. ``calibration.calibrate`` recognises such 
 ``p_clean.unexplained_random``) and fits once more with ``random_fit`` set: every rival of a
 pair whose similarity is below the ``RANDOM_FIT_QUANTILE`` point of the sample's mismatched
 pairs is gated too. Only there: on every corpus, that gate cost near-misses' calibration
-(README "Hard noise").
+(``docs/hard_noise.md``).
 
 Version 4 also bounds owners from below (``owner_min_fit``, ``plausible_fit``): boilerplate
 repeats ("untitled" on eight photos), and under version 3 each copy found an "owner" in the
 photo the string fits least badly, so the copies counted as near-miss captions and the
-owners' odds factor fell on them. End to end: README "Hard noise", the ``boilerplate`` and
+owners' odds factor fell on them. End to end: ``docs/hard_noise.md``, the ``boilerplate`` and
 ``placeholder`` kinds of ``benchmarks/hard_noise.py``.
 """
 
@@ -486,7 +486,7 @@ def _upper_normal(values: NDArray[Any]) -> tuple[float, float] | None:
     the upper quantiles: pairs whose captions fit no image (boilerplate) or whose image fits
     no caption (placeholders) make a lower tail, and a median, a spread or a low quantile
     over the whole sample moves with their share (a fifth of the sample moves these little;
-    half of it does: see README "Hard noise"). None for an empty sample."""
+    half of it does: see ``docs/hard_noise.md``). None for an empty sample."""
     x = np.asarray(values, dtype=np.float64)
     x = x[np.isfinite(x)]
     if x.size == 0:

@@ -206,7 +206,7 @@ def unexplained_random(fit: dict[str, Any]) -> float | None:
     (Flickr8k dev, contrast version 4) the gap is -0.03 to +0.05 on every set but those
     corpora at 50% (+0.28 placeholders, where 24% of them got p_clean above 0.9, and +0.40
     boilerplate); a clean sample whose similarities are skewed has few pairs at random level
-    and is not read as junk (a spread-based check was, README "Hard noise")."""
+    and is not read as junk (a spread-based check was, ``docs/hard_noise.md``)."""
     level = fit.get("random_level")
     if not isinstance(level, dict):
         return None

@@ -400,6 +400,6 @@ def test_a_junk_heavy_corpus_is_calibrated_again_with_every_random_level_pair_ga
     extra, back, p = calibrated(junk, txt, c)
     assert extra["contrast"]["version"] == 4 and back.random_fit == pytest.approx(cm.random_fit(junk, txt))
     # the gate only lowers: no placeholder reads cleaner (end to end, on Flickr8k dev photos, their
-    # p_clean fell from 0.76 to 0.10 on average: README "Hard noise")
+    # p_clean fell from 0.76 to 0.10 on average: docs/hard_noise.md)
     assert float(p[:400].mean()) <= float(p_first[:400].mean()) + 1e-6 and float(p[:400].mean()) < 0.3
     assert float(p[400:].mean()) > 0.5
