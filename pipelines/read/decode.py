@@ -22,7 +22,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from pairclean import schema
 
@@ -45,6 +45,14 @@ __all__ = [
     "extreme_aspect",
     "MAX_ASPECT",
     "JPEG_MAX_PIXELS_PER_BYTE",
+    "IMAGE_FORMATS",
+    "MAX_JPEG_SCANS",
+    "MAX_JPEG_SEGMENTS",
+    "MAX_METADATA_BLOCKS",
+    "jpeg_structure_problem",
+    "metadata_problem",
+    "open_image",
+    "RefusedImage",
 ]
 
 #: 64 megapixels: larger images in web corpora are almost always junk or bombs.
@@ -53,6 +61,121 @@ DEFAULT_MAX_PIXELS = 64_000_000
 #: so one byte of file holds at most 512 pixels; twice that is refused as a forged or
 #: cut header (a 633-byte file claiming 7990x8000 would decode as a grey picture).
 JPEG_MAX_PIXELS_PER_BYTE = 1024
+
+
+#: The formats an image member may hold, whatever its extension says. Pillow opens some 40;
+#: ICO and ICNS decode their largest picture inside ``Image.open``, before any pixel cap is
+#: read (a 657 kB ICO held a 13000 x 13000 PNG: 590 MB), and none of the rest is what a web
+#: corpus's image member holds.
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")
+#: Scans a JPEG may hold. Standard progressive JPEGs use up to about 10; each scan is a pass
+#: over every coefficient (21 ms at 64 MP), and empty refinement scans cost 72 bytes each:
+#: 2,000 of them in 319 kB took 42 s to decode, past any shard time limit (libjpeg-turbo's
+#: ``djpeg -maxscans`` is the same defence).
+MAX_JPEG_SCANS = 100
+#: Marker segments before a JPEG's first scan (APPn, DQT, DHT...): a camera file has a dozen.
+#: PIL keeps an object per marker and joins Exif segments quadratically: 16 million empty
+#: APP5 markers in 64 MiB took 2.2 GB, 1,000 Exif segments 15 s.
+MAX_JPEG_SEGMENTS = 256
+
+
+def jpeg_structure_problem(data: bytes) -> str | None:
+    """Why the JPEG ``data`` would cost far more to open or decode than its size says (see
+    ``MAX_JPEG_SCANS``, ``MAX_JPEG_SEGMENTS``), or None (also for non-JPEG or malformed
+    bytes: the decoder judges those). Reads marker headers only, never pixel data."""
+    if not data.startswith(b"\xff\xd8"):
+        return None
+    pos, steps, end = 2, 0, len(data)
+    while pos + 4 <= end:
+        steps += 1
+        if steps > MAX_JPEG_SEGMENTS:  # fill bytes and standalone markers count too: no unbounded walk
+            return f"a JPEG with more than {MAX_JPEG_SEGMENTS} marker segments before its image data"
+        if data[pos] != 0xFF:
+            return None
+        marker = data[pos + 1]
+        if marker == 0xFF or marker == 0x01 or 0xD0 <= marker <= 0xD8:  # fill byte, TEM, RSTn, SOI: no length
+            pos += 1 if marker == 0xFF else 2
+            continue
+        if marker == 0xD9:
+            return None
+        if marker == 0xDA:
+            # Entropy-coded data never holds FF DA (an FF there is followed by 00 or RSTn), so
+            # every later FF DA starts a scan (a table segment between scans might hold one
+            # by chance: a few more counted at worst).
+            scans = data.count(b"\xff\xda", pos)
+            if scans > MAX_JPEG_SCANS:
+                return f"a JPEG of {scans} scans, over the limit of {MAX_JPEG_SCANS} (its decode would take minutes)"
+            return None
+        pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+    return None
+
+
+#: PNG chunks before the first IDAT, and GIF extension sub-blocks before the first frame,
+#: that an image may carry. PIL keeps an object per chunk or sub-block while it opens the
+#: file: a GIF comment of 33 million one-byte sub-blocks (64 MiB) took 2.85 GB, a PNG of a
+#: million text chunks 10x its size. Real files carry a few (XMP in a GIF: a few thousand).
+MAX_METADATA_BLOCKS = 65536
+
+
+def _png_problem(data: bytes) -> str | None:
+    pos, chunks = 8, 0
+    while pos + 8 <= len(data):
+        if data[pos + 4:pos + 8] == b"IDAT":
+            return None
+        chunks += 1
+        if chunks > MAX_METADATA_BLOCKS:
+            return f"a PNG of more than {MAX_METADATA_BLOCKS} chunks before its image data"
+        pos += 12 + int.from_bytes(data[pos:pos + 4], "big")  # length, type, data, CRC
+    return None
+
+
+def _gif_problem(data: bytes) -> str | None:
+    if len(data) < 13:
+        return None
+    flags, pos, blocks = data[10], 13, 0
+    if flags & 0x80:
+        pos += 3 * (2 << (flags & 7))  # the global colour table
+    while pos < len(data) and data[pos] == 0x21:  # extensions before the first frame
+        pos += 2
+        while pos < len(data) and data[pos] != 0:
+            blocks += 1
+            if blocks > MAX_METADATA_BLOCKS:
+                return f"a GIF of more than {MAX_METADATA_BLOCKS} extension blocks before its first frame"
+            pos += 1 + data[pos]
+        pos += 1
+    return None
+
+
+def metadata_problem(data: bytes) -> str | None:
+    """Why opening the image ``data`` would cost far more than its size says: a JPEG's scans
+    or marker segments (``jpeg_structure_problem``), a PNG's chunks or a GIF's extension
+    blocks before the pixels (``MAX_METADATA_BLOCKS``); None otherwise (malformed bytes too:
+    the decoder judges those). Walks block headers only, at most a bounded number."""
+    if data.startswith(b"\xff\xd8"):
+        return jpeg_structure_problem(data)
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return _png_problem(data)
+    if data.startswith((b"GIF87a", b"GIF89a")):
+        return _gif_problem(data)
+    return None
+
+
+class RefusedImage(ValueError):
+    """Image bytes refused before PIL opens them (``metadata_problem``, ``IMAGE_FORMATS``)."""
+
+
+def open_image(data: bytes) -> Image.Image:
+    """``Image.open`` of untrusted bytes: ``IMAGE_FORMATS`` only, the block structure checked
+    first (``metadata_problem``; ``ValueError`` naming it). Header only: no pixel is
+    decoded. Call it with warnings silenced (see ``decode_image``)."""
+    problem = metadata_problem(data)
+    if problem is not None:
+        raise RefusedImage(problem)
+    try:
+        return Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+    except UnidentifiedImageError as exc:
+        raise RefusedImage(f"cannot identify image file: not {', '.join(IMAGE_FORMATS[:-1])} or {IMAGE_FORMATS[-1]} "
+                           "(damaged, or another format)") from exc
 
 
 #: Longest side over shortest side. Preprocessing resizes the short side to the model's
@@ -99,9 +222,11 @@ def decode_image(
     """
     try:
         with warnings.catch_warnings():
-            # PIL warns (DecompressionBombWarning) before it errors; our own limit decides.
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
+            # Every warning silenced, not only DecompressionBombWarning (our own limit decides):
+            # catch_warnings resets the "once" registry on each call, so a JPEG whose Exif
+            # holds 65,535 bad tags printed 131,070 lines for every image, into the job's log.
+            warnings.simplefilter("ignore")
+            img = open_image(data)
             width, height = img.size
             if width * height > max_pixels:
                 return DecodeFailure(
@@ -121,6 +246,8 @@ def decode_image(
             return rgb
     except Image.DecompressionBombError as exc:
         return DecodeFailure(schema.STATUS_TOO_LARGE, str(exc))
+    except RefusedImage as exc:
+        return DecodeFailure(schema.STATUS_DECODE_ERROR, str(exc))
     except Exception as exc:  # noqa: BLE001 - any decoder failure is a per-sample status
         return DecodeFailure(schema.STATUS_DECODE_ERROR, f"{type(exc).__name__}: {_without_addresses(str(exc))}")
 
@@ -399,8 +526,8 @@ def _batch_decodable(data: bytes, max_pixels: int) -> bool:
         return False
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as img:
+            warnings.simplefilter("ignore")
+            with open_image(data) as img:
                 width, height = img.size
                 return (img.format == "JPEG" and img.mode in _GPU_JPEG_MODES and width * height <= max_pixels
                         and extreme_aspect(width, height) is None and implausible_size(img, len(data)) is None)

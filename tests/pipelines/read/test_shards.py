@@ -598,3 +598,111 @@ def test_a_sample_of_fifo_or_device_members_is_a_row_not_skipped(tmp_path: Path)
     with path.open("rb") as fh:  # a field the pair does not read is never judged, as for links
         raw = list(iter_raw_samples_from(fh, str(path), fields=lambda field: field in ("jpg", "txt")))
     assert [(r.key, r.issue is None) for r in raw] == [("f", False), ("d", False), ("ok", True)]
+
+
+def _jpeg(progressive: bool = False, size: tuple[int, int] = (64, 48)) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, (90, 140, 200)).save(buf, format="JPEG", progressive=progressive, quality=80)
+    return buf.getvalue()
+
+
+def test_jpeg_scan_and_marker_bombs_are_refused_before_decoding() -> None:
+    """A progressive JPEG of 2,000 empty refinement scans (319 kB) decoded for 42 s, past
+    any shard time limit, and 16 million empty APP5 markers (64 MiB) took 2.2 GB inside
+    PIL's open. Both are counted from the marker headers first and refused as rows."""
+    import time
+
+    from pairclean.read.decode import MAX_JPEG_SCANS, MAX_JPEG_SEGMENTS, jpeg_structure_problem
+
+    plain, progressive = _jpeg(), _jpeg(progressive=True)
+    assert jpeg_structure_problem(plain) is None and jpeg_structure_problem(progressive) is None
+    assert not isinstance(decode_image(progressive), DecodeFailure)  # a normal progressive JPEG (about 10 scans) reads
+    last_scan = progressive.rindex(b"\xff\xda")
+    scans = progressive[:last_scan] + progressive[last_scan:-2] * (MAX_JPEG_SCANS + 50) + b"\xff\xd9"
+    markers = plain[:2] + b"\xff\xe5\x00\x02" * (MAX_JPEG_SEGMENTS + 1) + plain[2:]
+    few_markers = plain[:2] + b"\xff\xe5\x00\x02" * 20 + plain[2:]
+    assert not isinstance(decode_image(few_markers), DecodeFailure)
+    for data, words in ((scans, "scans, over the limit"), (markers, "marker segments")):
+        started = time.perf_counter()
+        failed = decode_image(data)
+        assert isinstance(failed, DecodeFailure) and failed.status == "decode_error" and words in failed.error, failed
+        assert time.perf_counter() - started < 1.0
+
+
+def test_only_web_image_formats_are_opened_whatever_the_extension() -> None:
+    """An ICO decodes its largest picture inside Image.open, before the pixel cap is read
+    (a 657 kB ICO held 169 megapixels); formats outside ``IMAGE_FORMATS`` are refused unread."""
+    from PIL import Image
+
+    from pairclean.read.decode import IMAGE_FORMATS
+
+    def saved(fmt: str, **kw: object) -> bytes:
+        buf = io.BytesIO()
+        Image.new("RGB", (32, 32), (200, 30, 30)).save(buf, format=fmt, **kw)
+        return buf.getvalue()
+
+    for fmt in ("PNG", "GIF", "BMP", "TIFF", "WEBP"):
+        assert fmt in IMAGE_FORMATS and not isinstance(decode_image(saved(fmt)), DecodeFailure), fmt
+    for fmt in ("ICO", "TGA", "PCX"):
+        failed = decode_image(saved(fmt))
+        assert isinstance(failed, DecodeFailure) and "cannot identify image file: not JPEG, PNG" in failed.error, fmt
+
+
+def test_decoder_warnings_never_reach_the_log() -> None:
+    """warnings.catch_warnings resets Python's once-per-place registry on every call, so a
+    warning PIL raises while decoding printed again for every image (131,070 lines an image
+    for a JPEG with 65,535 bad Exif tags). None leaves decode_image now."""
+    import struct
+    import warnings
+
+    from PIL import Image
+
+    # Exif of 3 tags each declaring more data than the file holds: PIL warns per tag on open
+    ifd = struct.pack("<H", 3) + b"".join(struct.pack("<HHLL", 0x10E + i, 1, 10**9, 8) for i in range(3)) + b"\0\0\0\0"
+    payload = b"Exif\0\0" + b"II*\x00" + struct.pack("<L", 8) + ifd
+    plain = _jpeg()
+    data = plain[:2] + b"\xff\xe1" + struct.pack(">H", len(payload) + 2) + payload + plain[2:]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Image.open(io.BytesIO(data)).convert("RGB")
+        assert caught, "the fixture no longer makes PIL warn"
+        caught.clear()
+        assert not isinstance(decode_image(data), DecodeFailure)
+    assert not caught, [str(w.message) for w in caught]
+
+
+def test_png_chunk_and_gif_comment_floods_are_refused_before_opening() -> None:
+    """PIL keeps an object per PNG chunk or GIF sub-block while opening: a 64 MiB GIF comment
+    of one-byte sub-blocks took 2.85 GB. Counted from block headers first, refused as rows."""
+    import struct
+    import time
+    import zlib
+
+    from PIL import Image
+
+    from pairclean.read.decode import MAX_METADATA_BLOCKS, metadata_problem
+
+    def saved(fmt: str) -> bytes:
+        buf = io.BytesIO()
+        Image.new("RGB", (16, 16), (10, 200, 10)).save(buf, format=fmt)
+        return buf.getvalue()
+
+    png, gif = saved("PNG"), saved("GIF")
+    chunk = b"tEXt" + b"k\x00v"
+    text = struct.pack(">I", 3) + chunk + struct.pack(">I", zlib.crc32(chunk))
+    ihdr_end = 8 + 12 + 13
+    flood_png = png[:ihdr_end] + text * (MAX_METADATA_BLOCKS + 1) + png[ihdr_end:]
+    some_png = png[:ihdr_end] + text * 50 + png[ihdr_end:]
+    start = 13 + (3 * (2 << (gif[10] & 7)) if gif[10] & 0x80 else 0)
+    comment = b"\x21\xfe" + b"\x01x" * (MAX_METADATA_BLOCKS + 1) + b"\x00"
+    flood_gif = gif[:start] + comment + gif[start:]
+    some_gif = gif[:start] + b"\x21\xfe" + b"\x01x" * 100 + b"\x00" + gif[start:]
+    for data in (png, gif, some_png, some_gif):
+        assert metadata_problem(data) is None and not isinstance(decode_image(data), DecodeFailure)
+    for data, words in ((flood_png, "chunks before its image data"), (flood_gif, "extension blocks before its first frame")):
+        started = time.perf_counter()
+        failed = decode_image(data)
+        assert isinstance(failed, DecodeFailure) and words in failed.error, failed
+        assert time.perf_counter() - started < 1.0
