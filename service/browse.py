@@ -468,7 +468,7 @@ class Browser:
         if caption_field is not None and schema.caption_member(caption_field) is None:  # a json field, not a text member
             try:
                 value = json.loads(text).get(caption_field)
-            except (json.JSONDecodeError, AttributeError):
+            except (ValueError, RecursionError, AttributeError):  # not JSON, nested past the parser, not an object
                 return None
             text = "" if value is None else str(value)
         self._captions.put(key, text)
@@ -535,12 +535,12 @@ def _downscale(data: bytes, max_pixels: int, deadline: float) -> bytes | str:
     decode at, a header no file this small can fill, or no decode slot free by ``deadline``."""
     from PIL import Image, UnidentifiedImageError
 
-    from pairclean.read.decode import implausible_size
+    from pairclean.read.decode import implausible_size, open_image
 
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our cap decides, below PIL's
-            with Image.open(io.BytesIO(data)) as img:
+            warnings.simplefilter("ignore")  # our cap decides, below PIL's; no log line per image either
+            with open_image(data) as img:
                 forged = implausible_size(img, len(data))
                 if forged:
                     return "image cannot be decoded"

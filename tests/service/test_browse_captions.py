@@ -60,3 +60,48 @@ def test_a_progressive_jpeg_over_the_pixel_limit_is_a_placeholder_whatever_its_d
     assert _downscale(jpeg(True), 500_000, later) == "image over the thumbnail pixel limit"
     assert isinstance(_downscale(jpeg(False), 500_000, later), bytes)  # baseline: decoded at 1/8, under the limit
     assert isinstance(_downscale(jpeg(True), 2_000_000, later), bytes)  # under the limit at full size
+
+
+def test_a_json_caption_nested_past_the_parser_is_unreadable_not_a_500(tmp_path: Path) -> None:
+    """A json member nested 5,000 deep (10 kB) is its row's error when scored, but its span
+    stays the caption's: the shard page parsed it again and answered 500 (RecursionError)
+    for every page holding that row."""
+    import io
+    import tarfile
+
+    nested = b'{"caption": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    path = tmp_path / "s.tar"
+    with tarfile.open(path, "w") as tar:
+        for name, data in (("a.jpg", b"\xff\xd8 not decoded here"), ("a.json", nested)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        offset = tar.getmember("a.json").offset_data
+    browser = Browser(ServiceSettings(allowed_inputs=[str(tmp_path)]))
+    shown = browser._caption(SimpleNamespace(shard=str(path)), offset, len(nested), "caption",  # type: ignore[arg-type]
+                             time.monotonic() + 10)
+    assert shown is None
+
+
+def test_thumbnails_refuse_scan_bombs_and_formats_not_read_before_decoding() -> None:
+    """A 95 kB progressive JPEG of 2,000 scans held a decode slot for 12 s, past the 10 s
+    thumbnail deadline; an ICO decoded its 13000 x 13000 picture inside Image.open."""
+    import io
+
+    from PIL import Image
+
+    from pairclean_service.browse import _downscale
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (90, 140, 200)).save(buf, format="JPEG", progressive=True)
+    progressive = buf.getvalue()
+    last = progressive.rindex(b"\xff\xda")
+    bomb = progressive[:last] + progressive[last:-2] * 300 + b"\xff\xd9"
+    ico = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(ico, format="ICO")
+    later = time.monotonic() + 30
+    assert isinstance(_downscale(progressive, 500_000, later), bytes)
+    started = time.perf_counter()
+    assert _downscale(bomb, 500_000, later) == "image cannot be decoded"
+    assert _downscale(ico.getvalue(), 500_000, later) == "image cannot be decoded"
+    assert time.perf_counter() - started < 1.0
