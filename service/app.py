@@ -51,6 +51,7 @@ def create_app(settings: ServiceSettings | None = None, state_dir: str | Path = 
     metrics = Metrics()
     runner = JobRunner(store, settings, metrics, Path(state_dir))
     validations = ValidationPool.of(settings.validate_concurrency)
+    expansions = ValidationPool.of(settings.submit_concurrency, "pairclean-expand")
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -58,11 +59,15 @@ def create_app(settings: ServiceSettings | None = None, state_dir: str | Path = 
         yield
         runner.stop()
         validations.pool.shutdown(wait=False, cancel_futures=True)
+        expansions.pool.shutdown(wait=False, cancel_futures=True)
         app.state.browser.thumbs.close()
 
-    app = FastAPI(title="pairclean", version="0.1.0", lifespan=lifespan, responses=ERRORS)
+    # No Swagger UI or ReDoc: FastAPI serves them from a CDN, unpinned, on this origin, where a
+    # changed bundle could read the pages with the labeller's cookie. The schema stays at
+    # /openapi.json for any client or viewer run elsewhere.
+    app = FastAPI(title="pairclean", version="0.1.0", lifespan=lifespan, responses=ERRORS, docs_url=None, redoc_url=None)
     app.state.store, app.state.runner, app.state.metrics, app.state.settings = store, runner, metrics, settings
-    app.state.validations = validations
+    app.state.validations, app.state.expansions = validations, expansions
     app.include_router(health.router)
     app.include_router(jobs.router)
     _add_middleware(app, settings, metrics)

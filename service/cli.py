@@ -93,7 +93,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(settings, state_dir=args.state_dir)
     if args.demo:
         _queue_demo(app, demo_out, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port)
+    uvicorn.run(app, host=args.host, port=args.port, limit_concurrency=settings.max_connections)
     return 0
 
 

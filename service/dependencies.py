@@ -3,10 +3,12 @@ metrics and settings (built once per app by ``create_app``), and a job the calle
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Header, HTTPException, Request
 from fastapi import Path as PathParam
@@ -17,8 +19,10 @@ from .security import hash_key, output_key
 from .settings import ServiceSettings
 from .store import JobRow, JobStore, Principal
 
-__all__ = ["Caller", "JobId", "Store", "Runner", "Settings", "AppMetrics", "Validations", "ValidationPool", "caller", "job_or_404",
-           "output_key"]
+__all__ = ["Caller", "JobId", "Store", "Runner", "Settings", "AppMetrics", "Validations", "ValidationPool", "Expansions", "caller",
+           "job_or_404", "output_key"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -30,9 +34,24 @@ class ValidationPool:
     slots: threading.BoundedSemaphore
 
     @classmethod
-    def of(cls, concurrency: int) -> ValidationPool:
-        return cls(ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="pairclean-validate"),
+    def of(cls, concurrency: int, name: str = "pairclean-validate") -> ValidationPool:
+        return cls(ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=name),
                    threading.BoundedSemaphore(concurrency))
+
+    async def run(self, wait_s: float, busy: str, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on a thread of this pool, waiting at most ``wait_s`` for a free one
+        (429 with ``busy`` then). The slot is freed when ``fn`` really ends, not when the
+        request gives up on it. (A threading semaphore polled, not an asyncio one: it is
+        released from the pool's done callback and shared by every event loop of the app.)"""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + wait_s
+        while not self.slots.acquire(blocking=False):
+            if loop.time() >= give_up:
+                raise HTTPException(429, busy, headers={"Retry-After": "5"})
+            await asyncio.sleep(0.05)
+        future = loop.run_in_executor(self.pool, fn, *args)
+        future.add_done_callback(lambda _: self.slots.release())
+        return await asyncio.shield(future)
 
 
 def get_store(request: Request) -> JobStore:
@@ -55,11 +74,17 @@ def get_validations(request: Request) -> ValidationPool:
     return request.app.state.validations  # type: ignore[no-any-return]
 
 
+def get_expansions(request: Request) -> ValidationPool:
+    return request.app.state.expansions  # type: ignore[no-any-return]
+
+
 Store = Annotated[JobStore, Depends(get_store)]
 Runner = Annotated[JobRunner, Depends(get_runner)]
 Settings = Annotated[ServiceSettings, Depends(get_settings)]
 AppMetrics = Annotated[Metrics, Depends(get_metrics)]
 Validations = Annotated[ValidationPool, Depends(get_validations)]
+#: Submissions' shard expansion: its own pool (``submit_concurrency``), like validations'.
+Expansions = Annotated[ValidationPool, Depends(get_expansions)]
 
 
 def caller(request: Request, authorization: Annotated[str | None, Header()] = None) -> Principal:

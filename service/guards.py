@@ -160,12 +160,17 @@ class BoundedReader:
 
 
 # Query parameters whose values are secrets: never written to a log.
-_SECRET_PARAM = re.compile(r"(?i)([?&](?:api[_-]?key|apikey|key|token|access[_-]?token|password|secret|session)=)[^&#\s]*")
+_SECRET_PARAM = re.compile(r"(?i)([?&](?:[a-z0-9_.%-]*(?:key|token|auth|authorization|bearer|password|secret|session|credentials?)"
+                           r"[a-z0-9_.%\[\]-]*)=)[^&#\s]*")
+#: A pairclean API key (``security.new_api_key``) wherever it appears: names are endless
+#: (``?X_API_KEY=``, ``?api%5Fkey=``, ``?key[]=``, a path segment), the key's shape is not.
+_API_KEY = re.compile(r"pc_[A-Za-z0-9_-]{20,}")
 
 
 def redact_query(text: str) -> str:
-    """``text`` with the values of secret-looking query parameters replaced by ``***``."""
-    return _SECRET_PARAM.sub(r"\1***", text)
+    """``text`` with the values of secret-looking query parameters, and anything shaped like
+    a pairclean API key, replaced by ``***``."""
+    return _API_KEY.sub("***", _SECRET_PARAM.sub(r"\1***", text))
 
 
 class RedactSecrets(logging.Filter):

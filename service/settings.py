@@ -16,9 +16,16 @@ class ServiceSettings(BaseSettings):
     Local prefixes match after resolving symlinks, remote ones on path-segment boundaries.
     ``max_body_bytes`` / ``body_timeout_s``: request bodies are counted while they stream
     (chunked ones too) and refused past either, before authentication.
+    ``max_connections``: connections and requests ``pairclean serve`` handles at once (503
+    beyond: uvicorn's ``limit_concurrency``), so clients that send bodies slowly, before any
+    key is checked, hold at most this many body buffers (100 held about 150 MB).
     ``max_shards``: shards one job may expand to, enforced while expanding.
     ``validate_*``: ``:validate`` reads at most this many bytes of one shard for at most
     this many seconds, in its own pool of ``validate_concurrency`` threads (429 when full).
+    ``submit_concurrency``: submissions expand their shard specs (bounded by
+    ``validate_timeout_s`` each) in a pool of this many threads of their own, so a tenant's
+    burst of slow specs never takes the threads that serve ``/healthz`` and other tenants; a
+    submission waits up to ``validate_timeout_s`` for one, then gets 429 with Retry-After.
     ``ui_*``: the web pages (``routers/pages.py``): how long a login lasts, the largest
     image member a thumbnail may read, the score rows one job page scans for its charts
     and galleries, and how often the pages poll for progress. Thumbnails
@@ -53,11 +60,13 @@ class ServiceSettings(BaseSettings):
     allow_pipe: bool = False
     max_body_bytes: int = 1_000_000
     body_timeout_s: float = 30.0
+    max_connections: int = Field(256, ge=1)
     max_shards: int = 100_000
     validate_max_bytes: int = 16 * 2**20
     validate_timeout_s: float = 10.0
     validate_max_samples: int = 1000
     validate_concurrency: int = 2
+    submit_concurrency: int = Field(4, ge=1, le=64)
     executor: str = "ray"
     ray_address: str | None = None
     max_running_jobs: int = 1

@@ -228,18 +228,29 @@ def queue_csv(queue: list[dict[str, Any]]) -> bytes:
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r", "'")
 
 
+def _escaped(value: Any) -> Any:
+    """A text cell with a leading ``'`` where a spreadsheet would read a formula: at its
+    start, or after leading spaces (some spreadsheets trim them on import)."""
+    if isinstance(value, str) and (value.startswith(_FORMULA_START) or value.lstrip().startswith(("=", "+", "-", "@"))):
+        return "'" + value
+    return value
+
+
 def csv_bytes(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> bytes:
     """``rows`` as CSV for people and spreadsheets, read back by ``read_labels``.
 
     RFC 4180 line ends (CRLF), so a key holding a bare CR is quoted, not split over two
-    lines; a text cell that would start a formula (``_FORMULA_START``) gets a leading ``'``,
-    which ``parse_labels`` takes off again. Numbers are written as they are.
+    lines; every text cell is quoted, so a spreadsheet that splits on ``;`` (Excel in
+    German, French, Spanish... locales) keeps ``x;=1+1;`` one cell instead of running its
+    middle as a formula; a text cell that would start a formula (``_escaped``) gets a
+    leading ``'``, which ``parse_labels`` takes off again. Numbers are written as they are.
     """
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(columns), extrasaction="ignore", lineterminator="\r\n")
+    writer = csv.DictWriter(buf, fieldnames=list(columns), extrasaction="ignore", lineterminator="\r\n",
+                            quoting=csv.QUOTE_NONNUMERIC)
     writer.writeheader()
     for row in rows:
-        writer.writerow({k: ("'" + v if isinstance(v, str) and v.startswith(_FORMULA_START) else v) for k, v in row.items()})
+        writer.writerow({k: _escaped(v) for k, v in row.items()})
     return buf.getvalue().encode()
 
 

@@ -14,7 +14,7 @@ router = APIRouter()
 
 
 @router.get("/healthz")
-def healthz() -> dict[str, str]:
+async def healthz() -> dict[str, str]:  # on the event loop: no pool thread, however busy the pools are
     return {"status": "ok"}
 
 

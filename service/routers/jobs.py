@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.exc import IntegrityError
 
 from pairclean import schema
 from pairclean.errors import PaircleanError, first_line
 from pairclean.job.lifecycle import FAILED, PARTIAL, QUEUED, RUNNING, TERMINAL, State
 
-from ..dependencies import Caller, JobId, Runner, Settings, Store, Validations, job_or_404, output_key
+from ..dependencies import Caller, Expansions, JobId, Runner, Settings, Store, Validations, job_or_404, output_key
 from ..guards import BoundedReader, PrefixEnd, scrub
 from ..security import UriRefused, check_uri, checked_output, job_roots, local_target, output_location
 from ..settings import ServiceSettings
@@ -40,15 +41,29 @@ LOG_PAGE_BYTES = 1 << 20
 
 
 @router.post("/jobs", status_code=201, response_model=JobPublic,
-             responses={429: {"model": Problem, "description": "the caller has as many queued jobs as one owner may"}})
-def submit(request: JobRequest, who: Caller, response: Response, store: Store, settings: Settings,
-           idempotency_key: Annotated[str | None, Header(max_length=200, pattern=r"^[\x21-\x7e]{1,200}$")] = None) -> JobPublic:
+             responses={429: {"model": Problem, "description": "the caller has as many queued jobs as one owner may, "
+                                                                "or too many submissions are being checked"}})
+async def submit(request: JobRequest, who: Caller, response: Response, store: Store, settings: Settings,
+                 expansions: Expansions,
+                 idempotency_key: Annotated[str | None, Header(max_length=200, pattern=r"^[\x21-\x7e]{1,200}$")] = None) -> JobPublic:
     if idempotency_key:  # a repeat returns the job before any check (the shards may have moved since)
-        existing = store.by_idempotency_key(idempotency_key, who.name)
+        existing = await run_in_threadpool(store.by_idempotency_key, idempotency_key, who.name)
         if existing is not None:
             response.status_code = 200
             return public_job(existing)
-    total = len(expand(request, settings))
+    # Expanding is bounded in time (validate_timeout_s) but not cheap: in the threads that
+    # serve every route, 42 slow specs at once held /healthz and other tenants for 8 s.
+    shards = await expansions.run(settings.validate_timeout_s, "too many submissions are being checked; retry later",
+                                  expand, request, settings)
+    job, created = await run_in_threadpool(_create, request, who, store, settings, idempotency_key, len(shards))
+    if not created:
+        response.status_code = 200
+    return public_job(job)
+
+
+def _create(request: JobRequest, who: Principal, store: JobStore, settings: ServiceSettings, idempotency_key: str | None,
+            total: int) -> tuple[JobRow, bool]:
+    """Insert the checked job (``created`` False: an idempotent repeat raced this one in)."""
     key = output_key(request.output)
     # The count and the insert under one lock: parallel submissions took 40 places of a
     # share of 3. (Per API process: replicas each hold their own, so a tenant spreading
@@ -57,25 +72,18 @@ def submit(request: JobRequest, who: Caller, response: Response, store: Store, s
     with _SUBMITTING:
         _check_queue_share(who, store, settings)
         try:
-            job, created = store.create(request.model_dump(), who.name, idempotency_key, total, key)
+            return store.create(request.model_dump(), who.name, idempotency_key, total, key)
         except OutputInUse as exc:
             raise HTTPException(409, _in_use(exc.job_id, exc.owner, who, repr(request.output))) from exc
-    if not created:
-        response.status_code = 200
-    return public_job(job)
 
 
 @router.post("/jobs:validate", response_model=Validation,
              responses={429: {"model": Problem, "description": "too many validations in progress"},
                         504: {"model": Problem, "description": "the shard did not answer in time"}})
 async def validate(request: JobRequest, who: Caller, settings: Settings, validations: Validations) -> Validation:
-    if not validations.slots.acquire(blocking=False):
-        raise HTTPException(429, "too many validations in progress; retry later", headers={"Retry-After": "5"})
-    future = asyncio.get_running_loop().run_in_executor(validations.pool, validate_blocking, request, settings)
-    # The slot is freed when the read really ends, not when this request gives up on it.
-    future.add_done_callback(lambda _: validations.slots.release())
+    run = validations.run(0, "too many validations in progress; retry later", validate_blocking, request, settings)
     try:
-        return await asyncio.wait_for(asyncio.shield(future), timeout=settings.validate_timeout_s + 5)
+        return await asyncio.wait_for(run, timeout=settings.validate_timeout_s + 5)
     except asyncio.TimeoutError:
         raise HTTPException(504, f"the first shard did not answer within {settings.validate_timeout_s:g} s") from None
 

@@ -58,6 +58,7 @@ _STATIC = {"pages.css": "text/css; charset=utf-8", "pages.js": "text/javascript;
            "favicon.svg": "image/svg+xml"}
 _CSP = ("default-src 'none'; img-src 'self'; style-src 'self'; script-src 'self'; connect-src 'self'; "
         "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
+_API_CSP = "default-src 'none'; frame-ancestors 'none'; base-uri 'none'"
 _COLOURS = {"clean": "#4c9a6a", "noisy": "#c8553d"}
 
 
@@ -105,11 +106,13 @@ def install(app: FastAPI, settings: ServiceSettings) -> None:
     @app.middleware("http")
     async def page_headers(request: Request, call_next: Any) -> Response:
         response: Response = await call_next(request)
-        if request.url.path == "/" or request.url.path.startswith("/ui"):
-            response.headers["Content-Security-Policy"] = _CSP
-            response.headers["X-Content-Type-Options"] = "nosniff"
-            response.headers["X-Frame-Options"] = "DENY"
-            response.headers["Referrer-Policy"] = "same-origin"
+        page = request.url.path == "/" or request.url.path.startswith("/ui")
+        # The API's JSON and text get a policy that runs nothing: a reply is never a page.
+        response.headers["Content-Security-Policy"] = _CSP if page else _API_CSP
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        response.headers["X-Frame-Options"] = "DENY"
+        response.headers["Referrer-Policy"] = "same-origin"
+        if page:
             response.headers.setdefault("Cache-Control", "no-store")  # pages hold one tenant's data
         return response
 

@@ -14,9 +14,11 @@ Boundary (what a request may hold)
 
 Bounded work per request
   A chunked (or huge) body, before any key is checked: 413 ........... test_body_limit_holds_for_chunked_bodies_before_authentication
+  Many slow bodies held before any key is checked (1.5 MB each) ...... test_serve_caps_the_connections_it_holds
   Brace and glob bombs, stopped while expanding ...................... test_brace_and_glob_limits_are_enforced_while_expanding
                                                                        (and tests/pipelines/test_uris.py::test_shard_limit_is_enforced_while_expanding)
   Slow or many :validate calls starving /healthz, /metrics, jobs ..... test_slow_validations_are_bounded_and_never_starve_the_other_routes
+  45 submissions of slow shard specs taking every route's threads .... test_slow_submissions_never_starve_the_other_routes
   :validate reading a whole shard or member into memory .............. test_validate_reads_a_bounded_prefix
   A 1 GiB tar member in the scoring workers .......................... tests/pipelines/test_shards.py::test_member_over_the_limit_is_a_too_large_row_and_the_rest_still_reads
 
@@ -59,6 +61,8 @@ Hardening round 3 (issue 25)
                                                                                test_two_jobs_never_write_to_one_output
   A 630-byte JPEG whose header claims 7990x8000 pixels scoring ok ............. test_thumbnail_decode_bombs_are_refused_and_bounded
   uvicorn's access log keeping ?api_key= values ............................... test_the_access_log_never_keeps_keys_from_query_strings
+  /docs and /redoc loading unpinned CDN scripts on the pages' origin; API
+  replies without a policy ..................................................... test_no_cdn_docs_and_every_reply_carries_a_policy
   The API process holding torch (building the CLI parser imported it) ......... tests/security/test_hostile_tables.py::test_the_api_process_never_loads_torch
   Hostile output folders through the real CLI (tests/security/test_hostile_tables.py):
     NaN embeddings: refine a constant score or sklearn's traceback ........... test_refine_refuses_nan_embeddings_and_rewrites_nothing
@@ -350,6 +354,34 @@ def test_slow_validations_are_bounded_and_never_starve_the_other_routes(tmp_path
         assert codes.count(200) >= 1 and set(codes) <= {200, 429}
         done = next(r.json() for r in results if r.status_code == 200)
         assert any("read only the first 2 s" in p for p in done["problems"]), done
+
+
+def test_slow_submissions_never_starve_the_other_routes(tmp_path: Path) -> None:
+    """Expanding a submission's shard specs ran on the threads that serve every route (40):
+    42 submissions of a brace product of globs (65,536 patterns a spec, each refused only at
+    the expansion deadline) held /healthz and another tenant's job list for 8 s. They now
+    expand in their own pool (``submit_concurrency``) and wait for it at most the deadline."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "out").mkdir()
+    _shard(tmp_path / "in" / "evil-000000.tar", n=1)
+    spec = str(tmp_path / "in" / "evil-000000.ta[r]") + "{,}" * 16
+    with Live(tmp_path, max_running_jobs=0, validate_timeout_s=3.0, submit_concurrency=2) as srv:
+        body = {"shards": [spec] * 3, "output": str(tmp_path / "out" / "never")}
+        results: list[httpx.Response] = []
+        threads = [threading.Thread(target=lambda: results.append(srv.post("/v1/jobs", json=body))) for _ in range(45)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        for path, who in (("/healthz", "alice"), ("/v1/jobs", "bob")):  # answered at once while 45 expand
+            started = time.perf_counter()
+            assert srv.get(path, who=who).status_code == 200
+            assert time.perf_counter() - started < 1.5, path
+        for t in threads:
+            t.join()
+    codes = sorted(r.status_code for r in results)
+    assert set(codes) <= {422, 429} and codes.count(429) >= 30, codes  # 2 at a time for 3 s: most wait, then 429
+    refused = next(r for r in results if r.status_code == 429)
+    assert refused.headers["retry-after"] == "5" and "too many submissions" in refused.text
 
 
 def test_validate_reads_a_bounded_prefix(tmp_path: Path) -> None:
@@ -753,6 +785,70 @@ def test_an_output_folder_belongs_to_the_tenant_that_made_it(tmp_path: Path) -> 
         assert r.status_code == 201, r.text
 
 
+def test_serve_caps_the_connections_it_holds(tmp_path: Path) -> None:
+    """Each client sending a body slowly is held up to ``body_timeout_s`` before its key is
+    checked: 100 of them took the API from 199 to 352 MB. ``pairclean serve`` now answers
+    503 past ``PAIRCLEAN_MAX_CONNECTIONS`` (uvicorn's ``limit_concurrency``)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PAIRCLEAN_MAX_CONNECTIONS": "3", "PAIRCLEAN_DATABASE_URL": f"sqlite:///{tmp_path / 'jobs.db'}",
+           "PAIRCLEAN_EXECUTOR": "local"}
+    serve = subprocess.Popen([sys.executable, "-m", "pairclean_service.cli", "serve", "--port", str(port), "--state-dir",
+                              str(tmp_path / "state")], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    slow: list[socket.socket] = []
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        for _ in range(10):  # bodies promised, half sent, then nothing
+            conn = socket.create_connection(("127.0.0.1", port))
+            conn.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000000\r\n\r\n" + b" " * 500_000)
+            slow.append(conn)
+        time.sleep(0.5)
+        refused = 0
+        for conn in slow:
+            conn.settimeout(0.5)
+            try:
+                refused += conn.recv(64).startswith(b"HTTP/1.1 503")
+            except TimeoutError:
+                pass  # held: its body is still awaited
+        assert refused >= 10 - 3, refused  # at most the cap's worth of bodies is held
+        for conn in slow:
+            conn.close()
+        slow.clear()
+        for _ in range(50):  # the places come back as the slow clients go
+            if httpx.get(f"{url}/healthz", timeout=5).status_code == 200:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the service never answered again")
+    finally:
+        for conn in slow:
+            conn.close()
+        serve.terminate()
+        serve.wait(timeout=30)
+
+
+def test_no_cdn_docs_and_every_reply_carries_a_policy(live: Live) -> None:
+    """FastAPI's /docs and /redoc load Swagger UI and ReDoc from a CDN, unpinned, on the
+    origin whose /ui cookie they could use; the API's replies had no security headers."""
+    for path in ("/docs", "/redoc"):
+        assert live.get(path).status_code == 404, path
+    for path in ("/openapi.json", "/healthz", "/v1/jobs", "/nope"):
+        r = live.get(path)
+        assert "default-src 'none'" in r.headers["content-security-policy"], path
+        assert r.headers["x-content-type-options"] == "nosniff" and r.headers["x-frame-options"] == "DENY", path
+    assert "script-src 'self'" in live.get("/ui/login").headers["content-security-policy"]
+
+
 def test_the_access_log_never_keeps_keys_from_query_strings(tmp_path: Path) -> None:
     """uvicorn's access log (its own default configuration, applied after the app is
     built, as ``pairclean serve`` runs it) kept ``?api_key=`` values."""
@@ -780,10 +876,17 @@ def test_the_access_log_never_keeps_keys_from_query_strings(tmp_path: Path) -> N
         assert httpx.get(f"{url}/healthz?api_key=pc_SECRET1&x=1").status_code == 200
         httpx.get(f"{url}/v1/jobs?token=pc_SECRET2")
         httpx.get(f"{url}/ui/login?next=/ui/jobs&API_KEY=pc_SECRET3")
+        # names the first filter missed (found by an attack); a real key's shape is caught by any name
+        real = new_api_key()
+        for name in ("x-api-key", "X_API_KEY", "auth", "authorization", "bearer", "pairclean_session", "api.key", "key%5B%5D",
+                     "api%5Fkey", "q"):
+            httpx.get(f"{url}/v1/jobs?{name}={real}")
+        httpx.get(f"{url}/ui/jobs/{real}")
     finally:
         server.should_exit = True
         thread.join(timeout=30)
         logging.getLogger("uvicorn.access").removeHandler(keep)
     text = "\n".join(lines)
     assert "/healthz?api_key=***&x=1" in text, text
-    assert "SECRET" not in text
+    assert "SECRET" not in text and real not in text and real[3:20] not in text
+    assert "/v1/jobs?X_API_KEY=***" in text and "/v1/jobs?q=***" in text

@@ -6,15 +6,22 @@ from pathlib import Path
 
 from pairclean.audit.run import QUEUE_COLUMNS, csv_bytes, read_labels
 
-HOSTILE_KEYS = ["plain/000", " spaced\t", "\u00a0nbsp", "cr\rsplit", "nl\nsplit", '=HYPERLINK("http://evil","click")', "+1+1", "-2", "@SUM(1)", "'quoted", 'a,"b"']
+HOSTILE_KEYS = ["plain/000", " spaced\t", "\u00a0nbsp", "cr\rsplit", "nl\nsplit", '=HYPERLINK("http://evil","click")', "+1+1", "-2", "@SUM(1)", "'quoted", 'a,"b"', " =1+1", "x;=1+1;"]
 
 
 def test_hostile_keys_survive_the_round_trip_and_never_start_a_formula(tmp_path: Path) -> None:
     rows = [{"key": k, "shard": "=cmd|' /C calc'!A0", "similarity": -0.25, "p_clean": 0.5, "stratum": 1,
              "inclusion_probability": 0.1, "label": "noisy"} for k in HOSTILE_KEYS]
     data = csv_bytes(rows, QUEUE_COLUMNS)
+    import csv
+    import io
+
     for line in data.decode().split("\r\n")[1:]:
         assert not line.startswith(("=", "+", "-", "@"))  # a spreadsheet sees text, not a formula
+    for cells in list(csv.reader(io.StringIO(data.decode())))[1:]:
+        assert not any(c.lstrip().startswith(("=", "+", "-", "@")) for c in cells if not c[:1].isdigit() and c != "-0.25")
+    # split on ";" as Excel does in many locales: each text cell is quoted, so no piece starts a formula
+    assert '"x;=1+1;"' in data.decode() and "\"' =1+1\"" in data.decode()
     assert ",-0.25," in data.decode()  # numbers are written as they are
     path = tmp_path / "labels.csv"
     path.write_bytes(data)
