@@ -27,7 +27,7 @@ from pairclean.errors import InputError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .dependencies import ValidationPool, output_key
-from .guards import BodyLimit, public_errors, redact_access_log
+from .guards import BodyLimit, SecurityHeaders, public_errors, redact_access_log
 from .metrics import Metrics
 from .audit import Auditor
 from .routers import audit, health, jobs, pages
@@ -93,7 +93,9 @@ def _add_middleware(app: FastAPI, settings: ServiceSettings, metrics: Metrics) -
             metrics.requests.labels(route=name, code=f"{code // 100}xx").inc()
             metrics.latency.labels(route=name).observe(time.perf_counter() - started)
 
-    # Outermost (added last): bodies are bounded before metrics, authentication or routing.
+    app.add_middleware(SecurityHeaders, page_policy=pages.PAGE_CSP)
+    # Outermost (added last; pages.install adds none): bodies are bounded before metrics,
+    # authentication or routing.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
 
 

@@ -56,9 +56,9 @@ JOBS_PAGE = 50
 SHARDS_PAGE = 50
 _STATIC = {"pages.css": "text/css; charset=utf-8", "pages.js": "text/javascript; charset=utf-8", "audit.js": "text/javascript; charset=utf-8",
            "favicon.svg": "image/svg+xml"}
-_CSP = ("default-src 'none'; img-src 'self'; style-src 'self'; script-src 'self'; connect-src 'self'; "
-        "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
-_API_CSP = "default-src 'none'; frame-ancestors 'none'; base-uri 'none'"
+#: The pages' policy (``guards.SecurityHeaders`` puts it on every reply under / and /ui).
+PAGE_CSP = ("default-src 'none'; img-src 'self'; style-src 'self'; script-src 'self'; connect-src 'self'; "
+            "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
 _COLOURS = {"clean": "#4c9a6a", "noisy": "#c8553d"}
 
 
@@ -102,20 +102,6 @@ def install(app: FastAPI, settings: ServiceSettings) -> None:
             return _render(request, "error.html", 422, who=None, title="Invalid request", message=problems)
         assert invalid is not None
         return await invalid(request, exc)  # type: ignore[no-any-return]
-
-    @app.middleware("http")
-    async def page_headers(request: Request, call_next: Any) -> Response:
-        response: Response = await call_next(request)
-        page = request.url.path == "/" or request.url.path.startswith("/ui")
-        # The API's JSON and text get a policy that runs nothing: a reply is never a page.
-        response.headers["Content-Security-Policy"] = _CSP if page else _API_CSP
-        response.headers["X-Content-Type-Options"] = "nosniff"
-        response.headers["X-Frame-Options"] = "DENY"
-        response.headers["Referrer-Policy"] = "same-origin"
-        if page:
-            response.headers.setdefault("Cache-Control", "no-store")  # pages hold one tenant's data
-        return response
-
 
 def _is_page(request: Request) -> bool:
     path = request.url.path
