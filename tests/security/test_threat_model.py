@@ -42,6 +42,13 @@ Broken shards are not silently short (tests/pipelines/test_shards.py)
   Duplicate keys and link members .................................... test_duplicate_keys_fields_and_link_members_become_status_rows
   16-bit PNGs clipped ................................................ test_sixteen_bit_png_keeps_its_tones_instead_of_clipping
   Pixel bombs ........................................................ test_pixel_bomb_is_refused_without_decoding
+  16-bit pictures rescaled whole in float64 (1.7 GB) .................. test_sixteen_bit_png_is_rescaled_without_float_copies_of_the_picture
+  A sample of FIFO or device members left out of the table ........... test_a_sample_of_fifo_or_device_members_is_a_row_not_skipped
+  Progressive-JPEG scan bombs (42 s a 319 kB image), marker floods
+  (2.2 GB) ........................................................... test_jpeg_scan_and_marker_bombs_are_refused_before_decoding
+  PNG chunk and GIF comment floods (2.85 GB) ......................... test_png_chunk_and_gif_comment_floods_are_refused_before_opening
+  ICO decoding 169 MP inside Image.open; any of PIL's 40 formats ..... test_only_web_image_formats_are_opened_whatever_the_extension
+  A warning per bad Exif tag printed for every image ................. test_decoder_warnings_never_reach_the_log
 
 No raw tracebacks for users
   An output that is an existing file on the CLI: one line, exit 1 .... tests/workers/test_score_cli.py::test_bad_input_gives_clear_errors_and_exit_codes
