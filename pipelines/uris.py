@@ -735,7 +735,7 @@ HTTP_READ_S = 120.0
 
 @contextlib.contextmanager
 def _open_any(uri: str, storage_options: Mapping[str, Any], http_allowed: Sequence[str] | None = None,
-              deadline: float | None = None) -> Iterator[BinaryIO]:
+              deadline: float | None = None, read_timeout_s: float | None = None) -> Iterator[BinaryIO]:
     scheme = scheme_of(uri)
     if scheme in LOCAL_SCHEMES:
         # Checked before the open (nothing outside is opened, a FIFO included) and after it
@@ -763,8 +763,11 @@ def _open_any(uri: str, storage_options: Mapping[str, Any], http_allowed: Sequen
             # to score than that failed each try ("unreadable tar: "). Time per read instead.
             import aiohttp
 
-            opts["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=HTTP_CONNECT_S,
-                                                                      sock_read=HTTP_READ_S)}
+            # A shard time limit below that also bounds one stalled read: a server that went
+            # quiet held a `--shard-timeout 20` job 120 s.
+            read_s = HTTP_READ_S if read_timeout_s is None else max(1.0, min(HTTP_READ_S, read_timeout_s))
+            opts["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=min(HTTP_CONNECT_S, read_s),
+                                                                      sock_read=read_s)}
     with fsspec.open(uri, "rb", **opts) as fh:
         yield fh
 
@@ -772,7 +775,7 @@ def _open_any(uri: str, storage_options: Mapping[str, Any], http_allowed: Sequen
 @contextlib.contextmanager
 def open_shard(
     uri: str, storage_options: Mapping[str, Any] | None = None, http_allowed: Sequence[str] | None = None,
-    deadline: float | None = None,
+    deadline: float | None = None, read_timeout_s: float | None = None,
 ) -> Iterator[BinaryIO]:
     """Open a shard for sequential reading; translate "not there" into ``ShardNotFoundError``.
 
@@ -780,10 +783,12 @@ def open_shard(
     ``$PAIRCLEAN_HTTP_ALLOWED_PREFIXES`` when set, else redirects are followed freely).
     ``deadline`` (``time.monotonic()`` seconds; HTTP(S) with ``http_allowed`` only): the
     connection is cut when it passes, so a stalled server cannot hold the reader longer.
+    ``read_timeout_s`` (HTTP(S) through fsspec): the longest wait for one read of the body,
+    where it is below ``HTTP_READ_S`` (a shard's time limit: see ``read.shards.iter_pairs``).
     """
     stack = contextlib.ExitStack()
     try:
-        fh = stack.enter_context(_open_any(uri, storage_options or {}, http_allowed, deadline))
+        fh = stack.enter_context(_open_any(uri, storage_options or {}, http_allowed, deadline, read_timeout_s))
     except FileNotFoundError as exc:
         unreachable = _unreachable(exc)
         if unreachable:  # fsspec's HTTP reports a refused connection as FileNotFoundError

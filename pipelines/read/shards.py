@@ -404,7 +404,11 @@ def _iter_members(fh: BinaryIO, uri: str, max_member_bytes: int | None,
             if counted.count != size:
                 raise ShardReadError(f"unreadable tar {uri!r}: read {counted.count} of its {size} bytes", uri=uri)
     except (tarfile.TarError, EOFError, OSError, ValueError, zlib.error, lzma.LZMAError, RecursionError) as exc:
-        raise ShardReadError(f"unreadable tar {uri!r}: {type(exc).__name__ if isinstance(exc, RecursionError) else exc}", uri=uri) from exc
+        if deadline is not None and isinstance(exc, TimeoutError):  # fsspec's read timeout (an OSError)
+            deadline.check(uri)  # a read cut by the shard's own time limit says so
+        detail = (f"the connection timed out ({type(exc).__name__})" if isinstance(exc, TimeoutError)
+                  else type(exc).__name__ if isinstance(exc, RecursionError) else str(exc) or type(exc).__name__)
+        raise ShardReadError(f"unreadable tar {uri!r}: {detail}", uri=uri) from exc
     except Exception as exc:
         # fsspec's HTTP raises aiohttp's errors as they are: a server that dropped the
         # connection mid-body (ClientPayloadError, no OSError) ended the whole job with a
@@ -412,6 +416,8 @@ def _iter_members(fh: BinaryIO, uri: str, max_member_bytes: int | None,
         aiohttp = sys.modules.get("aiohttp")
         if aiohttp is None or not isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)):
             raise
+        if deadline is not None and isinstance(exc, asyncio.TimeoutError):
+            deadline.check(uri)
         raise ShardReadError(f"unreadable tar {uri!r}: the connection failed mid-shard ({type(exc).__name__}: "
                              f"{first_line(exc) or 'no reason given'})", uri=uri) from exc
 
@@ -667,7 +673,7 @@ def iter_pairs(uri: str, options: ReadOptions | None = None, stats: ReadStats | 
     no pair uses are not read (``pair_fields``). ``stats`` is filled in as the shard is opened.
     ``deadline``: ``ShardTimeoutError`` once it has passed (checked at every read)."""
     opts = options or ReadOptions()
-    with open_shard(uri, opts.storage_options) as fh:
+    with open_shard(uri, opts.storage_options, read_timeout_s=None if deadline is None else deadline.limit_s) as fh:
         if stats is not None:
             stats.bytes = _known_size(fh)
         yield from iter_pairs_from(fh, uri, opts, deadline)

@@ -706,3 +706,39 @@ def test_png_chunk_and_gif_comment_floods_are_refused_before_opening() -> None:
         failed = decode_image(data)
         assert isinstance(failed, DecodeFailure) and words in failed.error, failed
         assert time.perf_counter() - started < 1.0
+
+
+def test_a_stalled_http_read_ends_at_the_shard_time_limit(tmp_path: Path, loopback_http) -> None:
+    """An HTTP server that sends part of a shard and then nothing held a reader for the
+    fixed 120 s read timeout, whatever ``--shard-timeout`` said. A limit below that now
+    bounds one read too, and the failure names the limit."""
+    import http.server
+    import threading
+    import time
+
+    from pairclean.errors import ShardTimeoutError
+    from pairclean.read.shards import Deadline
+
+    data = _tar(tmp_path / "s.tar", [(f"{i}.{ext}", b"x" * 3000) for i in range(6) for ext in ("jpg", "txt")]).read_bytes()
+    release = threading.Event()
+
+    class Stalling(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the handler's name
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data[:5000])
+            self.wfile.flush()
+            release.wait(60)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    url = loopback_http(Stalling) + "/s.tar"
+    started = time.monotonic()
+    try:
+        with pytest.raises(ShardTimeoutError, match="2 s limit"):
+            list(iter_pairs(url, deadline=Deadline.after(2.0)))
+    finally:
+        release.set()
+    assert time.monotonic() - started < 15
