@@ -274,6 +274,19 @@ def _judge_fields(args: argparse.Namespace, existing: Any) -> dict[str, Any]:
             "judge_checkpoint": path if args.judge_checkpoint else None, "judge_sha256": loaded.sha256}
 
 
+def _recorded_shards(shards: list[str], existing: Any) -> list[str]:
+    """The shards as the job records them: local paths made absolute, so every later verb
+    (export, rescore, the sampler), run from any folder, reads the files this run read. A
+    job recorded with relative paths resumed from another folder took that folder's
+    same-named shards as "changed" and replaced the first job's tables with theirs. A job an
+    earlier release recorded with the same relative spelling resumes with it."""
+    from pairclean.uris import scheme_of
+
+    if existing is not None and list(existing.shards) == shards:
+        return shards
+    return [os.path.abspath(s) if scheme_of(s) == "" else s for s in shards]
+
+
 def cmd_score(args: argparse.Namespace) -> int:
     """Run (or resume) a scoring job (on Ray, or in this process with --executor local)."""
     from pairclean.embed.estimators import EstimatorSpec, default_beta_recipe
@@ -285,8 +298,8 @@ def cmd_score(args: argparse.Namespace) -> int:
     storage = storage_options(args.storage_option)
     est_spec = EstimatorSpec(args.model, args.checkpoint, args.pretrained, args.precision, args.device, args.engine)
     est_spec.validate()
-    shards = expand_shards(args.shards, storage)
     existing = _existing_spec(args, storage)
+    shards = _recorded_shards(expand_shards(args.shards, storage), existing)
     spec = JobSpec(
         shards=tuple(shards), model=args.model, checkpoint=os.path.abspath(args.checkpoint) if args.checkpoint else None,
         pretrained=args.pretrained, precision=args.precision,

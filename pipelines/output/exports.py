@@ -116,6 +116,7 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
     # writes one when every download failed) has no rows, so it says nothing either way.
     no_uid = 0  # kept pairs without a uid (never in the keep file)
     bad: list[tuple[str, str, str]] = []  # (uid, key, shard) of kept pairs with a non-DataComp uid
+    datacomp = False  # whether any row (kept or not) carries a DataComp uid: the job has a keep list, maybe empty
     shard_folders: list[str] = []
     remote_shards = 0
     for record in out.iter_committed():
@@ -139,7 +140,9 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
             no_uid += int(clean.sum())
             continue
         keys = table.column(schema.COL_KEY).to_pylist()
-        for uid, key, kept in zip(table.column(schema.COL_UID).to_pylist(), keys, clean):
+        uids = table.column(schema.COL_UID).to_pylist()
+        datacomp = datacomp or any(u is not None and _is_datacomp_uid(u) for u in uids)
+        for uid, key, kept in zip(uids, keys, clean):
             if not kept:
                 continue
             if uid is None:
@@ -152,35 +155,18 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
     if not sizes:
         raise InputError(f"{out.uri} holds no committed shard")
     _note_unscored(out, report)
-    has_uid = bool(keep or bad)
-    if bad and not keep:
-        # No uid is DataComp's (the demo's are names): no keep list, the rest is written.
-        has_uid = False
-    elif bad and not skip_bad_uids:
-        uid, key, shard = bad[0]
-        raise InputError(
-            f"uid {uid!r} of key {key!r} in shard {shard!r} is not 32 hex digits (DataComp's format; "
-            f"{len(bad)} such): pass --skip-bad-uids to leave those pairs out of datacomp_keep.npy"
-        )
-    elif bad:
-        report.skipped_uids = len(bad)
+    keep_file = keep_list(keep, bad, datacomp, skip_bad_uids, report)
     files: dict[str, bytes] = {
         # allow_nan=False: strict JSON parsers reject NaN; a non-finite value is a bug here.
         name: json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode()
         for name, doc in (("sizes.json", sizes), ("shard_weights.json", sums))
     }
-    if has_uid and no_uid:
+    if keep_file is not None and no_uid:
         report.notes.append(f"{no_uid} kept pairs have no uid: they are not in datacomp_keep.npy")
-    if has_uid:
+    if keep_file is not None:
         buf = io.BytesIO()
-        np.save(buf, uid_records(keep))
+        np.save(buf, keep_file)
         files["datacomp_keep.npy"] = buf.getvalue()
-    else:
-        example = f" (they have e.g. {bad[0][0]!r})" if bad else ""
-        report.notes.append(
-            f"datacomp_keep.npy not written: it needs DataComp uids (32 hex digits in each sample's json 'uid'), "
-            f"and these shards have none{example}"
-        )
     for folder in sizes_dirs:
         if scheme_of(folder) not in LOCAL_SCHEMES:  # was taken as a local path: "cannot write into '/here/s3:/b'"
             raise InputError(f"--sizes-dir {folder}: copies of sizes.json are written to local folders only; copy "
@@ -265,11 +251,43 @@ def _note_unscored(out: OutputDir, report: ExportReport) -> None:
                             "for them) or score them again")
 
 
+def keep_list(keep: list[str], bad: list[tuple[str, str, str]], datacomp: bool, skip_bad_uids: bool,
+              report: ExportReport) -> np.ndarray | None:
+    """``datacomp_keep.npy``'s records for the kept DataComp uids ``keep`` (each once, sorted),
+    or None where the job has no DataComp uid (a note says so). ``bad``: kept pairs' uids in
+    another format (``InputError`` unless ``skip_bad_uids``); ``datacomp``: whether any row,
+    kept or not, has a DataComp uid. Such a job gets a keep file even when it keeps no pair
+    (an empty one): the older file left in place listed pairs a rescore had flagged noisy."""
+    if bad and not (keep or datacomp):
+        # No uid is DataComp's (the demo's are names): no keep list, the rest is written.
+        report.notes.append(f"datacomp_keep.npy not written: it needs DataComp uids (32 hex digits in each sample's json "
+                            f"'uid'), and these shards have none (they have e.g. {bad[0][0]!r})")
+        return None
+    if bad and not skip_bad_uids:
+        uid, key, shard = bad[0]
+        raise InputError(
+            f"uid {uid!r} of key {key!r} in shard {shard!r} is not 32 hex digits (DataComp's format; "
+            f"{len(bad)} such): pass --skip-bad-uids to leave those pairs out of datacomp_keep.npy"
+        )
+    report.skipped_uids = len(bad)
+    if not (keep or datacomp):
+        report.notes.append("datacomp_keep.npy not written: it needs DataComp uids (32 hex digits in each sample's json "
+                            "'uid'), and these shards have none")
+        return None
+    unique = list(dict.fromkeys(keep))
+    if len(unique) < len(keep):
+        # DataComp's resharder writes a sample once per entry: a pair two shards hold was written twice
+        report.notes.append(f"{len(keep) - len(unique)} kept uids appear in more than one row: datacomp_keep.npy "
+                            f"lists each once ({len(unique)} uids)")
+    return uid_records(unique)
+
+
 def _refuse_kept_beside_shards(copies: Sequence[str], shard_folders: Sequence[str], kept: int) -> None:
     """Kept counts never go into a folder of scored shards: DataComp's resharder reads
     ``INPUT_DIR/sizes.json`` as the input shards' sample counts (and plans its workers by
     them), and open_clip reads the same file; both need every sample counted there."""
-    clash = [f for f in copies if os.path.abspath(f) in shard_folders]
+    shard_paths = {os.path.realpath(f) for f in shard_folders}  # a link to the shards' folder is that folder
+    clash = [f for f in copies if os.path.realpath(f) in shard_paths]
     if clash:
         raise InputError(
             f"--sizes-of kept would put kept counts into {clash[0]!r}, beside the shards: DataComp's resharder and "

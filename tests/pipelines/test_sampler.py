@@ -393,6 +393,11 @@ def test_export_sizes_where_open_clip_looks_and_never_over_foreign_files(scored,
     with pytest.raises(InputError, match=f"--train-num-samples {kept} "):
         export(OutputDir(str(out)), sizes_of="kept", sizes_beside_shards=True)
     assert not beside.exists()
+    link = tmp_path / "shards-link"  # the shards' folder named through a link is that folder (it wrote kept counts there)
+    link.symlink_to(shards[0].parent, target_is_directory=True)
+    with pytest.raises(InputError, match=f"--train-num-samples {kept} "):
+        export(OutputDir(str(out)), sizes_of="kept", sizes_dirs=[str(link)])
+    assert not beside.exists()
     report = export(OutputDir(str(out)), sizes_of="kept", sizes_dirs=[str(tmp_path)])
     assert sum(json.loads((tmp_path / "sizes.json").read_text()).values()) == kept == report.kept
     (tmp_path / "sizes.json").unlink()

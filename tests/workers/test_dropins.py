@@ -124,3 +124,60 @@ def test_a_folder_of_the_older_layout_still_reads_resumes_and_exports(img2datase
     assert "4 already done" in capsys.readouterr().out
     assert main(["export", str(scored)]) == 0
     assert (scored / "_export" / "datacomp_keep.npy").is_file() and not side.exists()
+
+
+def test_the_keep_file_lists_each_uid_once_and_is_empty_rather_than_stale() -> None:
+    """DataComp's resharder writes a sample once per entry of the keep file: a pair two
+    shards held was listed (and written) twice. A job of DataComp uids that keeps no pair
+    after a rescore left its older keep file, listing pairs flagged noisy since."""
+    from pairclean.output.exports import ExportReport, keep_list
+
+    a, b = "0" * 31 + "a", "0" * 31 + "b"
+    report = ExportReport()
+    records = keep_list([b, a, b], [], True, False, report)
+    assert records is not None and [f"{hi:016x}{lo:016x}" for hi, lo in records.tolist()] == [a, b]
+    assert any("1 kept uids appear in more than one row" in n for n in report.notes)
+    empty = keep_list([], [], True, False, ExportReport())  # uids in the job, none kept: an empty file
+    assert empty is not None and len(empty) == 0
+    none = ExportReport()
+    assert keep_list([], [("x-1", "k", "s.tar")], False, False, none) is None and "none (they have e.g. 'x-1')" in none.notes[0]
+    with pytest.raises(Exception, match="--skip-bad-uids"):
+        keep_list([a], [("x-1", "k", "s.tar")], True, False, ExportReport())
+
+
+def test_a_shard_held_twice_is_kept_once_in_the_keep_file(img2dataset_folder: Path, tmp_path: Path) -> None:
+    import shutil
+
+    shutil.copy(img2dataset_folder / "00002.tar", img2dataset_folder / "00004.tar")  # the same pairs, the same uids
+    out = tmp_path / "weights"
+    assert main(["score", str(img2dataset_folder), "--out", str(out), *TINY]) == 0
+    assert main(["export", str(out)]) == 0
+    keep = np.load(Path(f"{out}{schema.SIDE_SUFFIX}") / "export" / "datacomp_keep.npy")
+    table = pq.read_table(out, columns=["uid", "status", "noisy"]).to_pylist()
+    kept = {r["uid"] for r in table if r["status"] == "ok" and not r["noisy"]}
+    assert len(keep) == len(kept) == len({tuple(r) for r in keep.tolist()}) > 0
+
+
+def test_relative_shards_are_recorded_absolute_so_another_folder_cannot_resume_into_the_job(
+        img2dataset_writer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job scored as ``pairclean score shards --out weights`` recorded ``shards/00000.tar``:
+    the same command run from another job's folder (img2dataset names every folder's shards
+    alike) passed the spec check, took that folder's shards as "changed" and replaced the
+    first job's tables with them; export wrote sizes.json beside the other folder's shards."""
+    for job in ("a", "b"):
+        img2dataset_writer(tmp_path / job / "shards")
+    import shutil
+
+    shutil.copy(tmp_path / "b" / "shards" / "00002.tar", tmp_path / "b" / "shards" / "00003.tar")  # same name, other pairs
+    monkeypatch.chdir(tmp_path / "a")
+    assert main(["score", "shards", "--out", "weights", *TINY]) == 0
+    spec = OutputDir(str(tmp_path / "a" / "weights")).read_spec()
+    assert spec is not None and all(s.startswith(str(tmp_path / "a" / "shards")) for s in spec.shards)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "a" / "weights").glob("*.parquet")}
+    monkeypatch.chdir(tmp_path / "b")
+    assert main(["score", "shards", "--out", str(tmp_path / "a" / "weights"), *TINY]) != 0  # another job's shards: refused
+    assert {p.name: p.read_bytes() for p in (tmp_path / "a" / "weights").glob("*.parquet")} == before
+    assert main(["export", str(tmp_path / "a" / "weights"), "--sizes-beside-shards"]) == 0
+    assert (tmp_path / "a" / "shards" / "sizes.json").is_file() and not (tmp_path / "b" / "shards" / "sizes.json").exists()
+    monkeypatch.chdir(tmp_path / "a")
+    assert main(["score", "shards", "--out", "weights", *TINY]) == 0  # the job's own folder resumes it
