@@ -320,7 +320,27 @@ def cmd_score(args: argparse.Namespace) -> int:
         )
     finally:
         bar.close()
+    _reapply_audit(out, report, args.lock_ttl)
     return _print_report(report, out.uri)
+
+
+def _reapply_audit(out: Any, report: Any, lock_ttl_s: float | None) -> None:
+    """Give the shards this run committed the audit map the job's other tables carry (an
+    ``audit --labels`` before this run). Without it a rerun that committed a repaired shard
+    wrote the model's ``p_clean`` and no ``p_clean_model`` beside recalibrated tables: the
+    same pairs read 0.991 in one table and 0.560 in another, and polars and duckdb refused
+    the folder's two schemas. The audit's rewrite skips the tables it already did."""
+    if not report.committed:
+        return
+    from pairclean.audit import run as audit_run
+
+    doc = audit_run.active_audit(out, look=report.committed + 1)
+    if doc is None:
+        return
+    applied = audit_run.apply_recalibration(out, doc["knots"], doc["labels"], lock_ttl_s=lock_ttl_s)
+    if applied["rewritten"]:
+        log.warning("the audit's recalibration (%d labels) was applied to the %d tables this run committed, as to the "
+                    "others", doc["labels"], applied["rewritten"])
 
 
 def _warn_ray_only(args: argparse.Namespace) -> None:

@@ -581,6 +581,21 @@ def _applied_name(doc: dict[str, Any], stem: str) -> str:
     return f"{APPLIED_DIR}/{doc['map_sha256'][:12]}/{stem}.json"
 
 
+def active_audit(out: OutputDir, look: int) -> dict[str, Any] | None:
+    """The audit map (``recalibrated_table``'s ``doc``: knots, labels) the job's tables carry,
+    or None: read from the footers of its committed tables until one has a map or ``look``
+    tables had none (a ``score`` that committed N shards passes N + 1: at least one older
+    table is among them). A rescore since replaced the map with its own calibration: None."""
+    for i, record in enumerate(out.iter_committed()):
+        if i >= look:
+            return None
+        meta = schema.json_object((out.store.parquet_metadata(record.output) or {}).get(schema.META_KEY))
+        doc = (meta or {}).get("audit")
+        if isinstance(doc, dict) and isinstance(doc.get("knots"), dict) and isinstance(doc.get("labels"), int):
+            return doc
+    return None
+
+
 def apply_recalibration(out: OutputDir, knots: dict[str, list[float]], labels: int, lock_ttl_s: float | None = None) -> dict[str, int]:
     """Rewrite every committed score table with the recalibrated ``p_clean`` (resumable:
     shards already rewritten with this map are skipped). Returns rewritten / skipped counts."""

@@ -230,3 +230,32 @@ def test_a_sample_drawn_before_a_refine_is_refused_and_a_damaged_one_is_one_line
         assert main(["audit", str(job), "--labels", str(labels)]) == 1
         err = capsys.readouterr().err
         assert "is not an audit sample pairclean wrote" in err and err.count("\n") == 1, (damaged, err)
+
+
+def test_a_rerun_gives_the_shards_it_commits_the_audit_map(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """After ``audit --labels`` a rerun that committed a repaired shard wrote the model's
+    ``p_clean`` and no ``p_clean_model`` beside the recalibrated tables: the same pairs read
+    0.991 in one table and 0.560 in the other, and polars and duckdb refused the folder."""
+    import pyarrow.dataset as ds
+
+    from pairclean.read.shards import iter_raw_samples
+    from pairclean_workers.cli import sample_shard
+
+    truth = {s.key for s in iter_raw_samples(sample_shard()) if json.loads(s.files["json"]).get("swapped")}
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    shutil.copy(sample_shard(), shards / "a-000000.tar")
+    whole = Path(sample_shard()).read_bytes()
+    (shards / "b-000000.tar").write_bytes(whole[:3000])  # cut short: it fails this run
+    out = tmp_path / "out"
+    run = ["score", str(shards), "--out", str(out), "--no-progress", "--executor", "local"]
+    assert main(run) != 0
+    queue = tmp_path / "queue.csv"
+    assert main(["audit", str(out), "--sample", "10", "--seed", "3", "--out", str(queue)]) == 0
+    assert main(["audit", str(out), "--labels", str(_label(queue, tmp_path / "labels.csv", truth))]) == 0
+    (shards / "b-000000.tar").write_bytes(whole)  # repaired
+    assert main(run) == 0
+    a, b = (pq.read_table(out / f"{s}-000000.parquet") for s in ("a", "b"))
+    assert a.schema.names == b.schema.names and "p_clean_model" in b.schema.names
+    assert a.column("p_clean").to_pylist() == b.column("p_clean").to_pylist()  # the same pairs, one scale
+    assert ds.dataset(str(out)).to_table().num_rows == 20
