@@ -74,6 +74,7 @@ __all__ = [
     "COL_P_CLEAN_MODEL",
     "LOCK_FILE",
     "EXPORTS_FILE",
+    "EXPORTS_STALE_FILE",
     "CONTRAST_BANK_FILE",
     "JUDGE_RATIOS_FILE",
     "EXPORT_DIR",
@@ -198,6 +199,9 @@ AUDIT_REPORT_FILE: Final = f"{STATE_DIR}/audit.json"
 COL_P_CLEAN_MODEL: Final = "p_clean_model"
 LOCK_FILE: Final = f"{STATE_DIR}/lock.json"
 EXPORTS_FILE: Final = f"{STATE_DIR}/exports.json"
+#: Present from before a run may change the tables until the exports are written again:
+#: a run killed in between leaves it, and the next run (or ``export``) writes them.
+EXPORTS_STALE_FILE: Final = f"{STATE_DIR}/exports-stale.json"
 #: Present while ``rescore``, ``refine`` or ``audit`` rewrites the tables: a run killed midway
 #: leaves it, so readers can tell a half-rewritten job (``OutputDir.check_tables_whole``).
 REWRITE_FILE: Final = f"{STATE_DIR}/rewrite.json"

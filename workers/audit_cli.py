@@ -136,7 +136,8 @@ def _check_queue_target(path: str, out_uri: str, storage: dict[str, Any]) -> Non
     if fs.size(target) > _MAX_QUEUE_BYTES:
         raise InputError(f"--out {path} exists and is not an audit queue; it is left untouched")
     old = fs.cat_file(target)
-    if not old.startswith(b"key,shard,similarity,p_clean,stratum"):
+    head = old[:200].split(b"\n", 1)[0].replace(b'"', b"")  # csv_bytes quotes every text cell; older queues did not
+    if not head.startswith(b"key,shard,similarity,p_clean,stratum"):
         raise InputError(f"--out {path} exists and is not an audit queue; it is left untouched")
     try:
         rows = list(csv.DictReader(io.StringIO(old.decode("utf-8", "replace"))))

@@ -32,7 +32,7 @@ from pairclean.calibrate.calibration import Calibration
 from pairclean.spec import JobSpec
 from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.job.lifecycle import FAILED, PARTIAL, SUCCEEDED
-from pairclean.output.exports import refresh_exports
+from pairclean.output.exports import exports_current, mark_exports_stale, refresh_exports
 from pairclean.output.lock import RunLock
 from pairclean.embed.shard import ScoreOptions
 from pairclean.job.work import CalibrationOutcome, ShardOutcome, ShardWork
@@ -221,10 +221,13 @@ def run_job(
     lock.acquire()
     try:
         out.prepare(spec, overwrite)
+        stale = mark_exports_stale(out, "score")  # set before any commit; an earlier run killed before its refresh left it
         report = _run(spec, out, stems, make_source, lock, progress, max_failed_fraction)
         out.compact()
-        if report.committed or report.withdrawn:
+        if report.committed or report.withdrawn or stale:
             refresh_exports(out)  # shards committed after an export: trainers read it without asking
+        else:
+            exports_current(out)
     finally:
         lock.release()
     report.seconds = time.perf_counter() - started

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -208,6 +209,7 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
     if targets:
         done = {path: [digest] for path, digest in targets.items()}
         out.store.put(schema.EXPORTS_FILE, json.dumps({"written": names, "outside": {**previous, **done}, "options": options}).encode())
+    exports_current(out)
     if not copies:
         where = shard_folders[0] if shard_folders else "the folder of your first training shard"
         report.notes.append(
@@ -304,6 +306,23 @@ def export_options(out: OutputDir) -> dict[str, Any] | None:
     return dict(options) if isinstance(options, dict) else None
 
 
+def mark_exports_stale(out: OutputDir, why: str) -> bool:
+    """Record, before the tables may change, that the job's exports are to be written again
+    (``EXPORTS_STALE_FILE``): a run killed after a commit and before its refresh left them
+    on the earlier weights with nothing to say so, and no later run repaired them. Returns
+    whether an earlier run had left the mark (so this one refreshes whatever it commits).
+    Nothing is written for a job never exported."""
+    before = out.store.exists(schema.EXPORTS_STALE_FILE)
+    if not before and export_options(out) is not None:
+        out.store.put(schema.EXPORTS_STALE_FILE, json.dumps({"why": why, "at": time.time()}).encode())
+    return before
+
+
+def exports_current(out: OutputDir) -> None:
+    """The exports match the tables again (``mark_exports_stale``'s mark removed)."""
+    out.store.rm(schema.EXPORTS_STALE_FILE)
+
+
 def refresh_exports(out: OutputDir) -> tuple[ExportReport | None, str | None]:
     """Write the job's exports again with the options they were written with, after its
     tables changed (trainers read them without asking, so stale ones would train on the
@@ -315,7 +334,9 @@ def refresh_exports(out: OutputDir) -> tuple[ExportReport | None, str | None]:
     someone else has replaced since), logged as a warning that names the command to run."""
     options = export_options(out)
     if options is None:
+        exports_current(out)
         return None, None
+    mark_exports_stale(out, "refresh")  # a refresh killed midway is done again by the next run
     try:
         report = _export_locked(out, str(options.get("sizes_of", "all")), [str(d) for d in options.get("sizes_dirs", [])],
                                 bool(options.get("sizes_beside_shards")), bool(options.get("skip_bad_uids")), refresh=True)

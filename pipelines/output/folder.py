@@ -399,6 +399,7 @@ class OutputDir:
         names += [f"{schema.FAILED_DIR}/{n}" for n in self.store.list(schema.FAILED_DIR)]
         if self.store.exists(schema.EXPORTS_FILE):
             names += self.written_exports() + [schema.EXPORTS_FILE]
+        names.append(schema.EXPORTS_STALE_FILE)
         names += [f"{schema.MANIFEST_DIR}/{n}" for n in self.store.list(schema.MANIFEST_DIR)]
         names += self._pseudo_outputs()
         # The audit's sample and report describe the tables being deleted: labels made for

@@ -181,3 +181,33 @@ def test_relative_shards_are_recorded_absolute_so_another_folder_cannot_resume_i
     assert (tmp_path / "a" / "shards" / "sizes.json").is_file() and not (tmp_path / "b" / "shards" / "sizes.json").exists()
     monkeypatch.chdir(tmp_path / "a")
     assert main(["score", "shards", "--out", "weights", *TINY]) == 0  # the job's own folder resumes it
+
+
+def test_exports_a_killed_run_left_stale_are_written_by_the_next_run(img2dataset_folder: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rerun that committed a repaired shard and was killed inside the export refresh left
+    sizes.json without that shard; the next run had nothing to commit, so it did not refresh,
+    and nothing recorded that the exports were stale."""
+    import pairclean.job.runner as runner
+
+    whole = (img2dataset_folder / "00003.tar").read_bytes()
+    (img2dataset_folder / "00003.tar").write_bytes(whole[:3000])  # cut: it fails the first run
+    out = tmp_path / "weights"
+    run = ["score", str(img2dataset_folder), "--out", str(out), *TINY]
+    assert main(run) != 0
+    assert main(["export", str(out)]) == 0
+    sizes = Path(f"{out}{schema.SIDE_SUFFIX}") / "export" / "sizes.json"
+    assert "00003.tar" not in json.loads(sizes.read_text())
+    (img2dataset_folder / "00003.tar").write_bytes(whole)
+
+    def killed(out_dir: object) -> None:
+        raise KeyboardInterrupt  # the run is killed inside its refresh, after the commit
+
+    monkeypatch.setattr(runner, "refresh_exports", killed)
+    assert main(run) == 130  # the CLI's exit for an interrupt
+    monkeypatch.undo()
+    assert "00003.tar" not in json.loads(sizes.read_text())  # stale: the table of 00003 is committed
+    assert schema.local_side_path(out, schema.EXPORTS_STALE_FILE).is_file()
+    assert main(run) == 0  # nothing left to score: the exports are written anyway
+    assert json.loads(sizes.read_text())["00003.tar"] == 10
+    assert not schema.local_side_path(out, schema.EXPORTS_STALE_FILE).exists()
