@@ -109,6 +109,8 @@ class ShardResult:
     #: The size of the shard as opened and read (``ReadStats``); None for pairs scored from
     #: memory, or a stream that does not say.
     read_bytes: int | None = None
+    #: The local shard's modification time as opened (``ReadStats.mtime_ns``), else None.
+    read_mtime_ns: int | None = None
 
     @property
     def ok_mask(self) -> NDArray[np.bool_]:
@@ -432,6 +434,7 @@ def score_shard(uri: str, estimator: Estimator, options: ScoreOptions | None = N
         members=_member_columns(spans) if samples is None else None,
         judge_llr=(np.concatenate(llr_parts) if llr_parts else np.zeros(0, np.float32)) if judge is not None else None,
         read_bytes=stats.bytes,
+        read_mtime_ns=stats.mtime_ns,
     )
 
 

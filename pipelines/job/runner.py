@@ -21,6 +21,7 @@ the allowed one) or FAILED.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -36,7 +37,7 @@ from pairclean.output.exports import exports_current, mark_exports_stale, refres
 from pairclean.output.lock import RunLock
 from pairclean.embed.shard import ScoreOptions
 from pairclean.job.work import CalibrationOutcome, ShardOutcome, ShardWork
-from pairclean.uris import LOCAL_SCHEMES, scheme_of, shard_size
+from pairclean.uris import LOCAL_SCHEMES, local_path, scheme_of, shard_size
 
 __all__ = [
     "SUCCEEDED",
@@ -270,10 +271,13 @@ def _run(spec: JobSpec, out: OutputDir, stems: dict[str, str], make_source: Call
 
 
 def _changed_since_committed(uris: Sequence[str], stems: dict[str, str], committed: dict[str, ShardRecord]) -> set[str]:
-    """The local shards whose size is not what it was when they were committed (re-downloaded,
-    rewritten in place, or a relative path that names another file from this folder): their
-    tables no longer describe them, so a rerun scores them again, saying so. Remote shards
-    are not asked (a request per shard on every resume); a shard gone since stays as it was."""
+    """The local shards whose size or modification time is not what it was when they were
+    committed (re-downloaded, rewritten in place; records written before the time was kept
+    compare sizes only): their tables no longer describe them, so a rerun scores them again,
+    saying so. Tars are padded to 10 KiB records, so a different file of the same size is
+    common: by size alone one was kept as done, its table describing another file. Remote
+    shards are not asked (a request per shard on every resume); a shard gone since stays as
+    it was."""
     changed = set()
     for uri in uris:
         record = committed.get(stems[uri])
@@ -281,10 +285,14 @@ def _changed_since_committed(uris: Sequence[str], stems: dict[str, str], committ
             continue
         try:
             size = shard_size(uri)  # checked against a service's read roots, as every read is
+            mtime = os.stat(local_path(uri)).st_mtime_ns if record.mtime_ns is not None else None
         except (OSError, InputError):
             continue
         if size != record.size:
             log.warning("shard %s changed since it was committed (%d bytes then, %d now): scoring it again", uri, record.size, size)
+            changed.add(uri)
+        elif mtime != record.mtime_ns:
+            log.warning("shard %s changed since it was committed (modified since, same size): scoring it again", uri)
             changed.add(uri)
     return changed
 

@@ -506,6 +506,7 @@ class ShardWork:
             size=result.read_bytes if result.read_bytes is not None else shard_size(result.uri, self.options.read.storage_options),
             rows=len(result), output=self.out.score_name(stem), sha256=info.sha256, bytes=info.bytes,
             statuses=result.status_counts(), emb_output=emb_name, emb_bytes=emb_bytes, timings=timings,
+            mtime_ns=result.read_mtime_ns,
         )
 
     def contrast_of(self, calibration: Calibration) -> Contrast | None:

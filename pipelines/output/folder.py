@@ -117,6 +117,9 @@ class ShardRecord:
     #: How many tries the shard took (a worker lost or a transient error retried it; set by
     #: the driver at commit). 1 in records written before it was kept.
     attempts: int = 1
+    #: The local shard's modification time when it was read (ns; None for remote shards and
+    #: in records written before it was kept): with ``size``, how a resume sees it changed.
+    mtime_ns: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
@@ -153,6 +156,7 @@ _MANIFEST_SCHEMA = pa.schema(
         ("stem", pa.string()), ("shard", pa.string()), ("size", pa.int64()), ("rows", pa.int64()),
         ("output", pa.string()), ("sha256", pa.string()), ("bytes", pa.int64()), ("statuses", pa.string()),
         ("emb_output", pa.string()), ("emb_bytes", pa.int64()), ("timings", pa.string()), ("attempts", pa.int64()),
+        ("mtime_ns", pa.int64()),  # absent from segments written before it was kept: read as None
     ]
 )
 
@@ -379,7 +383,7 @@ class OutputDir:
         shard failed before it could calibrate, too)."""
         if self.read_calibration() is not None or self.committed():
             return False
-        return not self._stray_outputs(spec_digest(spec), set())
+        return not self._stray_outputs(spec_digest(spec), set(), spec)
 
     def clear(self) -> list[str]:
         """Delete what this job's records say it wrote (and nothing else); returns the names.
@@ -394,7 +398,7 @@ class OutputDir:
         for record in committed.values():
             # a table the records name but someone replaced with a file of their own is theirs
             names += [n for n in (record.output, record.emb_output) if n and (not self.store.exists(n) or self.written_by(n))]
-        names += self._stray_outputs(doc.get("spec_sha256"), set(names))
+        names += self._stray_outputs(doc.get("spec_sha256"), set(names), self.read_spec())
         names += [f"{schema.COMPLETIONS_DIR}/{n}" for n in self.store.list(schema.COMPLETIONS_DIR)]
         names += [f"{schema.FAILED_DIR}/{n}" for n in self.store.list(schema.FAILED_DIR)]
         if self.store.exists(schema.EXPORTS_FILE):
@@ -468,15 +472,23 @@ class OutputDir:
         tables = [f"{schema.PSEUDO_DIR}/{n}" for n in self.store.list(schema.PSEUDO_DIR) if n.endswith(".parquet")]
         return [n for n in tables if self.written_by(n)] + [schema.PSEUDO_RECORD_FILE, schema.PSEUDO_STALE_FILE]
 
-    def _stray_outputs(self, digest: str | None, known: set[str]) -> list[str]:
-        """Data files of this job with no completion record, recognised by their metadata."""
-        if digest is None:
+    def _stray_outputs(self, digest: str | None, known: set[str], spec: JobSpec | None) -> list[str]:
+        """Data files of this job with no completion record: at the names its shards' tables
+        and sidecars take, and naming the job in their metadata. By metadata alone a user's
+        ``my-labels.parquet`` (the job's rows plus a column, written with pyarrow, which keeps
+        the metadata) or a copied ``x.backup.parquet`` was deleted by ``--overwrite``."""
+        if digest is None or spec is None:
             return []
+        try:
+            stems = set(spec.stems().values())
+        except InputError:
+            return []
+        ours = {self.score_name(s) for s in stems} | {self.emb_name(s) for s in stems}
         found = []
         for folder, names in (("", self.store.list()), (schema.EMB_DIR, self.store.list(schema.EMB_DIR))):
             for name in names:
                 full = f"{folder}/{name}" if folder else name
-                if full in known or not name.endswith(".parquet"):
+                if full in known or full not in ours:
                     continue
                 if self.written_by(full, digest):
                     found.append(full)

@@ -11,7 +11,10 @@ needed):
   for a free lock, the one whose write landed last wins and the other one is refused;
 - while running, a background thread rewrites the heartbeat every TTL/4. If it finds
   another holder's lock (this run stalled for longer than the TTL and was taken over), it
-  sets ``lost`` and stops; the job loop then stops committing.
+  sets ``lost`` and stops; the job loop then stops committing. A beat that fails (the store
+  unreachable) is tried again next time; once no beat has landed for a TTL, another run may
+  have taken the folder, so ``check`` stops the run too (a network blip used to end the
+  heartbeat thread for good while the run went on committing, unlocked).
 
 Why not a library: fsspec offers no lock, filelock only works on local disks, and a
 lock service (etcd, a database) would be one more thing for every user to run.
@@ -19,8 +22,8 @@ lock service (etcd, a database) would be one more thing for every user to run.
 
 from __future__ import annotations
 
-import contextlib
 import json
+import logging
 import os
 import socket
 import threading
@@ -33,6 +36,8 @@ from pairclean.errors import InputError, OutputBusyError
 from pairclean.storage import Store
 
 __all__ = ["DEFAULT_TTL_S", "RunLock", "lock_ttl_from_env"]
+
+log = logging.getLogger(__name__)
 
 #: A crashed run's lock is taken over after this long without a heartbeat.
 DEFAULT_TTL_S = 60.0
@@ -84,6 +89,7 @@ class RunLock:
         self.pid = os.getpid()
         self.started = time.time()
         self.lost = threading.Event()
+        self._last_beat = time.monotonic()  # when a heartbeat last landed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -120,6 +126,7 @@ class RunLock:
         holder = self.read()
         if holder is None or holder.get("run_id") != self.run_id:
             raise self._busy(holder or {})
+        self._last_beat = time.monotonic()
         self._thread = threading.Thread(target=self._beat, name="pairclean-lock-heartbeat", daemon=True)
         self._thread.start()
 
@@ -131,28 +138,49 @@ class RunLock:
 
     def _beat(self) -> None:
         interval = max(0.05, self.ttl_s / 4)
+        failing = False
         while not self._stop.wait(interval):
             try:
-                with contextlib.suppress(OSError):  # a transient store error: try again next beat
-                    holder = self.read()
-                    if holder is not None and holder.get("run_id") != self.run_id:
-                        self.lost.set()
-                        return
-                    self.store.put(schema.LOCK_FILE, json.dumps(self._doc()).encode())
+                holder = self.read()
+                if holder is not None and holder.get("run_id") != self.run_id:
+                    self.lost.set()
+                    return
+                self.store.put(schema.LOCK_FILE, json.dumps(self._doc()).encode())
+                self._last_beat = time.monotonic()
+                failing = False
             except InputError:  # the folder left the job's write roots (a link re-pointed): not ours any more
                 self.lost.set()
                 return
+            except Exception as exc:  # noqa: BLE001 - any store error (botocore's are no OSError): try again next beat
+                failing = self._beat_failed(exc, failing)
+
+    def _beat_failed(self, exc: BaseException, failing: bool) -> bool:
+        """Say once per outage that the heartbeat could not be written (one line, no trace)."""
+        if not failing:
+            log.warning("the lock's heartbeat on %s could not be written (%s: %s); trying again", self.store.url(),
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return True
 
     def check(self) -> None:
-        """Raise ``OutputBusyError`` when another run has taken the lock over."""
+        """Raise ``OutputBusyError`` when another run has taken the lock over, or may have: no
+        heartbeat has landed for a TTL (the store unreachable), so the lock reads as expired."""
         if self.lost.is_set():
             raise OutputBusyError(
                 f"lost the lock of {self.store.url()} to another run (this run stalled for longer than "
                 f"{self.ttl_s:.0f} s); stopping without committing more"
             )
+        silent = time.monotonic() - self._last_beat
+        if self._thread is not None and silent > self.ttl_s:
+            raise OutputBusyError(
+                f"the lock of {self.store.url()} could not be refreshed for {silent:.0f} s (over its {self.ttl_s:.0f} s "
+                "TTL; storage unreachable?): another run may have taken the folder, so this one stops without committing "
+                "more; run it again to resume"
+            )
 
     def release(self) -> None:
-        """Stop the heartbeat and delete the lock if it is still ours."""
+        """Stop the heartbeat and delete the lock if it is still ours. Never raises: it runs
+        in ``finally`` blocks, where its own storage error hid the one that ended the run (a
+        lock left behind expires after its TTL)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -162,6 +190,10 @@ class RunLock:
                 self.store.rm(schema.LOCK_FILE)
         except InputError:  # the folder left the job's write roots: nothing of ours to delete there
             return
+        except Exception as exc:  # noqa: BLE001 - see above
+            log.warning("the lock %s could not be removed (%s: %s); it expires %.0f s after its last heartbeat",
+                        self.store.url(schema.LOCK_FILE), type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
+                        self.ttl_s)
 
     def __enter__(self) -> RunLock:
         self.acquire()

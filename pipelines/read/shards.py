@@ -286,6 +286,15 @@ def _known_size(fh: Any) -> int | None:
     return size if isinstance(size, int) else None
 
 
+def _known_mtime_ns(fh: Any) -> int | None:
+    """A local file's modification time in ns (``os.fstat`` of what was opened), else None."""
+    try:
+        st = os.fstat(fh.fileno())
+        return st.st_mtime_ns if stat.S_ISREG(st.st_mode) else None
+    except (AttributeError, OSError, ValueError, TypeError):
+        return None
+
+
 def _check_trailer(tar: tarfile.TarFile, uri: str) -> None:
     """Raise ``ShardReadError`` unless what follows the end-of-archive marker is zero padding.
 
@@ -662,9 +671,12 @@ def pair_fields(caption_field: str | None) -> Callable[[str], bool]:
 class ReadStats:
     """What reading one shard saw. ``bytes``: the size of the object actually opened (what a
     completion records: a file replaced while it was read keeps the size of the bytes read,
-    so a resume sees the new one as changed); None where the stream does not say."""
+    so a resume sees the new one as changed); None where the stream does not say.
+    ``mtime_ns``: a local file's modification time as opened (a file replaced by another of
+    the same size, common for tars padded to 10 KiB records, is told apart by it)."""
 
     bytes: int | None = None
+    mtime_ns: int | None = None
 
 
 def iter_pairs(uri: str, options: ReadOptions | None = None, stats: ReadStats | None = None,
@@ -676,6 +688,7 @@ def iter_pairs(uri: str, options: ReadOptions | None = None, stats: ReadStats | 
     with open_shard(uri, opts.storage_options, read_timeout_s=None if deadline is None else deadline.limit_s) as fh:
         if stats is not None:
             stats.bytes = _known_size(fh)
+            stats.mtime_ns = _known_mtime_ns(fh)
         yield from iter_pairs_from(fh, uri, opts, deadline)
 
 

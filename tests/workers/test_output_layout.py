@@ -153,9 +153,10 @@ def test_an_output_inside_another_jobs_output_is_refused_and_that_job_left_whole
 
 
 def test_overwrite_deletes_only_what_the_job_wrote(make_shards, tmp_path: Path) -> None:
-    shards = [str(s) for s in make_shards(n_shards=3, per_shard=4)]
+    shards = [str(s) for s in make_shards(n_shards=4, per_shard=4)]
+    Path(shards[3]).write_bytes(Path(shards[3]).read_bytes()[:3000])  # it fails: no table, no record
     out = tmp_path / "out"
-    assert main(["score", *shards, "--out", str(out), *TINY]) == 0
+    assert main(["score", *shards, "--out", str(out), *TINY]) != 0
     assert main(["export", str(out)]) == 0
     # a user's files put into the job's folder afterwards
     (out / "notes.txt").write_text("mine")
@@ -164,17 +165,24 @@ def test_overwrite_deletes_only_what_the_job_wrote(make_shards, tmp_path: Path) 
     import pyarrow as pa
 
     pq.write_table(pa.table({"x": [1]}), out / "user-table.parquet")
-    mine = {name: data for name, (_, data) in _snapshot(out).items() if name in ("notes.txt", "user-table.parquet")}
+    # ... and tables made from the job's own (pyarrow keeps their metadata, which names the
+    # job): a copy under another name and the rows with a column of hand labels
+    (out / "part-00009.parquet").write_bytes((out / "part-00002.parquet").read_bytes())
+    labelled = pq.read_table(out / "part-00001.parquet")
+    pq.write_table(labelled.append_column("mine", pa.array(["clean"] * labelled.num_rows)), out / "my-labels.parquet")
+    kept = ("notes.txt", "user-table.parquet", "part-00009.parquet", "my-labels.parquet")
+    mine = {name: data for name, (_, data) in _snapshot(out).items() if name in kept}
     mine_side = {name: data for name, (_, data) in _snapshot(side).items() if name == "emb/mine.parquet"}
-    # a leftover of a crashed attempt: a score table with no completion record
-    stray = out / "part-00009.parquet"
+    # a leftover of a crashed attempt: a table at the name of one of the job's shards, with
+    # no completion record, whose metadata names the job as its writer
+    stray = out / "part-00003.parquet"
     stray.write_bytes((out / "part-00002.parquet").read_bytes())
     assert main(["score", *shards[:2], "--out", str(out), *TINY, "--weighting", "reference", "--overwrite"]) == 0
     left, left_side = _snapshot(out), _snapshot(side)
-    assert {name: left[name][1] for name in mine} == mine  # untouched
+    assert {name: left[name][1] for name in mine} == mine and len(mine) == 4  # untouched
     assert {name: left_side[name][1] for name in mine_side} == mine_side and mine_side
     assert "part-00002.parquet" not in left and "emb/part-00002.parquet" not in left_side  # the old job's shard
-    assert "part-00009.parquet" not in left  # its metadata named the old job as writer
+    assert "part-00003.parquet" not in left  # at its shard's name, its metadata naming the old job as writer
     assert not any(name.startswith("export/") for name in left_side)  # the old job's exports
     assert [r.stem for r in OutputDir(str(out)).iter_committed()] == ["part-00000", "part-00001"]
 

@@ -95,6 +95,17 @@ def test_rerun_resumes_and_a_different_spec_is_refused(make_shards, tmp_path: Pa
     assert len(_rows(out, "part-00000")) == 6 and [r["rows"] for r in _manifest(out)] == [6, 4, 4]
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("part-0000[12].parquet")} == {
         k: v for k, v in before.items() if k != "part-00000.parquet"}
+    # ... and one replaced by another file of the same size (tars are padded to 10 KiB records):
+    # by size alone it was kept as done, its table describing the file it replaced
+    data = Path(shards[1]).read_bytes()
+    at = data.index(b"uid-")  # a json member's text: the same length, another content
+    Path(shards[1]).write_bytes(data[:at] + b"UID-" + data[at + 4:])
+    table_before = (out / "part-00001.parquet").stat().st_mtime_ns
+    caplog.clear()
+    assert _score(shards, out) == 0
+    assert "part-00001.tar changed since it was committed (modified since, same size)" in caplog.text
+    assert (out / "part-00001.parquet").stat().st_mtime_ns != table_before
+    assert {r["uid"] for r in _rows(out, "part-00001")} & {f"UID-{i}" for i in range(100)}
     assert _score(shards, out, "--weighting", "reference") == 1
     assert "different spec" in capsys.readouterr().err
     assert _score(shards, out, "--weighting", "reference", "--overwrite") == 0

@@ -17,7 +17,7 @@ import pytest
 from pairclean import schema
 from pairclean.errors import OutputBusyError
 from pairclean.output.lock import DEFAULT_TTL_S, RunLock, lock_ttl_from_env
-from pairclean.storage import Store
+from pairclean.storage import MAX_GET_BYTES, Store, WriteInfo
 
 # A separate process that takes the lock of argv[1] and holds it until killed.
 HOLDER = """
@@ -168,6 +168,56 @@ def test_the_heartbeat_refreshes_the_lock_and_check_reports_a_takeover(tmp_path:
         assert _doc(tmp_path)["run_id"] == "f" * 32
     finally:
         lock.release()
+
+
+class _Unreachable(Exception):
+    """What botocore raises when S3 cannot be reached (EndpointConnectionError): no OSError."""
+
+
+class _FlakyStore(Store):
+    """A real local store whose lock file cannot be read or written while ``down`` is set
+    (fault injection: an object store's outage)."""
+
+    down = False
+
+    def get(self, name: str, max_bytes: int | None = MAX_GET_BYTES) -> bytes | None:
+        if self.down and name == schema.LOCK_FILE:
+            raise _Unreachable("Could not connect to the endpoint URL")
+        return super().get(name, max_bytes)
+
+    def put(self, name: str, data: bytes) -> WriteInfo:
+        if self.down and name == schema.LOCK_FILE:
+            raise _Unreachable("Could not connect to the endpoint URL")
+        return super().put(name, data)
+
+    def rm(self, name: str) -> bool:
+        if self.down and name == schema.LOCK_FILE:
+            raise _Unreachable("Could not connect to the endpoint URL")
+        return super().rm(name)
+
+
+def test_a_storage_outage_stops_the_run_once_its_lock_may_have_expired(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """botocore's EndpointConnectionError (no OSError) ended the heartbeat thread for good:
+    the run went on committing while its lock aged past the TTL, a second run was let in,
+    and both reported success over one folder. Beats now retry, and ``check`` stops the run
+    once none has landed for a TTL; ``release`` never hides the run's own error."""
+    store = _FlakyStore(str(tmp_path))
+    lock = RunLock(store, ttl_s=0.4)
+    lock.acquire()
+    try:
+        store.down = True
+        time.sleep(0.7)
+        assert lock._thread is not None and lock._thread.is_alive()  # still trying
+        with pytest.raises(OutputBusyError, match="could not be refreshed"):
+            lock.check()
+        assert "heartbeat" in caplog.text and "Traceback" not in caplog.text
+        store.down = False
+        time.sleep(0.4)
+        lock.check()  # beats landed again: ours, nobody took it meanwhile
+        store.down = True
+    finally:
+        lock.release()  # the store is down: a warning, not an error hiding the run's own
+    assert "could not be removed" in caplog.text
 
 
 def test_an_unreadable_lock_document_counts_as_free(tmp_path: Path) -> None:
