@@ -774,11 +774,20 @@ class OutputDir:
         return out
 
     def quarantine(self, shard: str, stem: str, error: str, attempts: int) -> None:
-        """Record that ``shard`` failed ``attempts`` times; it stays uncommitted (a rerun retries it)."""
+        """Record that ``shard`` failed ``attempts`` times; it stays uncommitted (a rerun retries it).
+
+        A table or sidecar of this job at the shard's names (written before a crash, never
+        committed) is deleted: readers of OUT took its old rows as current beside a
+        quarantined shard (``inspect`` said 35 pairs, pyarrow read 40)."""
         record = {"state": schema.SHARD_QUARANTINED, "shard": shard, "stem": stem, "error": error, "attempts": attempts}
         self.store.put(f"{schema.FAILED_DIR}/{stem}.json", json.dumps(record, sort_keys=True).encode())
         if self._failed_stems is not None:
             self._failed_stems.add(stem)
+        digest = (self.read_job_doc() or {}).get("spec_sha256")
+        if digest is not None and stem not in self.committed():
+            for name in (self.score_name(stem), self.emb_name(stem)):
+                if self.store.exists(name) and self.written_by(name, digest):
+                    self.store.rm(name)
 
     # -- reading the results --------------------------------------------------------------
     def iter_committed(self) -> Iterator[ShardRecord]:

@@ -247,3 +247,20 @@ def test_a_second_run_is_refused_while_the_first_lives_and_takes_over_after_kill
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert sorted(r.stem for r in OutputDir(str(out)).iter_committed()) == [f"part-{i:05d}" for i in range(6)]
     assert not schema.local_side_path(out, schema.LOCK_FILE).exists()
+
+
+def test_a_shard_that_fails_leaves_no_table_of_an_earlier_crashed_attempt(make_shards, tmp_path: Path) -> None:
+    """A run killed after writing a shard's table and before its record left the table; the
+    rerun quarantined the shard (re-downloaded short since) and kept the table, so readers of
+    OUT read its old rows beside the committed ones (pyarrow 40 rows, inspect 35)."""
+    import pyarrow.dataset as ds
+
+    shards = [str(s) for s in make_shards(n_shards=2, per_shard=4)]
+    Path(shards[1]).write_bytes(Path(shards[1]).read_bytes()[:3000])
+    out = tmp_path / "out"
+    assert main(["score", *shards, "--out", str(out), *TINY]) != 0
+    leftover = out / "part-00001.parquet"  # what the crash left: a table of this job, no record
+    leftover.write_bytes((out / "part-00000.parquet").read_bytes())
+    assert main(["score", *shards, "--out", str(out), *TINY]) != 0  # the shard fails again
+    assert not leftover.exists()
+    assert ds.dataset(str(out)).to_table().num_rows == 4
