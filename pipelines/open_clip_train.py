@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from pairclean import schema
+
 __all__ = ["MODES", "WeightHolder", "WeightedClipLoss", "WeightedLoader", "expected_samples", "main", "shard_samples", "starving_workers"]
 
 log = logging.getLogger("pairclean.open_clip_train")
@@ -151,8 +153,10 @@ def WeightedClipLoss(holder: WeightHolder, **kwargs: Any) -> Any:  # noqa: N802 
 def expected_samples(out: str | Path, train_data: str, mode: str) -> int:
     """How many samples the loader yields per pass over ``train_data`` (open_clip's
     ``--train-data``, ``::`` and brace lists allowed) in ``mode``, from the job in ``out``:
-    the ok rows (open_clip drops samples without an image or caption, and those it cannot
-    decode), the kept ones (status ok, not noisy), or ``sum(min(1, weight))``.
+    the samples with an image and a caption (open_clip drops the others, and those it cannot
+    decode; an empty caption or a repeated key passes), the kept ones (status ok, not noisy,
+    a key the shard holds once), or ``sum(min(1, weight))`` over such keys: the counts
+    ``WeightStage`` yields and ``export`` prints.
     Raises ``FileNotFoundError`` naming a shard the job did not score."""
     return int(round(sum(shard_samples(out, train_data, mode).values())))
 
@@ -169,15 +173,27 @@ def shard_samples(out: str | Path, train_data: str, mode: str) -> dict[str, floa
         path = Path(out) / f"{stem}.parquet"
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: the pairclean job in {out} did not score shard {stem!r} of --train-data")
-        table = pq.read_table(path, columns=["status", "weight", "noisy"])
-        ok = np.asarray(table.column("status").to_pylist()) == "ok"
-        if mode == "weight":
-            counts[stem] = int(ok.sum())
+        table = pq.read_table(path, columns=["key", "status", "weight", "noisy"])
+        status = np.asarray(table.column("status").to_pylist(), dtype=object)
+        keys = table.column("key").to_pylist()
+        repeated = schema.repeated_keys(keys, status.tolist())
+        # every copy of a key the shard holds twice: WeightStage gives them weight 0, export keeps neither
+        twice = np.fromiter((k in repeated for k in keys), dtype=bool, count=len(keys)) if not isinstance(repeated, str) else \
+            np.zeros(len(keys), bool)
+        if mode == "weight":  # what open_clip's own filter and decoder keep: an image and a caption member
+            counts[stem] = int(np.isin(status, _WITH_IMAGE_AND_CAPTION).sum())
         elif mode == "keep":
-            counts[stem] = int((ok & ~table.column("noisy").to_numpy(zero_copy_only=False).astype(bool)).sum())
+            noisy = table.column("noisy").to_numpy(zero_copy_only=False).astype(bool)
+            counts[stem] = int(((status == schema.STATUS_OK) & ~twice & ~noisy).sum())
         else:
-            counts[stem] = float(np.minimum(1.0, table.column("weight").to_numpy()).sum())
+            counts[stem] = float(np.minimum(1.0, table.column("weight").to_numpy())[~twice].sum())
     return counts
+
+
+#: Statuses of samples that hold a decodable image and a caption member, which open_clip's
+#: loader yields (its filter asks for both members; an empty caption and a repeated key pass).
+_WITH_IMAGE_AND_CAPTION = (schema.STATUS_OK, schema.STATUS_EMPTY_TEXT, schema.STATUS_DUPLICATE_KEY, schema.STATUS_TOO_LARGE,
+                           schema.STATUS_JUDGE_ERROR)
 
 
 def starving_workers(counts: dict[str, float], loaders: int, batch_size: int) -> str | None:

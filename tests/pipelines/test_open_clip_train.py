@@ -186,3 +186,38 @@ def test_the_launcher_refuses_a_worker_deal_that_never_fills_a_batch() -> None:
     assert starving_workers(counts, loaders=1, batch_size=4) is None
     assert starving_workers(counts, loaders=1, batch_size=256) is not None  # 40 pairs never make a batch of 256
     assert starving_workers({f"{i:05d}": 20 for i in range(8)}, loaders=4, batch_size=32) is None  # 2 shards a worker: 40
+
+
+def test_the_launchers_counts_are_what_the_stage_yields(tmp_path: Path) -> None:
+    """``--train-num-samples`` came from counts that ignored a key the shard holds twice (both
+    copies get weight 0 and are not kept) and counted ok rows only in mode weight, where the
+    loader also yields an empty caption: 9 against 8 in mode keep, 17 against 19 in mode weight."""
+    import io
+    import tarfile
+
+    import webdataset as wds
+
+    from pairclean.open_clip_train import shard_samples
+    from pairclean.read.shards import iter_raw_samples
+    from pairclean.sampler import WeightStage
+    from pairclean_workers.cli import main
+
+    pairs = [(s.files["jpg"], s.files["txt"]) for s in iter_raw_samples(str(SAMPLE))]
+    members = [(f"{i:04d}", pairs[i]) for i in range(8)] + [("dupk", pairs[8]), ("empty", (pairs[9][0], b"   ")),
+                                                            ("dupk", pairs[9])]
+    shard = tmp_path / "shards" / "00000.tar"
+    shard.parent.mkdir()
+    with tarfile.open(shard, "w") as tar:
+        for key, (jpg, txt) in members:
+            for ext, data in (("jpg", jpg), ("txt", txt)):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    out = tmp_path / "weights"
+    assert main(["score", str(shard), "--out", str(out), "--model", "pairclean-tiny-test", "--no-progress",
+                 "--executor", "local"]) == 0
+    for mode, stage_mode in (("keep", "keep"), ("weight", "loss")):
+        pipeline = wds.DataPipeline(wds.SimpleShardList(str(shard)), wds.tarfile_to_samples(),
+                                    wds.select(lambda s: "txt" in s and "jpg" in s),  # open_clip's filter
+                                    WeightStage(str(out), mode=stage_mode))
+        assert shard_samples(out, str(shard), mode)["00000"] == sum(1 for _ in pipeline), mode
