@@ -226,10 +226,32 @@ def test_shards_whose_tables_readers_would_skip_are_refused(make_shards, tmp_pat
 
 
 @pytest.mark.slow
-def test_a_second_run_is_refused_while_the_first_lives_and_takes_over_after_kill_9(make_shards, tmp_path: Path) -> None:
-    shards = make_shards(n_shards=6, per_shard=24)
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "pairclean_workers.cli", "score", str(shards[0].parent / "part-{00000..00005}.tar"), "--out", str(out), *TINY]
+def test_a_second_run_is_refused_while_the_first_lives_and_takes_over_after_kill_9(make_shards, tmp_path: Path,
+                                                                                   loopback_http) -> None:
+    import http.server
+    import threading
+
+    shards = make_shards(n_shards=7, per_shard=24)
+    slow = shards[6].read_bytes()
+    gate = threading.Event()
+
+    class Held(http.server.BaseHTTPRequestHandler):
+        """Serves the last shard once ``gate`` opens: the first run holds the folder until
+        then, however fast the machine (it used to finish before the second run started)."""
+
+        def do_GET(self) -> None:  # noqa: N802 - the handler's name
+            gate.wait(120)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(slow)))
+            self.end_headers()
+            self.wfile.write(slow)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    held = loopback_http(Held) + "/part-00006.tar"
+    cmd = [sys.executable, "-m", "pairclean_workers.cli", "score", str(shards[0].parent / "part-{00000..00005}.tar"), held,
+           "--out", str(out := tmp_path / "out"), *TINY]
     first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 120
@@ -242,10 +264,11 @@ def test_a_second_run_is_refused_while_the_first_lives_and_takes_over_after_kill
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
+    gate.set()
     # the holder is dead (same host, no such process): the lock is taken over at once
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
-    assert sorted(r.stem for r in OutputDir(str(out)).iter_committed()) == [f"part-{i:05d}" for i in range(6)]
+    assert sorted(r.stem for r in OutputDir(str(out)).iter_committed()) == [f"part-{i:05d}" for i in range(7)]
     assert not schema.local_side_path(out, schema.LOCK_FILE).exists()
 
 
