@@ -50,7 +50,7 @@ from pairclean.calibrate.contrast import from_json as contrast_from_json
 from pairclean.errors import ForeignOutputError, InputError, SpecMismatchError, first_line
 from pairclean.spec import JobSpec, spec_diff, spec_digest
 from pairclean.storage import Store, WriteInfo
-from pairclean.uris import shard_stem
+from pairclean.uris import LOCAL_SCHEMES, local_path, scheme_of, shard_stem
 
 __all__ = ["ShardRecord", "OutputDir", "enclosing_output", "is_output", "COMPACT_EVERY", "COMPACT_SECONDS", "MAX_SEGMENTS"]
 
@@ -206,6 +206,19 @@ _SCORE_COLUMNS = (schema.COL_KEY, schema.COL_STATUS, schema.COL_SIMILARITY, sche
 _EMB_COLUMNS = (schema.COL_KEY, schema.COL_IMAGE_EMB, schema.COL_TEXT_EMB)
 
 
+def _linked_side(out: str, side: str) -> str:
+    """``side``, or the side folder of the folder a local ``out`` links to when only that one
+    exists (a job scored as ``/data/weights`` and read through a link to it: ``export LINK``
+    said the job held no shard and left an empty ``LINK.pairclean`` behind)."""
+    if scheme_of(out) not in LOCAL_SCHEMES:
+        return side
+    path = local_path(out).rstrip("/")
+    if not os.path.islink(path) or os.path.exists(local_path(side)):
+        return side
+    real = os.path.realpath(path) + schema.SIDE_SUFFIX
+    return real if os.path.isdir(real) else side
+
+
 class OutputDir:
     """The output folder of one job, on any fsspec location.
 
@@ -224,13 +237,16 @@ class OutputDir:
             self.store = base
         else:
             try:
-                side = schema.side_folder(base.uri)
+                named = schema.side_folder(base.uri)
             except ValueError as exc:
                 raise InputError(str(exc), uri=uri) from exc
+            side = _linked_side(base.uri, named)
             self.store = Store(uri, storage_options, side=side, roots=roots)
         self.uri = self.store.url()
         #: Where everything but the score tables lives (``OUT.pairclean``; OUT itself for legacy folders).
         self.side_uri = self.uri if self.legacy else self.store.url().rstrip("/") + schema.SIDE_SUFFIX
+        if not self.legacy and side != named:
+            self.side_uri = side
         # The compacted manifest as last read or written (records and segment names), and
         # records committed since.
         self._compacted: dict[str, ShardRecord] | None = None

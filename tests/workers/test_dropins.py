@@ -211,3 +211,14 @@ def test_exports_a_killed_run_left_stale_are_written_by_the_next_run(img2dataset
     assert main(run) == 0  # nothing left to score: the exports are written anyway
     assert json.loads(sizes.read_text())["00003.tar"] == 10
     assert not schema.local_side_path(out, schema.EXPORTS_STALE_FILE).exists()
+
+
+def test_a_job_read_through_a_link_to_its_folder_is_that_job(scored: Path, tmp_path: Path) -> None:
+    """``export LINK`` (LINK -> the job's OUT) said the job held no committed shard and left an
+    empty ``LINK.pairclean`` behind: the side folder was looked for beside the link."""
+    link = tmp_path / "link"
+    link.symlink_to(scored, target_is_directory=True)
+    assert main(["export", str(link)]) == 0
+    assert not Path(f"{link}{schema.SIDE_SUFFIX}").exists()
+    assert (Path(f"{scored}{schema.SIDE_SUFFIX}") / "export" / "sizes.json").is_file()
+    assert [r.stem for r in OutputDir(str(link)).iter_committed()] == [r.stem for r in OutputDir(str(scored)).iter_committed()]
