@@ -186,14 +186,17 @@ class Store:
         roots (``_regular_only``: ``OSError`` for anything but a regular file)."""
         return _regular_only(self._open_checked(path, os.O_RDONLY | os.O_NONBLOCK), path)
 
-    def put(self, name: str, data: bytes) -> WriteInfo:
-        """Write ``data`` as ``name``, complete or not at all; replaces an existing object."""
+    def put(self, name: str, data: bytes, replace: bool = True) -> WriteInfo:
+        """Write ``data`` as ``name``, complete or not at all; replaces an existing object.
+        ``replace=False`` (local folders): ``FileExistsError`` where ``name`` exists, checked
+        and written in one step; object stores write as with ``True`` (no conditional
+        writes through fsspec)."""
         if self.local:
             path = self.path(name)
             write_file_atomic(path, data, check_folder=lambda folder, fd: check_local_root(
                 folder, LOCAL_WRITE_ROOTS_ENV, "output", fh=fd, roots=self.roots),
                 check_new=lambda fd, names: check_local_below(
-                    os.path.dirname(path), fd, names, LOCAL_WRITE_ROOTS_ENV, "output", roots=self.roots))
+                    os.path.dirname(path), fd, names, LOCAL_WRITE_ROOTS_ENV, "output", roots=self.roots), replace=replace)
         else:
             try:
                 self.fs.pipe_file(self.path(name), data)
@@ -391,7 +394,7 @@ def open_regular(path: str | os.PathLike[str]) -> Any:
 
 
 def write_file_atomic(final: str | os.PathLike[str], data: bytes, check_folder: Callable[[str, int], None] | None = None,
-                      check_new: Callable[[int, Sequence[str]], None] | None = None) -> None:
+                      check_new: Callable[[int, Sequence[str]], None] | None = None, replace: bool = True) -> None:
     """Write a local file complete or not at all: hidden temporary, fsync, rename.
 
     Everything happens relative to the folder opened once (a descriptor): the temporary is
@@ -399,7 +402,9 @@ def write_file_atomic(final: str | os.PathLike[str], data: bytes, check_folder: 
     folder, or planted at the temporary's name, after a check cannot redirect the write.
     ``check_folder(path, fd)``: raises unless the folder opened is one the caller may write
     (``Store``'s roots). Missing folders are made first (``_open_folder``); ``check_new(fd,
-    names)`` raises unless the folders ``names`` may be made below the folder open as ``fd``."""
+    names)`` raises unless the folders ``names`` may be made below the folder open as ``fd``.
+    ``replace=False``: ``FileExistsError`` where ``final`` exists (the temporary is linked to
+    its name, which no other writer can have taken meanwhile: an exclusive create)."""
     final = os.fspath(final)
     folder = os.path.dirname(final) or "."
     name = os.path.basename(final)
@@ -415,7 +420,12 @@ def write_file_atomic(final: str | os.PathLike[str], data: bytes, check_folder: 
                 fh.write(data)
                 fh.flush()
                 os.fsync(fh.fileno())
-            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            if replace:
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            else:
+                os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+        except FileExistsError:
+            raise
         except OSError as exc:
             if exc.filename is None:  # a failed write (EFBIG, ENOSPC) names no file: name the one it was for
                 raise OSError(exc.errno, exc.strerror or str(exc), final) from exc

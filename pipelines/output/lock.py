@@ -8,7 +8,8 @@ needed):
   TTL (the holder crashed), or when the holder ran on this host and its process is gone;
 - otherwise it is refused with ``OutputBusyError`` naming the live holder;
 - after writing, the run waits ``settle_s`` and reads the lock back: of two runs racing
-  for a free lock, the one whose write landed last wins and the other one is refused;
+  for a free lock, the one whose write landed last wins and the other one is refused (on a
+  local folder a free lock is also created exclusively, which holds however slow a write);
 - while running, a background thread rewrites the heartbeat every TTL/4. If it finds
   another holder's lock (this run stalled for longer than the TTL and was taken over), it
   sets ``lost`` and stops; the job loop then stops committing. A beat that fails (the store
@@ -104,7 +105,10 @@ class RunLock:
 
     def read(self) -> dict[str, Any] | None:
         """The current holder's document, or None."""
-        data = self.store.get(schema.LOCK_FILE)
+        return self._parse(self.store.get(schema.LOCK_FILE))
+
+    @staticmethod
+    def _parse(data: bytes | None) -> dict[str, Any] | None:
         if data is None:
             return None
         try:
@@ -118,10 +122,19 @@ class RunLock:
 
     def acquire(self) -> None:
         """Take the lock and start the heartbeat; raises ``OutputBusyError`` naming a live holder."""
-        holder = self.read()
+        data = self.store.get(schema.LOCK_FILE)
+        holder = self._parse(data)
         if holder is not None and self._is_live(holder):
             raise self._busy(holder)
-        self.store.put(schema.LOCK_FILE, json.dumps(self._doc()).encode())
+        try:
+            # A free lock is created exclusively where the store can (a local folder): of two
+            # runs starting together one gets FileExistsError, however slow its write was
+            # (the read-back below alone let both in when a write took longer than settle_s).
+            # (an unreadable or expired document is replaced, as before)
+            self.store.put(schema.LOCK_FILE, json.dumps(self._doc()).encode(), replace=data is not None)
+        except FileExistsError:
+            holder = self.read()
+            raise self._busy(holder or {}) from None
         time.sleep(self.settle_s)
         holder = self.read()
         if holder is None or holder.get("run_id") != self.run_id:

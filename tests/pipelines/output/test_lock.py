@@ -185,10 +185,10 @@ class _FlakyStore(Store):
             raise _Unreachable("Could not connect to the endpoint URL")
         return super().get(name, max_bytes)
 
-    def put(self, name: str, data: bytes) -> WriteInfo:
+    def put(self, name: str, data: bytes, replace: bool = True) -> WriteInfo:
         if self.down and name == schema.LOCK_FILE:
             raise _Unreachable("Could not connect to the endpoint URL")
-        return super().put(name, data)
+        return super().put(name, data, replace)
 
     def rm(self, name: str) -> bool:
         if self.down and name == schema.LOCK_FILE:
@@ -218,6 +218,32 @@ def test_a_storage_outage_stops_the_run_once_its_lock_may_have_expired(tmp_path:
     finally:
         lock.release()  # the store is down: a warning, not an error hiding the run's own
     assert "could not be removed" in caplog.text
+
+
+def test_a_run_that_saw_the_lock_free_too_late_is_refused(tmp_path: Path) -> None:
+    """Taking the lock was read, write, wait, read back: a run whose write landed after the
+    wait of another (a slow disk, NFS) took the folder from it and both ran. A free lock is
+    now created exclusively on a local folder."""
+
+    class LateReader(Store):
+        first = True
+
+        def get(self, name: str, max_bytes: int | None = MAX_GET_BYTES) -> bytes | None:
+            if name == schema.LOCK_FILE and self.first:  # it read before the other run's lock landed
+                self.first = False
+                return None
+            return super().get(name, max_bytes)
+
+    a = RunLock(Store(str(tmp_path)), ttl_s=30)
+    a.acquire()
+    try:
+        b = RunLock(LateReader(str(tmp_path)), ttl_s=30)
+        with pytest.raises(OutputBusyError, match="in use by another pairclean run"):
+            b.acquire()
+        assert _doc(tmp_path)["run_id"] == a.run_id
+        a.check()
+    finally:
+        a.release()
 
 
 def test_an_unreadable_lock_document_counts_as_free(tmp_path: Path) -> None:
