@@ -66,8 +66,9 @@ JPEG_MAX_PIXELS_PER_BYTE = 1024
 #: The formats an image member may hold, whatever its extension says. Pillow opens some 40;
 #: ICO and ICNS decode their largest picture inside ``Image.open``, before any pixel cap is
 #: read (a 657 kB ICO held a 13000 x 13000 PNG: 590 MB), and none of the rest is what a web
-#: corpus's image member holds.
-IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")
+#: corpus's image member holds. PPM is what ``api.score_pairs`` encodes decoded arrays as
+#: (Ray Data's images): raw pixels, no decoder to attack.
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "AVIF", "PPM")
 #: Scans a JPEG may hold. Standard progressive JPEGs use up to about 10; each scan is a pass
 #: over every coefficient (21 ms at 64 MP), and empty refinement scans cost 72 bytes each:
 #: 2,000 of them in 319 kB took 42 s to decode, past any shard time limit (libjpeg-turbo's

@@ -648,6 +648,7 @@ def test_only_web_image_formats_are_opened_whatever_the_extension() -> None:
     for fmt in ("ICO", "TGA", "PCX"):
         failed = decode_image(saved(fmt))
         assert isinstance(failed, DecodeFailure) and "cannot identify image file: not JPEG, PNG" in failed.error, fmt
+    assert not isinstance(decode_image(saved("PPM")), DecodeFailure)  # api.score_pairs' encoding of decoded arrays
 
 
 def test_decoder_warnings_never_reach_the_log() -> None:
