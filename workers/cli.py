@@ -320,8 +320,28 @@ def cmd_score(args: argparse.Namespace) -> int:
         )
     finally:
         bar.close()
+    _warn_refined(out, report)
     _reapply_audit(out, report, args.lock_ttl)
     return _print_report(report, out.uri)
+
+
+def _warn_refined(out: Any, report: Any) -> None:
+    """Say so when this run committed shards into a job whose other tables a ``refine``
+    rewrote: the new tables hold OSA's ``p_clean``, the others the refined one, and only a
+    refine fitted on every pair can make them agree (an audit's map, by contrast, is
+    applied to the new tables: ``_reapply_audit``)."""
+    from pairclean import schema
+
+    if not report.committed:
+        return
+    for i, record in enumerate(out.iter_committed()):
+        if i > report.committed:
+            return
+        meta = schema.json_object((out.store.parquet_metadata(record.output) or {}).get(schema.META_KEY))
+        if meta and "refine" in meta:
+            log.warning("the job's tables were refined, but the %d this run committed hold OSA's p_clean: run `pairclean "
+                        "refine %s` again so that every table holds the refined weights", report.committed, out.uri)
+            return
 
 
 def _reapply_audit(out: Any, report: Any, lock_ttl_s: float | None) -> None:

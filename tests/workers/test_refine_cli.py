@@ -214,3 +214,27 @@ def test_refine_on_ray(tmp_path: Path) -> None:
     assert main(["refine", str(tmp_path / "ray"), "--executor", "ray", "--num-actors", "2", *FAST]) == 0
     assert _tables(tmp_path / "local") == _tables(tmp_path / "ray")
     _consistent(OutputDir(str(tmp_path / "ray")))
+
+
+def test_a_rerun_into_a_refined_job_says_its_new_tables_hold_osas_weights(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A rerun that committed a repaired shard into a refined job wrote OSA's p_clean beside
+    the refined tables without a word: one corpus, two scales."""
+    import logging
+    import shutil
+
+    from pairclean_workers.cli import sample_shard
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    shutil.copy(sample_shard(), shards / "a-000000.tar")
+    whole = Path(sample_shard()).read_bytes()
+    (shards / "b-000000.tar").write_bytes(whole[:3000])  # cut: it fails this run
+    out = tmp_path / "out"
+    run = ["score", str(shards), "--out", str(out), "--no-progress", "--executor", "local", "--embeddings"]
+    assert main(run) != 0
+    assert main(["refine", str(out), "--executor", "local", *FAST]) == 0
+    (shards / "b-000000.tar").write_bytes(whole)
+    with caplog.at_level(logging.WARNING):
+        assert main(run) == 0
+    assert "the job's tables were refined, but the 1 this run committed hold OSA's p_clean" in caplog.text
