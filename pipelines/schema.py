@@ -72,6 +72,7 @@ __all__ = [
     "AUDIT_APPLIED_DIR",
     "AUDIT_REPORT_FILE",
     "COL_P_CLEAN_MODEL",
+    "COL_NOISY_MODEL",
     "LOCK_FILE",
     "EXPORTS_FILE",
     "EXPORTS_STALE_FILE",
@@ -197,6 +198,9 @@ AUDIT_APPLIED_DIR: Final = f"{AUDIT_DIR}/applied"
 AUDIT_REPORT_FILE: Final = f"{STATE_DIR}/audit.json"
 #: The model's own ``p_clean``, kept beside the one an audit recalibrated (``pairclean audit --labels``).
 COL_P_CLEAN_MODEL: Final = "p_clean_model"
+#: The model's own ``noisy``, kept beside the flag an audit set from its recalibrated
+#: ``p_clean`` (jobs weighted ``p-clean``, where ``weight`` follows ``p_clean`` too).
+COL_NOISY_MODEL: Final = "noisy_model"
 LOCK_FILE: Final = f"{STATE_DIR}/lock.json"
 EXPORTS_FILE: Final = f"{STATE_DIR}/exports.json"
 #: Present from before a run may change the tables until the exports are written again:

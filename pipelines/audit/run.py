@@ -67,6 +67,7 @@ __all__ = [
 
 #: The model's own ``p_clean``, kept beside the recalibrated one.
 COL_P_CLEAN_MODEL = schema.COL_P_CLEAN_MODEL
+COL_NOISY_MODEL = schema.COL_NOISY_MODEL
 LABELS = ("clean", "noisy", "unsure")
 AUDIT_DIR = schema.AUDIT_DIR
 DESIGN_FILE = schema.AUDIT_DESIGN_FILE
@@ -99,6 +100,11 @@ def _model_column(names: Sequence[str]) -> str:
     return COL_P_CLEAN_MODEL if COL_P_CLEAN_MODEL in names else schema.COL_P_CLEAN
 
 
+def _flag_column(names: Sequence[str]) -> str:
+    """The model's ``noisy`` (an audit of a ``p-clean`` job keeps it as ``noisy_model``)."""
+    return COL_NOISY_MODEL if COL_NOISY_MODEL in names else schema.COL_NOISY
+
+
 def population(out: OutputDir, max_rows: int | None = None, records: list[ShardRecord] | None = None) -> Population:
     """The job's ok pairs (all committed shards, or ``records``; at most ``max_rows`` score
     rows read, in shard order: ``truncated`` says when it stopped early)."""
@@ -113,7 +119,8 @@ def population(out: OutputDir, max_rows: int | None = None, records: list[ShardR
             truncated = True
             break
         table = out.read_scores(record)
-        cols = [schema.COL_KEY, schema.COL_SHARD, schema.COL_STATUS, schema.COL_SIMILARITY, schema.COL_NOISY, _model_column(table.column_names)]
+        cols = [schema.COL_KEY, schema.COL_SHARD, schema.COL_STATUS, schema.COL_SIMILARITY, _flag_column(table.column_names),
+                _model_column(table.column_names)]
         table = table.select(cols)
         seen += table.num_rows
         ok = np.asarray(table.column(schema.COL_STATUS).to_pylist(), dtype=object) == schema.STATUS_OK
@@ -127,7 +134,7 @@ def population(out: OutputDir, max_rows: int | None = None, records: list[ShardR
         keys += [key_col[i] for i in idx]
         rows.append(idx)
         sims.append(table.column(schema.COL_SIMILARITY).to_numpy(zero_copy_only=False)[idx].astype(np.float64))
-        flags.append(table.column(schema.COL_NOISY).to_numpy(zero_copy_only=False)[idx].astype(bool))
+        flags.append(table.column(_flag_column(table.column_names)).to_numpy(zero_copy_only=False)[idx].astype(bool))
         ps.append(table.column(cols[-1]).to_numpy(zero_copy_only=False)[idx].astype(np.float64))
     if not keys:
         raise InputError(f"{out.uri} has no ok pair to audit", uri=out.uri)
@@ -547,7 +554,13 @@ def format_report(report: dict[str, Any]) -> str:
 
 def recalibrated_table(table: pa.Table, knots: dict[str, list[float]], doc: dict[str, Any]) -> pa.Table:
     """The score table with ``p_clean`` recalibrated and ``p_clean_model`` (the model's
-    value) right after it; other columns untouched. Rows that are not ok keep ``p_clean`` 0."""
+    value) right after it. Rows that are not ok keep ``p_clean`` 0.
+
+    Under the ``p-clean`` weighting (the default: ``weight = p_clean``), ``weight`` becomes
+    the recalibrated ``p_clean`` too and ``noisy`` says ``p_clean <= 0.5`` of it, the model's
+    flag kept as ``noisy_model``: trainers read ``weight`` and ``noisy`` only, so an audit that
+    changed ``p_clean`` alone changed no training. Other weightings (a function of the
+    similarity) keep ``weight`` and ``noisy`` as the job computed them."""
     names = table.column_names
     model = table.column(_model_column(names)).combine_chunks()
     ok = np.asarray(table.column(schema.COL_STATUS).to_pylist(), dtype=object) == schema.STATUS_OK
@@ -555,13 +568,26 @@ def recalibrated_table(table: pa.Table, knots: dict[str, list[float]], doc: dict
     new = np.where(ok, stats.apply_recalibration(knots, p_model), 0.0).astype(np.float32)
     meta = json.loads((table.schema.metadata or {}).get(schema.META_KEY, b"{}"))
     meta["audit"] = doc
+    follows = (meta.get("weighting") or {}).get("name") == "p-clean"
+    flags = table.column(_flag_column(names)).combine_chunks()
+    # column -> (its new values, (the model's column kept beside it, its values) or None)
+    replaced: dict[str, tuple[pa.Array, tuple[str, pa.Array] | None]] = {
+        schema.COL_P_CLEAN: (pa.array(new, pa.float32()), (COL_P_CLEAN_MODEL, model.cast(pa.float32())))}
+    if follows:
+        audited_flag = np.where(ok, new <= 0.5, flags.to_numpy(zero_copy_only=False).astype(bool))
+        replaced[schema.COL_WEIGHT] = (pa.array(new, pa.float32()), None)
+        replaced[schema.COL_NOISY] = (pa.array(audited_flag, pa.bool_()), (COL_NOISY_MODEL, flags.cast(pa.bool_())))
     fields, columns = [], []
     for f in table.schema:
-        if f.name == COL_P_CLEAN_MODEL:
+        if f.name in (COL_P_CLEAN_MODEL, COL_NOISY_MODEL):
             continue
-        if f.name == schema.COL_P_CLEAN:
-            fields += [f, pa.field(COL_P_CLEAN_MODEL, pa.float32(), nullable=False)]
-            columns += [pa.array(new, pa.float32()), model.cast(pa.float32())]
+        if f.name in replaced:
+            value, kept = replaced[f.name]
+            fields.append(f)
+            columns.append(value.cast(f.type))
+            if kept is not None:
+                fields.append(pa.field(kept[0], kept[1].type, nullable=False))
+                columns.append(kept[1])
         else:
             fields.append(f)
             columns.append(table.column(f.name))

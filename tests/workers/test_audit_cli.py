@@ -46,7 +46,7 @@ def _label(queue: Path, dest: Path, swapped: set[str], take: int | None = None, 
 
 def test_sample_label_estimate_and_recalibrate(job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                caplog: pytest.LogCaptureFixture) -> None:
-    swapped, _ = _demo_truth(str(job))
+    swapped, flagged_before = _demo_truth(str(job))
     queue = tmp_path / "queue.csv"
     assert main(["audit", str(job), "--sample", "10", "--seed", "3", "--out", str(queue)]) == 0
     rows = list(csv.DictReader(queue.open()))
@@ -77,6 +77,11 @@ def test_sample_label_estimate_and_recalibrate(job: Path, tmp_path: Path, capsys
     by_key = {r["key"]: r for r in table.to_pylist()}
     for key, row in by_key.items():  # the map is fitted on these very labels: noisy -> about 0, clean -> about 1
         assert row["p_clean"] == pytest.approx(0.0 if key in swapped else 1.0, abs=0.01)
+        # what trainers read follows (weighting p-clean): weight is p_clean, noisy says p_clean <= 0.5
+        assert row["weight"] == row["p_clean"] and row["noisy"] == (key in swapped)
+    assert names.index("noisy_model") == names.index("noisy") + 1
+    model_flags = pq.read_table(job / "demo-000000.parquet", columns=["key", "noisy_model"]).to_pylist()
+    assert {r["key"] for r in model_flags if r["noisy_model"]} == flagged_before  # the model's flag, kept
     # the job's completion records follow the rewritten table: inspect and the pages read it
     digest = hashlib.sha256((job / "demo-000000.parquet").read_bytes()).hexdigest()
     assert main(["inspect", str(job), "--json"]) == 0
