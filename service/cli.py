@@ -9,7 +9,7 @@ and the global options (``-v``, ``--version``) work before any verb:
                                 --demo also scores the bundled sample as a job and prints a login key)
     apikey NAME [--admin]       create an API key (printed once, stored hashed)
     submit SHARD... --out OUT   submit a scoring job; prints its id
-    status JOB / wait JOB       the job as JSON (``wait``: once it has ended; exit 1 unless SUCCEEDED)
+    status JOB / wait JOB       the job as JSON (``wait``: once it has ended; exit 0 SUCCEEDED, 4 PARTIAL, 3 FAILED, 1 otherwise)
     logs JOB [--follow]         the job process's output
     list [--state S]            the jobs the key may see
     cancel JOB (alias: stop)    stop a job;  retry JOB: requeue a PARTIAL or FAILED job
@@ -56,7 +56,7 @@ def add_service_parsers(sub: Any) -> None:
     submit.add_argument("--estimator", default="pairclean-lite")
     submit.add_argument("--idempotency-key", default=None, help="a repeat with the same key returns the same job")
     _client_args(submit)
-    for verb, text in (("status", "print a job as JSON"), ("wait", "wait until a job ends, print it (exit 1 unless SUCCEEDED)"),
+    for verb, text in (("status", "print a job as JSON"), ("wait", "wait until a job ends, print it (exit 0 SUCCEEDED, 4 PARTIAL, 3 FAILED, 1 otherwise, as score)"),
                        ("retry", "requeue a PARTIAL or FAILED job (only uncommitted shards are redone)")):
         v = sub.add_parser(verb, help=text)
         v.add_argument("job_id")
@@ -128,6 +128,10 @@ def cmd_apikey(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``wait``'s exit code by the state a job ended in (``pairclean score``'s for the same end).
+_WAIT_EXIT = {"FAILED": 3, "PARTIAL": 4}
+
+
 def _client_verb(args: argparse.Namespace) -> int:
     """submit, status, wait, logs, list, cancel/stop, retry: one call to the service."""
     from .client import JobFailed, PaircleanClient
@@ -141,8 +145,12 @@ def _client_verb(args: argparse.Namespace) -> int:
             try:
                 print(json.dumps(client.wait(args.job_id), indent=2))
             except JobFailed as exc:
+                # The job is printed whatever its end (a PARTIAL one printed nothing), with the
+                # exit code `pairclean score` gives the same end.
+                job = client.get_job_info(args.job_id)
+                print(json.dumps(job, indent=2))
                 print(f"error: {exc}", file=sys.stderr)
-                return 1
+                return _WAIT_EXIT.get(str(job.get("state")), 1)
         elif args.command == "logs":
             chunks = client.tail_job_logs(args.job_id) if args.follow else iter([client.get_job_logs(args.job_id)])
             for chunk in chunks:

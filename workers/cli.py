@@ -111,7 +111,8 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     judge_group = score.add_argument_group("judge (a second, fine-grained stage; see pipelines/judge/)")
     judge_group.add_argument("--judge", default="auto", choices=("auto", "off", "band", "all"),
                              help="off: OSA only; band: the judge on the pairs of the band --judge-budget buys; all: on every pair; "
-                                  "auto (default): %s (see README, The judge)" % DEFAULT_JUDGE_MODE)
+                                  "auto (default): %s for a new folder scored with pairclean-lite and its shipped heads, off for "
+                                  "other estimators, a resumed folder's own setting (see README, The judge)" % DEFAULT_JUDGE_MODE)
     judge_group.add_argument("--judge-budget", type=fraction, default=DEFAULT_JUDGE_BUDGET,
                              help="fraction of pairs the band holds under --judge band (chosen on the calibration pairs)")
     judge_group.add_argument("--judge-checkpoint", default=None, help="judge weights file (default: the shipped one, for pairclean-lite)")

@@ -82,7 +82,10 @@ def cmd_pseudo_pair(args: argparse.Namespace) -> int:
         report = pseudo_pair(out, opts, storage, before_write=lock.check, searcher=searcher)
         actors = searcher.num_actors if searcher is not None else 0
     if args.json:
-        print(json.dumps(report.to_json(), sort_keys=True))
+        doc = report.to_json()
+        # the files where they are (OUT.pairclean/pseudo/...), not their names inside the job's store
+        doc["files"] = [out.store.url(f) for f in report.files]
+        print(json.dumps(doc, sort_keys=True))
     else:
         kinds = ", ".join(f"{d}: {p['kind']}" for d, p in report.plans.items())
         where = f"searched on Ray ({actors} actors)" if report.executor == "ray" else "searched in this process"

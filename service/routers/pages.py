@@ -370,7 +370,7 @@ def _charts(view: JobOverview) -> dict[str, Any]:
 
 
 _FORMULAS = {
-    "p-clean": "w = P(clean | similarity) under the calibration's 2-component mixture (noise side pinned to random mismatched pairs); w > 0.5 roughly where similarity > β",
+    "p-clean": "w = p_clean: P(clean) under the corpus mixture of clean, random-mismatch and near-miss similarities (and the judge's word check where it ran; an audit's recalibration where one was applied); the noisy flag reads the similarity against β and p_clean ≤ 0.5, so a pair may be flagged at a weight a little above 0.5",
     "paper": "w = 27/4 · d² · (1 − d) with d = similarity − β for d > 0, else 0 (the paper's eq. 5, rescaled to [0, 1])",
     "reference": "w = 4x²(1 − x²) with x = clamp((similarity − β) / d_ref, 0, 1) (the released code's curve, one dataset-level d_ref)",
     "reference-batch": "per batch of consecutive pairs, x = d⁺ / max(d⁺) and w = x²(1 − x²) (the released code exactly)",

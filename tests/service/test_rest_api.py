@@ -188,6 +188,10 @@ def test_a_retry_counts_only_the_shards_it_scores_in_the_metrics(server, make_sh
     with pytest.raises(JobFailed, match="ended FAILED"):
         client.wait(job_id, timeout=300, poll=0.2)
     assert client.status(job_id)["progress"]["shards_done"] == 2
+    # `pairclean wait` prints the job however it ended (it printed nothing), exiting as score would
+    waited = subprocess.run([sys.executable, "-m", "pairclean_service.cli", "wait", job_id, "--address", server.url,
+                             "--api-key", server.key], capture_output=True, text=True, timeout=120)
+    assert waited.returncode == 3 and json.loads(waited.stdout)["state"] == "FAILED" and "ended FAILED" in waited.stderr
 
     def counts() -> tuple[str, str, str]:
         text = httpx.get(f"{server.url}/metrics").text

@@ -60,6 +60,7 @@ def test_pseudo_pair_writes_scored_pairs_beside_an_unchanged_dataset(job, capsys
     assert main(["pseudo-pair", str(out), "--pool", "all", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["pool_size"] == 24 and report["pairs"] >= 24
+    assert report["files"] and all(Path(f).is_file() for f in report["files"])  # where they are, not store names
     assert ds.dataset(str(out)).schema.names == names_before  # OUT still reads as the score tables
     assert not schema.local_side_path(out, schema.LOCK_FILE).exists()  # lock released
     tables = _read_all(out)
