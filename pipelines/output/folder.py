@@ -391,6 +391,19 @@ class OutputDir:
             )
         if existing is None:
             self.write_job_doc({"pairclean_version": __version__, "spec": spec.to_json(), "spec_sha256": spec_digest(spec)})
+        self._warn_other_files()
+
+    def _warn_other_files(self) -> None:
+        """Say so when OUT holds files that are no table (a resume, or ``--overwrite``, takes
+        a job's folder with them in it, never deleting them): readers that take OUT as one
+        dataset (pandas, pyarrow, duckdb, polars) fail on them, which came as a surprise."""
+        if self.legacy:
+            return
+        others = sorted(n for n in self.store.list() if not n.endswith(".parquet"))
+        if others:
+            shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+            log.warning("%s holds files that are not score tables (%s): readers that take the folder as one dataset "
+                        "fail on them; move them out (pairclean never deletes them)", self.uri, shown)
 
     def _never_started(self, spec: JobSpec) -> bool:
         """Whether the job of ``spec`` left nothing but its ``job.json`` and failure records: no

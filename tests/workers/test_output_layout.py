@@ -152,7 +152,7 @@ def test_an_output_inside_another_jobs_output_is_refused_and_that_job_left_whole
     assert len(pq.read_table(out)) == 4
 
 
-def test_overwrite_deletes_only_what_the_job_wrote(make_shards, tmp_path: Path) -> None:
+def test_overwrite_deletes_only_what_the_job_wrote(make_shards, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     shards = [str(s) for s in make_shards(n_shards=4, per_shard=4)]
     Path(shards[3]).write_bytes(Path(shards[3]).read_bytes()[:3000])  # it fails: no table, no record
     out = tmp_path / "out"
@@ -177,7 +177,11 @@ def test_overwrite_deletes_only_what_the_job_wrote(make_shards, tmp_path: Path) 
     # no completion record, whose metadata names the job as its writer
     stray = out / "part-00003.parquet"
     stray.write_bytes((out / "part-00002.parquet").read_bytes())
-    assert main(["score", *shards[:2], "--out", str(out), *TINY, "--weighting", "reference", "--overwrite"]) == 0
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        assert main(["score", *shards[:2], "--out", str(out), *TINY, "--weighting", "reference", "--overwrite"]) == 0
+    assert "holds files that are not score tables (notes.txt)" in caplog.text  # readers of OUT would fail on it
     left, left_side = _snapshot(out), _snapshot(side)
     assert {name: left[name][1] for name in mine} == mine and len(mine) == 4  # untouched
     assert {name: left_side[name][1] for name in mine_side} == mine_side and mine_side
