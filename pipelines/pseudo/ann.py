@@ -74,6 +74,9 @@ TRAIN_PER_LIST: Final = 48
 PQ_DIM_PER_CODE: Final = 4
 #: IVF-PQ candidates re-ranked exactly per query.
 REFINE_K: Final = 16
+#: Vectors a 4-bit PQ codebook (16 centroids) needs to train: FAISS asks for 39 a centroid,
+#: and printed one warning per sub-quantizer below that (about 250 lines on a 71-pair pool).
+PQ_MIN_TRAIN: Final = 16 * 39
 #: Rows converted to float32 and handed to FAISS at once.
 DEFAULT_CHUNK: Final = 65_536
 
@@ -114,7 +117,9 @@ def choose_index(n: int, dim: int, kind: str = "auto", seed: int = 0, nprobe: in
 
     ``kind="auto"`` picks by size (see the module docstring); an explicit kind is honoured
     except that IVF on fewer vectors than one list per ``TRAIN_PER_LIST`` falls back to
-    fewer lists (k-means needs data). Raises ``InputError`` for an unknown kind or n < 1.
+    fewer lists (k-means needs data), and IVF-PQ on fewer than ``PQ_MIN_TRAIN`` is built as
+    IVF-Flat (exact in its lists; its codebooks could not be trained). Raises ``InputError``
+    for an unknown kind or n < 1.
     """
     if kind not in INDEX_KINDS:
         raise InputError(f"unknown index {kind!r}; choose one of {', '.join(INDEX_KINDS)}")
@@ -122,6 +127,8 @@ def choose_index(n: int, dim: int, kind: str = "auto", seed: int = 0, nprobe: in
         raise InputError("cannot build an index over an empty pool")
     if kind == "auto":
         kind = "flat" if n <= FLAT_MAX else "ivf" if n <= IVF_MAX else "ivfpq"
+    if kind == "ivfpq" and n < PQ_MIN_TRAIN:
+        kind = "ivf"
     if kind == "flat":
         return IndexPlan("flat", n, dim, seed=seed)
     # Lists: ~2 sqrt(n), but never so many that a list gets fewer than TRAIN_PER_LIST points.

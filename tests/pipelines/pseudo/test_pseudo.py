@@ -130,6 +130,8 @@ def test_index_choice_by_size() -> None:
     pq = ann.choose_index(1_000_000, 512)
     assert (pq.kind, pq.nlist, pq.nprobe, pq.pq_m, pq.pq_bits, pq.refine_k) == ("ivfpq", 2048, 32, 128, 4, 16)
     assert ann.choose_index(100, 512, "ivf").nlist == 2  # never more lists than the data allows
+    assert ann.choose_index(71, 512, "ivfpq").kind == "ivf"  # PQ codebooks cannot train on 71 (FAISS warned 250 times)
+    assert ann.choose_index(ann.PQ_MIN_TRAIN, 512, "ivfpq").kind == "ivfpq"
     with pytest.raises(InputError, match="unknown index"):
         ann.choose_index(10, 8, "hnsw")
     with pytest.raises(InputError, match="empty pool"):
