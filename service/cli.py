@@ -128,10 +128,6 @@ def cmd_apikey(args: argparse.Namespace) -> int:
     return 0
 
 
-#: ``wait``'s exit code by the state a job ended in (``pairclean score``'s for the same end).
-_WAIT_EXIT = {"FAILED": 3, "PARTIAL": 4}
-
-
 def _client_verb(args: argparse.Namespace) -> int:
     """submit, status, wait, logs, list, cancel/stop, retry: one call to the service."""
     from .client import JobFailed, PaircleanClient
@@ -150,7 +146,9 @@ def _client_verb(args: argparse.Namespace) -> int:
                 job = client.get_job_info(args.job_id)
                 print(json.dumps(job, indent=2))
                 print(f"error: {exc}", file=sys.stderr)
-                return _WAIT_EXIT.get(str(job.get("state")), 1)
+                from pairclean.job.lifecycle import EXIT_CODES  # score's codes for the same end
+
+                return EXIT_CODES.get(str(job.get("state")), 1)
         elif args.command == "logs":
             chunks = client.tail_job_logs(args.job_id) if args.follow else iter([client.get_job_logs(args.job_id)])
             for chunk in chunks:

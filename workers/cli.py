@@ -321,47 +321,33 @@ def cmd_score(args: argparse.Namespace) -> int:
         )
     finally:
         bar.close()
-    _warn_refined(out, report)
-    _reapply_audit(out, report, args.lock_ttl)
+    _follow_rewrites(out, report, args.lock_ttl)
     return _print_report(report, out.uri)
 
 
-def _warn_refined(out: Any, report: Any) -> None:
-    """Say so when this run committed shards into a job whose other tables a ``refine``
-    rewrote: the new tables hold OSA's ``p_clean``, the others the refined one, and only a
-    refine fitted on every pair can make them agree (an audit's map, by contrast, is
-    applied to the new tables: ``_reapply_audit``)."""
-    from pairclean import schema
-
-    if not report.committed:
-        return
-    for i, record in enumerate(out.iter_committed()):
-        if i > report.committed:
-            return
-        meta = schema.json_object((out.store.parquet_metadata(record.output) or {}).get(schema.META_KEY))
-        if meta and "refine" in meta:
-            log.warning("the job's tables were refined, but the %d this run committed hold OSA's p_clean: run `pairclean "
-                        "refine %s` again so that every table holds the refined weights", report.committed, out.uri)
-            return
-
-
-def _reapply_audit(out: Any, report: Any, lock_ttl_s: float | None) -> None:
-    """Give the shards this run committed the audit map the job's other tables carry (an
-    ``audit --labels`` before this run). Without it a rerun that committed a repaired shard
-    wrote the model's ``p_clean`` and no ``p_clean_model`` beside recalibrated tables: the
-    same pairs read 0.991 in one table and 0.560 in another, and polars and duckdb refused
-    the folder's two schemas. The audit's rewrite skips the tables it already did."""
-    if not report.committed:
-        return
+def _follow_rewrites(out: Any, report: Any, lock_ttl_s: float | None) -> None:
+    """Bring the shards this run committed in line with a rewrite of the job's other tables.
+    An ``audit --labels``: its map is applied to them too (its rewrite skips the tables it
+    already did). A rerun that committed a repaired shard wrote the model's ``p_clean`` and no
+    ``p_clean_model`` beside recalibrated tables: the same pairs read 0.991 in one table and
+    0.560 in another, and polars and duckdb refused the folder's two schemas. A ``refine``:
+    only a refit on every pair makes them agree, so it is said. The older tables are found
+    among the first N + 1 of the job's (N committed now), read by footer once."""
     from pairclean.audit import run as audit_run
 
-    doc = audit_run.active_audit(out, look=report.committed + 1)
-    if doc is None:
+    if not report.committed:
         return
-    applied = audit_run.apply_recalibration(out, doc["knots"], doc["labels"], lock_ttl_s=lock_ttl_s)
+    docs = [out.table_doc(r) or {} for _, r in zip(range(report.committed + 1), out.iter_committed())]
+    if any("refine" in d for d in docs):
+        log.warning("the job's tables were refined, but the %d this run committed hold OSA's p_clean: run `pairclean "
+                    "refine %s` again so that every table holds the refined weights", report.committed, out.uri)
+    audit = next((m for m in map(audit_run.audit_map, docs) if m is not None), None)
+    if audit is None:
+        return
+    applied = audit_run.apply_recalibration(out, audit["knots"], audit["labels"], lock_ttl_s=lock_ttl_s)
     if applied["rewritten"]:
         log.warning("the audit's recalibration (%d labels) was applied to the %d tables this run committed, as to the "
-                    "others", doc["labels"], applied["rewritten"])
+                    "others", audit["labels"], applied["rewritten"])
 
 
 def _warn_ray_only(args: argparse.Namespace) -> None:

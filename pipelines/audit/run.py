@@ -607,18 +607,13 @@ def _applied_name(doc: dict[str, Any], stem: str) -> str:
     return f"{APPLIED_DIR}/{doc['map_sha256'][:12]}/{stem}.json"
 
 
-def active_audit(out: OutputDir, look: int) -> dict[str, Any] | None:
-    """The audit map (``recalibrated_table``'s ``doc``: knots, labels) the job's tables carry,
-    or None: read from the footers of its committed tables until one has a map or ``look``
-    tables had none (a ``score`` that committed N shards passes N + 1: at least one older
-    table is among them). A rescore since replaced the map with its own calibration: None."""
-    for i, record in enumerate(out.iter_committed()):
-        if i >= look:
-            return None
-        meta = schema.json_object((out.store.parquet_metadata(record.output) or {}).get(schema.META_KEY))
-        doc = (meta or {}).get("audit")
-        if isinstance(doc, dict) and isinstance(doc.get("knots"), dict) and isinstance(doc.get("labels"), int):
-            return doc
+def audit_map(table_doc: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The audit map (``recalibrated_table``'s ``doc``: knots, labels) a score table's
+    metadata (``OutputDir.table_doc``) carries, or None (none applied, or a rescore since
+    replaced it with its own calibration)."""
+    doc = (table_doc or {}).get("audit")
+    if isinstance(doc, dict) and isinstance(doc.get("knots"), dict) and isinstance(doc.get("labels"), int):
+        return doc
     return None
 
 

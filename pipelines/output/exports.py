@@ -260,10 +260,11 @@ def keep_list(keep: list[str], bad: list[tuple[str, str, str]], datacomp: bool, 
     another format (``InputError`` unless ``skip_bad_uids``); ``datacomp``: whether any row,
     kept or not, has a DataComp uid. Such a job gets a keep file even when it keeps no pair
     (an empty one): the older file left in place listed pairs a rescore had flagged noisy."""
-    if bad and not (keep or datacomp):
+    if not (keep or datacomp):
         # No uid is DataComp's (the demo's are names): no keep list, the rest is written.
+        example = f" (they have e.g. {bad[0][0]!r})" if bad else ""
         report.notes.append(f"datacomp_keep.npy not written: it needs DataComp uids (32 hex digits in each sample's json "
-                            f"'uid'), and these shards have none (they have e.g. {bad[0][0]!r})")
+                            f"'uid'), and these shards have none{example}")
         return None
     if bad and not skip_bad_uids:
         uid, key, shard = bad[0]
@@ -272,10 +273,6 @@ def keep_list(keep: list[str], bad: list[tuple[str, str, str]], datacomp: bool, 
             f"{len(bad)} such): pass --skip-bad-uids to leave those pairs out of datacomp_keep.npy"
         )
     report.skipped_uids = len(bad)
-    if not (keep or datacomp):
-        report.notes.append("datacomp_keep.npy not written: it needs DataComp uids (32 hex digits in each sample's json "
-                            "'uid'), and these shards have none")
-        return None
     unique = list(dict.fromkeys(keep))
     if len(unique) < len(keep):
         # DataComp's resharder writes a sample once per entry: a pair two shards hold was written twice

@@ -523,6 +523,11 @@ class OutputDir:
                     found.append(full)
         return found
 
+    def table_doc(self, record: ShardRecord) -> dict[str, Any] | None:
+        """The pairclean metadata document of a committed shard's table (footer only), or
+        None where it cannot be read."""
+        return schema.json_object((self.store.parquet_metadata(record.output) or {}).get(schema.META_KEY))
+
     def written_by(self, name: str, digest: str | None = None) -> bool:
         """Whether ``name`` is a Parquet file pairclean wrote (for the job ``digest`` when given)."""
         meta = self.store.parquet_metadata(name)

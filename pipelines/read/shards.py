@@ -275,24 +275,28 @@ def _header_recorder(uri: str) -> tuple[type[tarfile.TarInfo], list[bytes]]:
     return _Info, last
 
 
-def _known_size(fh: Any) -> int | None:
-    """The object's size when the stream knows it (local file, fsspec file), else None."""
+def _regular_stat(fh: Any) -> os.stat_result | None:
+    """``os.fstat`` of the stream's file when it is a regular local file, else None."""
     try:
         st = os.fstat(fh.fileno())
-        return st.st_size if stat.S_ISREG(st.st_mode) else None
     except (AttributeError, OSError, ValueError, TypeError):
-        pass
+        return None
+    return st if stat.S_ISREG(st.st_mode) else None
+
+
+def _known_size(fh: Any) -> int | None:
+    """The object's size when the stream knows it (local file, fsspec file), else None."""
+    st = _regular_stat(fh)
+    if st is not None:
+        return st.st_size
     size = getattr(fh, "size", None)
     return size if isinstance(size, int) else None
 
 
 def _known_mtime_ns(fh: Any) -> int | None:
     """A local file's modification time in ns (``os.fstat`` of what was opened), else None."""
-    try:
-        st = os.fstat(fh.fileno())
-        return st.st_mtime_ns if stat.S_ISREG(st.st_mode) else None
-    except (AttributeError, OSError, ValueError, TypeError):
-        return None
+    st = _regular_stat(fh)
+    return None if st is None else st.st_mtime_ns
 
 
 def _check_trailer(tar: tarfile.TarFile, uri: str) -> None:
@@ -425,8 +429,6 @@ def _iter_members(fh: BinaryIO, uri: str, max_member_bytes: int | None,
         aiohttp = sys.modules.get("aiohttp")
         if aiohttp is None or not isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)):
             raise
-        if deadline is not None and isinstance(exc, asyncio.TimeoutError):
-            deadline.check(uri)
         raise ShardReadError(f"unreadable tar {uri!r}: the connection failed mid-shard ({type(exc).__name__}: "
                              f"{first_line(exc) or 'no reason given'})", uri=uri) from exc
 
