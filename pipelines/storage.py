@@ -81,6 +81,13 @@ def _scheme(uri: str) -> str:
 MAX_GET_BYTES = 64 * 2**20
 
 
+def _conditional_puts(fs: Any) -> bool:
+    """Whether ``fs`` writes with ``mode="create"`` as one conditional request: s3fs does
+    (``If-None-Match: *``, AWS S3 and S3-compatible servers that honour it)."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return bool({"s3", "s3a"} & set(protocols))
+
+
 class Store:
     """A folder at ``uri`` (created on demand); names are ``/``-separated paths inside it.
 
@@ -188,9 +195,10 @@ class Store:
 
     def put(self, name: str, data: bytes, replace: bool = True) -> WriteInfo:
         """Write ``data`` as ``name``, complete or not at all; replaces an existing object.
-        ``replace=False`` (local folders): ``FileExistsError`` where ``name`` exists, checked
-        and written in one step; object stores write as with ``True`` (no conditional
-        writes through fsspec)."""
+        ``replace=False``: ``FileExistsError`` where ``name`` exists, checked and written in
+        one step, on local folders and S3 (a conditional PUT, ``If-None-Match: *``; a store
+        that ignores the condition writes as with ``True``); other object stores write as
+        with ``True`` (fsspec has no conditional write for them)."""
         if self.local:
             path = self.path(name)
             write_file_atomic(path, data, check_folder=lambda folder, fd: check_local_root(
@@ -198,8 +206,11 @@ class Store:
                 check_new=lambda fd, names: check_local_below(
                     os.path.dirname(path), fd, names, LOCAL_WRITE_ROOTS_ENV, "output", roots=self.roots), replace=replace)
         else:
+            create = {} if replace or not _conditional_puts(self.fs) else {"mode": "create"}
             try:
-                self.fs.pipe_file(self.path(name), data)
+                self.fs.pipe_file(self.path(name), data, **create)
+            except FileExistsError:
+                raise
             except OSError as exc:
                 if exc.filename is None:  # s3fs: "The specified bucket does not exist", naming nothing
                     raise type(exc)(exc.errno, exc.strerror or str(exc), self.url(name)) from exc

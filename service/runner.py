@@ -34,6 +34,7 @@ from pairclean.uris import LOCAL_READ_ROOTS_ENV, LOCAL_WRITE_ROOTS_ENV
 from pairclean.job.lifecycle import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, state_for_exit
 from pairclean_workers.cli import BUG_REPORT_DIR_ENV
 
+from . import joblog
 from .metrics import Metrics
 from .security import OutputMoved, checked_output, job_roots, local_roots_of
 from .settings import ServiceSettings
@@ -242,9 +243,11 @@ class JobRunner:
         env[LOCAL_READ_ROOTS_ENV] = json.dumps([*local_roots_of(self.settings.allowed_inputs), os.path.realpath(shard_list)])
         env[LOCAL_WRITE_ROOTS_ENV] = json.dumps(job_roots(job.request["output"]))
         env[BUG_REPORT_DIR_ENV] = str(self.bugs)
+        # through the log wrapper, which bounds the log (its own crash, if any, lands there too)
+        cmd = joblog.wrap(score_command(job.request, self.settings, shard_list), str(log_path), self.settings.max_log_bytes)
         with open(log_path, "ab") as out:
-            return subprocess.Popen(score_command(job.request, self.settings, shard_list), stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env=env)
 
     def _reap(self) -> None:
         for job_id, run in list(self.running.items()):

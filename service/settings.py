@@ -49,6 +49,9 @@ class ServiceSettings(BaseSettings):
     cancellation was asked), so a replica lost with its host does not leave its jobs RUNNING
     for ever (``JobRunner._adopt_orphans``). Runners look and beat every ``orphan_check_s``
     seconds, at least four times a grace. Keep the grace above the run lock's TTL (60 s).
+    ``max_log_bytes``: the most a job's log (``--state-dir``/logs/JOB.log) grows to; past it
+    the job's output is left out but for its last 256 KiB, added when the job ends
+    (``joblog.py``), so one chatty job cannot fill the disk.
     """
 
     # "none" in the environment is None (PAIRCLEAN_SHARD_TIMEOUT_S=none: no default limit)
@@ -85,4 +88,5 @@ class ServiceSettings(BaseSettings):
     audit_seed: int = 0
     shard_timeout_s: float | None = Field(3600.0, gt=0, le=86_400)
     orphan_grace_s: float = Field(180.0, gt=0)
+    max_log_bytes: int = Field(100 * 2**20, ge=4096)
     orphan_check_s: float = Field(30.0, gt=0)

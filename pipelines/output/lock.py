@@ -7,9 +7,12 @@ needed):
 - a run takes the lock when there is none, when the holder's heartbeat is older than its
   TTL (the holder crashed), or when the holder ran on this host and its process is gone;
 - otherwise it is refused with ``OutputBusyError`` naming the live holder;
-- after writing, the run waits ``settle_s`` and reads the lock back: of two runs racing
-  for a free lock, the one whose write landed last wins and the other one is refused (on a
-  local folder a free lock is also created exclusively, which holds however slow a write);
+- a free lock is created exclusively where the store can: a local folder (a temporary
+  linked to its name) and S3 (a conditional PUT, ``If-None-Match: *``): of two runs
+  racing for it one is refused, however slow its write;
+- after writing, the run waits ``settle_s`` and reads the lock back: where the store has
+  no conditional write (or a crashed holder's lock is taken over), of two runs racing the
+  one whose write landed last wins and the other one is refused;
 - while running, a background thread rewrites the heartbeat every TTL/4. If it finds
   another holder's lock (this run stalled for longer than the TTL and was taken over), it
   sets ``lost`` and stops; the job loop then stops committing. A beat that fails (the store
@@ -127,7 +130,7 @@ class RunLock:
         if holder is not None and self._is_live(holder):
             raise self._busy(holder)
         try:
-            # A free lock is created exclusively where the store can (a local folder): of two
+            # A free lock is created exclusively where the store can (a local folder, S3): of two
             # runs starting together one gets FileExistsError, however slow its write was
             # (the read-back below alone let both in when a write took longer than settle_s).
             # (an unreadable or expired document is replaced, as before)

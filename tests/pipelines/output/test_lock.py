@@ -220,10 +220,12 @@ def test_a_storage_outage_stops_the_run_once_its_lock_may_have_expired(tmp_path:
     assert "could not be removed" in caplog.text
 
 
-def test_a_run_that_saw_the_lock_free_too_late_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_run_that_saw_the_lock_free_too_late_is_refused(tmp_path: Path, where: str, request: pytest.FixtureRequest) -> None:
     """Taking the lock was read, write, wait, read back: a run whose write landed after the
-    wait of another (a slow disk, NFS) took the folder from it and both ran. A free lock is
-    now created exclusively on a local folder."""
+    wait of another (a slow disk, NFS, an object store) took the folder from it and both ran.
+    A free lock is now created exclusively on a local folder, and on S3 by a conditional
+    PUT (``If-None-Match: *``, the loopback S3 server)."""
 
     class LateReader(Store):
         first = True
@@ -234,13 +236,20 @@ def test_a_run_that_saw_the_lock_free_too_late_is_refused(tmp_path: Path) -> Non
                 return None
             return super().get(name, max_bytes)
 
-    a = RunLock(Store(str(tmp_path)), ttl_s=30)
+    uri, options = str(tmp_path), None
+    if where == "s3":
+        import s3fs
+
+        options = {"endpoint_url": request.getfixturevalue("s3_endpoint")}
+        s3fs.S3FileSystem(**options).mkdir("weights")
+        uri = "s3://weights/job"
+    a = RunLock(Store(uri, options), ttl_s=30)
     a.acquire()
     try:
-        b = RunLock(LateReader(str(tmp_path)), ttl_s=30)
+        b = RunLock(LateReader(uri, options), ttl_s=30)
         with pytest.raises(OutputBusyError, match="in use by another pairclean run"):
             b.acquire()
-        assert _doc(tmp_path)["run_id"] == a.run_id
+        assert RunLock(Store(uri, options)).read()["run_id"] == a.run_id  # type: ignore[index]
         a.check()
     finally:
         a.release()
