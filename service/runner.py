@@ -227,6 +227,11 @@ class JobRunner:
                 continue
             with self._lock:
                 self.running[job.id] = _Running(job.id, proc, log_path, set(), committed_before=before[0], failed_before=before[1])
+            # A cancel that came between the move to RUNNING and the line above found no
+            # process to end (``cancel`` looks in ``running``): it marked the job, so look again.
+            now = self.store.get(job.id)
+            if now is not None and now.cancel_requested:
+                _end_group(proc.pid)
 
     def _start(self, job: JobRow, log_path: Path) -> subprocess.Popen[bytes]:
         """Write the job's shard list file and start its process."""

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 from pathlib import Path
 
 import httpx
@@ -319,6 +320,39 @@ def test_a_replica_finishes_only_its_own_launch_of_a_job(tmp_path: Path) -> None
     after = store.get(job.id)
     assert after.state == "RUNNING" and after.runner == "other-host:/srv/state" and after.pid == 4242
     assert job.id not in runner.running  # this replica stops following its own, ended process
+
+
+def test_a_cancel_between_launch_and_follow_still_ends_the_job(tmp_path: Path, make_shards) -> None:
+    """``cancel`` ends the process it finds in ``running``; one that came after the job moved
+    to RUNNING but before its process was registered found none, and the job ran to its end
+    (then reported CANCELLED, its whole output written)."""
+    from pairclean_service.metrics import Metrics
+    from pairclean_service.runner import JobRunner
+    from pairclean_service.settings import ServiceSettings
+    from pairclean_service.store import JobStore
+
+    shards = make_shards(n_shards=4, per_shard=16, folder=tmp_path / "shards")
+    store = JobStore(f"sqlite:///{tmp_path / 'jobs.db'}")
+    settings = ServiceSettings(executor="local", allowed_inputs=[str(tmp_path)], allowed_outputs=[str(tmp_path)])
+    runner = JobRunner(store, settings, Metrics(), tmp_path / "state")
+    request = {"shards": [str(s) for s in shards], "output": str(tmp_path / "out"), "estimator": "pairclean-tiny-test",
+               "beta_recipe": "random-inputs", "weighting": "p-clean", "options": {}}
+    job, _ = store.create(request, "tester", None, 1)
+    moved = store.transition
+
+    def transition(job_id: str, *args: Any, **kwargs: Any) -> bool:
+        done = moved(job_id, *args, **kwargs)
+        if done and kwargs.get("state") == "RUNNING":
+            runner.cancel(store.get(job_id))  # the tenant's cancel lands in the window
+        return done
+
+    store.transition = transition  # type: ignore[method-assign]
+    runner._launch()
+    run = runner.running[job.id]
+    assert run.proc.wait(timeout=60) != 0  # ended, not run to its end
+    runner._reap()
+    assert store.get(job.id).state == "CANCELLED"
+    assert len(list((tmp_path / "out").glob("*.parquet"))) < 4
 
 
 def test_readiness_fails_when_the_job_store_file_is_deleted_under_the_service(tmp_path: Path, live_server_cls) -> None:
