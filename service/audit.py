@@ -100,7 +100,7 @@ class Auditor:
         assert doc is not None
         queue = doc["queue"]
         labels = self.store.audit_labels(job.id, job.owner)
-        position = self._pick(job, queue, labels, who.name)
+        position = self._pick(job, queue, labels, who.labeller)
         reply: dict[str, Any] = {"progress": self._progress(queue, labels), "summary": self.summary(job, doc, labels)}
         if position is None:
             return reply | {"done": True}
@@ -164,21 +164,21 @@ class Auditor:
             pos = item["position"]
             if not 0 <= pos < len(queue) or queue[pos]["key"] != item["key"]:
                 raise HTTPException(422, f"labels[{i}]: no such pair in this job's audit queue")
-            mine = [lab for lab in labels if lab["who"] == who.name and lab["position"] == pos]
+            mine = [lab for lab in labels if lab["who"] == who.labeller and lab["position"] == pos]
             # A second label of one pair by one labeller counts only as the blind repeat the
             # queue asked for (``_pick`` is deterministic): a retried request, or a double
             # click, would otherwise count as a repeat that agrees with itself.
-            if mine and self._pick(job, queue, labels, who.name) != pos:
+            if mine and self._pick(job, queue, labels, who.labeller) != pos:
                 if mine[-1]["label"] == item["label"]:
                     already += 1
                     continue
                 raise HTTPException(409, f"labels[{i}]: you labelled this pair already; undo that label to change it")
             attempt = next_attempt(mine)
             rows.append((pos, queue[pos]["key"], item["label"], attempt))
-            labels = [*labels, {"who": who.name, "position": pos, "label": item["label"], "attempt": attempt}]
+            labels = [*labels, {"who": who.labeller, "position": pos, "label": item["label"], "attempt": attempt}]
         if self.store.count_labels(job.id) + len(rows) > self.labels_cap(doc):
             raise HTTPException(409, f"this job holds the most labels it may ({self.labels_cap(doc)})")
-        self.store.add_labels(job.id, job.owner, who.name, rows)
+        self.store.add_labels(job.id, job.owner, who.labeller, rows)
         for _, _, label, _ in rows:
             self.metrics.audit_labels.labels(label=label).inc()
         return {"stored": len(rows), "already_stored": already}
@@ -186,7 +186,7 @@ class Auditor:
     def undo(self, job: JobRow, who: Principal) -> dict[str, Any] | None:
         """Remove ``who``'s latest label on the job (each undo another label, even sent at once)."""
         with self._lock_of(job.id):
-            return self.store.undo_label(job.id, who.name)
+            return self.store.undo_label(job.id, who.labeller)
 
     # -- figures ------------------------------------------------------------------------------
     def report(self, job: JobRow, doc: dict[str, Any] | None = None, labels: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:

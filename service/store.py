@@ -83,10 +83,18 @@ def _select_jobs() -> Select[Any]:
 
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling: the API key's name and whether it may see every owner's jobs."""
+    """Who is calling: the API key's name, whether it may see every owner's jobs, and the
+    labeller its audit labels are stored as (the name and the key: an owner's team members
+    each label with their own key, and their disagreements are two labellers', not one's)."""
 
     name: str
     admin: bool = False
+    key_id: str = ""  # the first 8 hex digits of the key's sha256 (none without keys)
+
+    @property
+    def labeller(self) -> str:
+        """The ``who`` of its audit labels: ``name#key_id`` (``name`` where no key identifies it)."""
+        return f"{self.name[:91]}#{self.key_id}" if self.key_id else self.name  # a 100-character column
 
 
 class LabelTaken(Exception):
@@ -164,7 +172,7 @@ class JobStore:
         """The owner of a key and its role, or None for an unknown key."""
         with self.engine.connect() as conn:
             r = conn.execute(select(api_keys.c.name, api_keys.c.admin).where(api_keys.c.key_hash == key_hash)).first()
-        return Principal(str(r.name), bool(r.admin)) if r else None
+        return Principal(str(r.name), bool(r.admin), key_hash[:8]) if r else None
 
     # -- jobs -----------------------------------------------------------------------------
     def create(self, request: dict[str, Any], owner: str | None, idempotency_key: str | None, shards_total: int,

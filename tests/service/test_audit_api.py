@@ -79,7 +79,10 @@ def test_label_the_queue_over_http_and_get_the_figures(demo_service, job: str, t
     exported = HTTP.get(f"{base}/labels", headers=h)
     assert exported.headers["content-type"].startswith("text/csv")
     rows = list(csv.DictReader(io.StringIO(exported.text)))
-    assert len(rows) == 30 + repeats and {r["who"] for r in rows} == {"team-a"}
+    from pairclean_service.security import hash_key
+
+    # labelled as the owner and the key (the first 8 hex digits of its sha256)
+    assert len(rows) == 30 + repeats and {r["who"] for r in rows} == {f"team-a#{hash_key(demo_service.keys['team-a'])[:8]}"}
     assert {r["label"] for r in rows} == {"clean", "noisy"}
     table = pq.read_table(io.BytesIO(HTTP.get(f"{base}/labels?format=parquet", headers=h).content))
     assert table.num_rows == len(rows) and table.column("key").to_pylist() == [r["key"] for r in rows]
@@ -167,3 +170,27 @@ def test_labels_sent_at_once_are_stored_once_and_undos_remove_one_each(demo_serv
         for url in (f"/ui/jobs/{job}/audit/labels.json", f"/ui/jobs/{job}/audit/undo.json"):
             r = client.post(url, content="[" * 100_000, headers={"Content-Type": "application/json"})
             assert r.status_code == 400 and r.json()["detail"] == "unreadable JSON"
+
+
+def test_two_keys_of_one_owner_are_two_labellers(demo_service) -> None:
+    """Labels were stored under the key's owner name: a team's two members (two keys of one
+    owner) were one labeller, so the second's disagreeing label was refused ("you labelled
+    this pair already"), a disagreement counted as self-disagreement, and one member's undo
+    removed the other's label."""
+    from pairclean_service.security import hash_key, new_api_key
+
+    second = new_api_key()
+    demo_service.live.app.state.store.add_key(hash_key(second), "team-a")
+    job = demo_service.audit_job("audit-two-keys")
+    base, one, two = f"{demo_service.url}/v1/jobs/{job}/audit", _h(demo_service), {"Authorization": f"Bearer {second}"}
+    item = HTTP.get(f"{base}/next", headers=one).json()
+    pair = {"position": item["position"], "key": item["key"]}
+    assert HTTP.post(f"{base}/labels", headers=one, json={"labels": [pair | {"label": "clean"}]}).status_code == 201
+    r = HTTP.post(f"{base}/labels", headers=two, json={"labels": [pair | {"label": "noisy"}]})
+    assert r.status_code == 201 and r.json() == {"stored": 1, "already_stored": 0}, r.text
+    report = HTTP.get(base, headers=one).json()
+    assert report["labels"]["conflicting_pairs"] == 1 and report["self_agreement"]["repeats"] == 0
+    removed = HTTP.post(f"{base}/labels:undo", headers=two).json()["removed"]
+    assert removed["label"] == "noisy"  # the second member's own label, not the first's
+    rows = list(csv.DictReader(io.StringIO(HTTP.get(f"{base}/labels", headers=one).text)))
+    assert [(r["label"], r["who"]) for r in rows] == [("clean", f"team-a#{hash_key(demo_service.keys['team-a'])[:8]}")]
