@@ -322,10 +322,9 @@ def read_labels(path: str, storage_options: dict[str, Any] | None = None) -> lis
             parquet = pq.ParquetFile(io.BytesIO(data))
             if parquet.metadata.num_rows > MAX_LABEL_ROWS:
                 raise InputError(f"--labels {path} has more than {MAX_LABEL_ROWS:,} rows")
-            table = parquet.read()
+            rows: list[dict[str, Any]] = _parquet_label_rows(parquet, path)
         except (pa.ArrowInvalid, OSError) as exc:
             raise InputError(f"--labels {path} is not a readable Parquet file") from exc
-        rows: list[dict[str, Any]] = table.slice(0, MAX_LABEL_ROWS + 1).to_pylist()
         escaped = False  # the service's Parquet export writes keys as they are
     else:
         try:
@@ -346,6 +345,27 @@ def read_labels(path: str, storage_options: dict[str, Any] | None = None) -> lis
     return parse_labels(rows, f"--labels {path}", escaped)
 
 
+def _parquet_label_rows(parquet: Any, path: str) -> list[dict[str, Any]]:
+    """The label columns' rows of a Parquet labels file, decoded batch by batch and at most
+    ``MAX_LABEL_BYTES`` of them (``InputError`` past it): a 783-byte file of one 1,500-character
+    key repeated a million times (dictionary-encoded) took 1.6 GB decoded whole."""
+    meta = parquet.metadata
+    if sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)) > 4 * MAX_LABEL_BYTES:
+        raise InputError(f"--labels {path} holds over {4 * MAX_LABEL_BYTES >> 20} MiB once uncompressed; "
+                         "a few hundred labels is what an audit needs")
+    columns = [c for c in ("key", "label", "shard", "who", "labelled_at") if c in parquet.schema_arrow.names]
+    rows: list[dict[str, Any]] = []
+    decoded = 0
+    for batch in parquet.iter_batches(batch_size=8192, columns=columns):
+        got = batch.to_pylist()  # 8,192 rows: bounded by the uncompressed size checked above
+        decoded += sum(len(v) for row in got for v in row.values() if isinstance(v, (str, bytes)))
+        if decoded > MAX_LABEL_BYTES:
+            raise InputError(f"--labels {path} holds over {MAX_LABEL_BYTES >> 20} MiB of text once decoded; "
+                             "a few hundred labels is what an audit needs")
+        rows.extend(got)
+    return rows
+
+
 # -- the report -----------------------------------------------------------------------------
 
 @dataclass
@@ -362,6 +382,7 @@ class _Units:
     ambiguous: int
     rows: int
     counts: dict[str, int]
+    duplicates: int = 0
 
 
 def _key_candidates(key: str) -> list[str]:
@@ -372,15 +393,25 @@ def _key_candidates(key: str) -> list[str]:
     return list(dict.fromkeys(k for k in (key, key.strip(), _cell(key), _cell(key.strip())) if k))
 
 
+def _basename(uri: str) -> str:
+    return uri.rstrip("/").rsplit("/", 1)[-1]
+
+
 def _match(queue: list[dict[str, Any]], labels: list[Label]) -> _Units:
     by_key: dict[str, list[int]] = {}
     by_pair: dict[tuple[str, str], int] = {}
+    shards_named: dict[str, set[str]] = {}
+    for item in queue:
+        shards_named.setdefault(_basename(item["shard"]), set()).add(item["shard"])
     for i, item in enumerate(queue):
         by_key.setdefault(item["key"], []).append(i)
         by_pair[(item["shard"], item["key"])] = i
         by_pair[(item["stem"], item["key"])] = i
+        if len(shards_named[_basename(item["shard"])]) == 1:  # a shard column of file names, where they are unique
+            by_pair[(_basename(item["shard"]), item["key"])] = i
     given: dict[int, list[Label]] = {}
-    outside = ambiguous = 0
+    seen: set[tuple[int, str, str, str]] = set()
+    outside = ambiguous = duplicates = 0
     for lab in labels:
         pos = None
         for key in _key_candidates(lab.key):
@@ -400,6 +431,12 @@ def _match(queue: list[dict[str, Any]], labels: list[Label]) -> _Units:
         if pos is None:
             outside += 1
             continue
+        # the same row twice (a file pasted twice, two exports joined) is one label, not a
+        # blind repeat that agrees with itself: the service's repeats differ in their time
+        if (pos, lab.who, lab.label, lab.labelled_at) in seen:
+            duplicates += 1
+            continue
+        seen.add((pos, lab.who, lab.label, lab.labelled_at))
         given.setdefault(pos, []).append(lab)
     positions, noisy, conflict, unsure_only = [], [], [], []
     first, again = [], []
@@ -424,7 +461,7 @@ def _match(queue: list[dict[str, Any]], labels: list[Label]) -> _Units:
         noisy.append(1.0 if "noisy" in decisive else 0.0)
         conflict.append(len(decisive) > 1)
     return _Units(np.asarray(positions, dtype=np.int64), np.asarray(noisy), np.asarray(conflict, dtype=bool), unsure_only,
-                  first, again, outside, ambiguous, len(labels), counts)
+                  first, again, outside, ambiguous, len(labels), counts, duplicates)
 
 
 def _weights(sizes: np.ndarray, strata: np.ndarray) -> np.ndarray:
@@ -443,10 +480,14 @@ def audit_report(design_doc: dict[str, Any], labels: list[Label], threshold: flo
     strata = np.asarray([queue[p]["stratum"] for p in units.positions], dtype=np.int64)
     p_model = np.asarray([queue[p]["p_clean"] for p in units.positions], dtype=np.float64)
     flagged = np.asarray([queue[p]["noisy"] for p in units.positions], dtype=bool)
-    needed = stats.labels_needed(drawn, strata)
+    # Pairs whose labels disagree say nothing on their own: they widen the intervals (both
+    # resolutions) but do not count towards the minimum (all-conflicting labels fitted a map
+    # of 0.5 for every pair, erasing the model's ranking).
+    needed = stats.labels_needed(drawn, strata[~units.conflict], population=int(sizes.sum()))
     report: dict[str, Any] = {
         "labels": {"rows": units.rows, **units.counts, "pairs_labelled": int(len(units.positions) + len(units.unsure_only)),
-                   "decisive_pairs": len(units.positions), "unsure_pairs": len(units.unsure_only),
+                   "decisive_pairs": len(units.positions), "agreed_pairs": int((~units.conflict).sum()),
+                   "unsure_pairs": len(units.unsure_only), "duplicate_rows": units.duplicates,
                    "conflicting_pairs": int(units.conflict.sum()), "outside_sample": units.outside,
                    "ambiguous_keys": units.ambiguous},
         "design": design,
@@ -502,9 +543,10 @@ def audit_report(design_doc: dict[str, Any], labels: list[Label], threshold: flo
 def format_report(report: dict[str, Any]) -> str:
     """The report as the CLI prints it."""
     lab = report["labels"]
-    lines = [f"labels: {lab['rows']} ({lab['clean']} clean, {lab['noisy']} noisy, {lab['unsure']} unsure) on "
-             f"{lab['pairs_labelled']} pairs; {lab['conflicting_pairs']} pairs with conflicting labels, "
-             f"{lab['unsure_pairs']} only unsure (reported, not counted)"]
+    lines = [f"labels: {lab['rows']} rows; on {lab['pairs_labelled']} pairs of the audit sample {lab['clean']} clean, "
+             f"{lab['noisy']} noisy, {lab['unsure']} unsure; {lab['conflicting_pairs']} pairs with conflicting labels (they "
+             f"widen the intervals and do not count towards the minimum), {lab['unsure_pairs']} only unsure (reported, not "
+             f"counted)" + (f"; {lab['duplicate_rows']} repeated rows counted once" if lab.get("duplicate_rows") else "")]
     if lab["outside_sample"] or lab["ambiguous_keys"]:
         lines.append(f"ignored: {lab['outside_sample']} labels of pairs outside the audit sample, "
                      f"{lab['ambiguous_keys']} with a key found in several shards (add a shard column)")

@@ -387,12 +387,16 @@ def self_agreement(first: list[str], repeat: list[str], z: float = Z95) -> dict[
             "kappa": None if kappa is None else round(kappa, 6), "disagreements": int((a != b).sum())}
 
 
-def labels_needed(drawn: np.ndarray, strata: np.ndarray, minimum: int = MIN_LABELS, per_stratum: int = 2) -> int:
-    """How many more decisive labels the estimate needs: at least ``min(minimum, queue
-    size)`` in all, and ``min(per_stratum, n_h)`` in every stratum the design drew from
-    (0 when enough)."""
+def labels_needed(drawn: np.ndarray, strata: np.ndarray, minimum: int = MIN_LABELS, per_stratum: int = 2,
+                  population: int | None = None) -> int:
+    """How many more decisive labels the estimate needs: at least ``min(minimum,
+    population)`` in all (the job's pairs; the queue's size where None), and
+    ``min(per_stratum, n_h)`` in every stratum the design drew from (0 when enough).
+
+    The population, not the queue: a queue of 3 drawn from 300 pairs made 3 labels enough,
+    and those 3 rewrote every weight of the job."""
     drawn = np.asarray(drawn, dtype=np.int64)
     m = np.bincount(np.asarray(strata, dtype=np.int64), minlength=len(drawn))
     short = int(np.maximum(np.minimum(per_stratum, drawn) - m, 0).sum())
-    total = max(0, min(minimum, int(drawn.sum())) - int(m.sum()))
+    total = max(0, min(minimum, int(drawn.sum() if population is None else population)) - int(m.sum()))
     return max(short, total)

@@ -136,10 +136,49 @@ def test_unsure_and_conflicting_labels_are_reported(job: Path, tmp_path: Path, c
     assert report["labels"]["unsure_pairs"] == 1 and report["labels"]["conflicting_pairs"] == 1
     assert "1 only unsure (reported, not counted)" in printed
     assert report["self_agreement"]["repeats"] == 1 and report["self_agreement"]["agreement"] == 0.0
-    # 9 decisive pairs out of a 10-pair queue: below the minimum (all of a queue this small)
-    assert code == 1 and report["labels_needed"] == 1
+    # 9 decisive pairs out of a 10-pair queue, one of them conflicting (it does not count):
+    # below the minimum (all of a job this small)
+    assert code == 1 and report["labels_needed"] == 2 and report["labels"]["agreed_pairs"] == 8
     assert report["queue_left"] == 0 and "draw a larger sample" in printed
     assert "p_clean_model" not in pq.read_table(job / "demo-000000.parquet").column_names
+
+
+def test_a_small_queue_or_labels_that_say_nothing_apply_nothing(job: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Round 3 of the audit attack: the minimum was the queue's size, so ``--sample 3`` and
+    three labels rewrote every weight of the job; a file of every pair labelled both ways
+    (no information) fitted a map of 0.5 for every pair; a file pasted twice counted its
+    copies as blind repeats that agreed with themselves; a shard column of file names
+    matched nothing."""
+    swapped, _ = _demo_truth(str(job))
+    before = (job / "demo-000000.parquet").read_bytes()
+    small = tmp_path / "small.csv"
+    assert main(["audit", str(job), "--sample", "3", "--out", str(small)]) == 0
+    assert main(["audit", str(job), "--labels", str(_label(small, tmp_path / "three.csv", swapped))]) == 1
+    printed = capsys.readouterr().out
+    report = json.loads(schema.local_side_path(job, "_pairclean/audit.json").read_text())
+    assert report["labels"]["decisive_pairs"] >= 2 and report["labels_needed"] == 10 - report["labels"]["decisive_pairs"]
+    assert f"label {report['labels_needed']} more pairs" in printed and "draw a larger sample" in printed  # all 10 of this job
+    assert (job / "demo-000000.parquet").read_bytes() == before
+    queue = tmp_path / "queue.csv"
+    assert main(["audit", str(job), "--sample", "10", "--out", str(queue), "--resample"]) == 0
+    rows = list(csv.DictReader(queue.open()))
+    both = [{"key": r["key"], "shard": r["shard"], "label": label} for r in rows for label in ("clean", "noisy")]
+    assert main(["audit", str(job), "--labels", str(_label(queue, tmp_path / "both.csv", swapped, take=0, extra=both))]) == 1
+    printed = capsys.readouterr().out
+    assert "10 pairs with conflicting labels" in printed and "label 10 more pairs" in printed
+    assert (job / "demo-000000.parquet").read_bytes() == before
+    twice = _label(queue, tmp_path / "twice.csv", swapped)
+    twice.write_text(twice.read_text() + "".join(twice.read_text().splitlines(keepends=True)[1:]))
+    names = [{"key": r["key"], "shard": r["shard"].rsplit("/", 1)[-1], "label": "noisy" if r["key"] in swapped else "clean"}
+             for r in rows]  # a shard column of file names (one shard of that name in the job)
+    by_name = _label(queue, tmp_path / "names.csv", swapped, take=0, extra=names)
+    for labels in (twice, by_name):
+        assert main(["audit", str(job), "--labels", str(labels), "--no-apply"]) == 0
+        report = json.loads(schema.local_side_path(job, "_pairclean/audit.json").read_text())
+        assert report["labels"]["decisive_pairs"] == 10 and report["self_agreement"]["repeats"] == 0
+    assert report["labels"]["outside_sample"] == 0
+    assert "10 repeated rows counted once" in capsys.readouterr().out
 
 
 def test_bad_input_is_one_line_and_touches_nothing(job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -49,3 +49,25 @@ def test_labels_match_their_keys_exactly_first_and_parquet_keys_are_taken_as_the
     # a Parquet file made from the queue CSV (pandas) keeps its formula escape: matched too
     escaped = [{"key": "-k", "shard": "s.tar", "stem": "s"}]
     assert _match(escaped, [Label("'-k", "noisy")]).outside == 0
+
+
+def test_a_parquet_labels_file_that_decodes_to_gigabytes_is_refused(tmp_path: Path) -> None:
+    """783 bytes of Parquet (one 1,500-character key, dictionary-encoded, a million times)
+    took 1.6 GB decoded whole; it is decoded batch by batch and refused past 64 MiB of text."""
+    import resource
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import pytest
+    from pairclean.errors import InputError
+
+    rows = 1_000_000
+    key = pa.DictionaryArray.from_arrays(pa.array([0] * rows, pa.int32()), pa.array(["k" * 1500]))
+    label = pa.DictionaryArray.from_arrays(pa.array([0] * rows, pa.int32()), pa.array(["clean"]))
+    path = tmp_path / "bomb.parquet"
+    pq.write_table(pa.table({"key": key, "label": label}), path, compression="zstd")
+    assert path.stat().st_size < 1_000_000
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(InputError, match="over 64 MiB of text once decoded"):
+        read_labels(str(path))
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 600_000  # KiB: well under the 1.6 GB

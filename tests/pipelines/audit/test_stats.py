@@ -177,6 +177,9 @@ def test_labels_needed() -> None:
     assert stats.labels_needed(drawn, np.array([0] * 25)) == 4  # strata 1 and 3 need two each
     assert stats.labels_needed(drawn, np.array([0] * 20 + [1, 1, 3, 3])) == 0
     assert stats.labels_needed(np.array([3, 2]), np.array([0, 0, 0, 1, 1])) == 0  # a queue of 5: all of it is enough
+    # ... when it is the whole population; a queue of 5 drawn from 300 pairs is not
+    assert stats.labels_needed(np.array([3, 2]), np.array([0, 0, 0, 1, 1]), population=300) == 15
+    assert stats.labels_needed(np.array([3, 2]), np.array([0, 0, 0, 1, 1]), population=5) == 0
 
 
 # -- the design -------------------------------------------------------------------------------
