@@ -85,6 +85,7 @@ class Auditor:
         except PaircleanError as exc:
             raise HTTPException(409, f"nothing to audit: {exc}") from None
         doc, queue = queue_rows(pop, self.settings.audit_sample, self.settings.audit_seed)
+        doc["shards_committed"] = job.shards_done  # what the sample is of (a retry may commit more)
         stored = self.store.put_audit_queue(job.id, job.owner, self.settings.audit_seed, self.settings.audit_sample,
                                             {"design": doc, "queue": queue})
         return stored["design"]  # type: ignore[no-any-return]
@@ -94,14 +95,32 @@ class Auditor:
         return 4 * len(queue["queue"]) + 100
 
     # -- labelling ------------------------------------------------------------------------------
+    @staticmethod
+    def _check_ended(job: JobRow) -> None:
+        """409 while the job runs again (a ``:retry``): its tables are still being written."""
+        if job.state not in (SUCCEEDED, PARTIAL, FAILED):
+            raise HTTPException(409, f"the job is {job.state}: labels are taken once it has ended")
+
+    @staticmethod
+    def stale(job: JobRow, doc: dict[str, Any]) -> str | None:
+        """What the queue does not cover: the shards a ``:retry`` committed after it was drawn."""
+        then = doc["design"].get("shards_committed")
+        if then is None or job.shards_done == then:
+            return None
+        return (f"the audit queue was drawn when {then} shards were committed; {job.shards_done} are now (a retry): the "
+                f"figures describe the pairs of those {then} only. To audit every shard, draw a sample of the whole job "
+                "with `pairclean audit OUT --sample N --resample` (labels carry over by key)")
+
     def next_item(self, job: JobRow, who: Principal) -> dict[str, Any]:
         """The next pair for ``who`` to label (or ``done``), with progress and the estimate."""
+        self._check_ended(job)
         doc = self.queue(job)
         assert doc is not None
         queue = doc["queue"]
         labels = self.store.audit_labels(job.id, job.owner)
         position = self._pick(job, queue, labels, who.labeller)
-        reply: dict[str, Any] = {"progress": self._progress(queue, labels), "summary": self.summary(job, doc, labels)}
+        reply: dict[str, Any] = {"progress": self._progress(queue, labels), "summary": self.summary(job, doc, labels),
+                                 "warning": self.stale(job, doc)}
         if position is None:
             return reply | {"done": True}
         item = queue[position]
@@ -155,6 +174,7 @@ class Auditor:
         return self._locks[zlib.crc32(job_id.encode()) % len(self._locks)]
 
     def _add(self, job: JobRow, who: Principal, items: list[dict[str, Any]]) -> dict[str, Any]:
+        self._check_ended(job)
         doc = self.queue(job)
         assert doc is not None
         queue = doc["queue"]
@@ -201,6 +221,7 @@ class Auditor:
         given = [Label(lab["key"], lab["label"], queue[lab["position"]]["shard"], lab["who"], f"{lab['labelled_at']}#{lab['id']:012d}")
                  for lab in labels]
         report = audit_report(doc, given)
+        report["warning"] = self.stale(job, doc)
         self.metrics.audit_reports.labels(status="ok" if report["status"] == "ok" else "needs_labels").inc()
         return report
 

@@ -19,7 +19,7 @@
 
   function show(data) {
     progress.textContent = data.progress.labelled + " of " + data.progress.queue + " pairs labelled (" + data.progress.labels + " labels)";
-    summary.textContent = data.summary;
+    summary.textContent = data.summary + (data.warning ? " · " + data.warning : "");
     error.hidden = true;
     if (data.done) {
       current = null;

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import re
+import time
 
 import httpx
 import pyarrow.parquet as pq
@@ -194,3 +195,38 @@ def test_two_keys_of_one_owner_are_two_labellers(demo_service) -> None:
     assert removed["label"] == "noisy"  # the second member's own label, not the first's
     rows = list(csv.DictReader(io.StringIO(HTTP.get(f"{base}/labels", headers=one).text)))
     assert [(r["label"], r["who"]) for r in rows] == [("clean", f"team-a#{hash_key(demo_service.keys['team-a'])[:8]}")]
+
+
+def test_a_retry_that_commits_more_shards_is_named_and_labels_wait_for_its_end(demo_service, tmp_path) -> None:
+    """The queue is drawn once, from the shards committed then: after a ``:retry`` committed
+    more, the figures silently described the first shards only, and labels were taken while
+    the retried job ran."""
+    import shutil
+
+    folder = demo_service.root / "audit-retry"
+    folder.mkdir()
+    good = shutil.copy(demo_service.shard, folder / "copy-000000.tar")
+    broken = folder / "copy-000001.tar"
+    broken.write_bytes(b"not a tar at all" * 100)
+    job = demo_service.submit([str(good), str(broken)], str(folder / "out"))
+    base, h = f"{demo_service.url}/v1/jobs/{job}/audit", _h(demo_service)
+
+    def ended() -> str:
+        for _ in range(1200):
+            state = str(HTTP.get(f"{demo_service.url}/v1/jobs/{job}", headers=h).json()["state"])
+            if state not in ("QUEUED", "RUNNING"):
+                return state
+            time.sleep(0.25)
+        raise AssertionError("the job did not end")
+
+    assert ended() in ("PARTIAL", "FAILED")  # one shard of two committed
+    item = HTTP.get(f"{base}/next", headers=h).json()
+    assert item["warning"] is None and item["progress"]["queue"] == 10
+    shutil.copy(demo_service.shard, broken)  # the bad shard fixed, then the job retried
+    assert HTTP.post(f"{demo_service.url}/v1/jobs/{job}:retry", headers=h).status_code == 200
+    r = HTTP.post(f"{base}/labels", headers=h, json={"labels": [{"position": item["position"], "key": item["key"], "label": "clean"}]})
+    assert r.status_code == 409 and "labels are taken once it has ended" in r.json()["detail"]
+    assert ended() == "SUCCEEDED"
+    item = HTTP.get(f"{base}/next", headers=h).json()
+    assert "drawn when 1 shards were committed; 2 are now" in item["warning"]
+    assert "drawn when 1 shards were committed" in HTTP.get(base, headers=h).json()["warning"]
