@@ -231,7 +231,9 @@ class Auditor:
         if report is None or not labels:
             return "no labels yet"
         if report["status"] != "ok":
-            return f"label {report['labels_needed']} more pairs for an estimate"
+            upto = report.get("queue_next")  # the page serves the queue in order
+            return (f"label {upto} more pairs for an estimate" if upto is not None else
+                    f"the queue holds too few pairs for an estimate ({report['labels_needed']} more needed)")
         nr = report["noise_rate"]
         return (f"noise rate {100 * nr['estimate']:.1f}% [{100 * nr['lower']:.1f}, {100 * nr['upper']:.1f}] "
                 f"(95%, {report['labels']['decisive_pairs']} pairs labelled)")

@@ -286,7 +286,7 @@ class Browser:
         self.settings = settings
         self._outputs: _Lru[str, _Output] = _Lru(64)
         self._scans: _Lru[tuple[str, str, str], ShardScan] = _Lru(2048)
-        self._warnings: _Lru[tuple[str, str, str], list[str]] = _Lru(1024)
+        self._warnings: _Lru[tuple[str, str, str], tuple[list[str], float | None]] = _Lru(1024)
         self._tables: _Lru[tuple[str, str, str], _Table] = _Lru(32, 256 * 2**20, lambda t: t.view.nbytes)
         # keyed by the json field read too: one shard, two tenants' jobs reading two fields of
         # one json member (alice's "caption", bob's "alt") showed alice whichever came first
@@ -310,13 +310,24 @@ class Browser:
     def job_warnings(self, job: JobRow) -> list[str]:
         """What `pairclean inspect` warns of for the job's output (``report.warnings_of``),
         read from the metadata of its first committed table (by stem); none before a shard
-        is committed. Cached per table (stem and sha256): a rewrite of the tables (audit,
-        rescore) records new checksums. ``OSError`` where the committed table's footer cannot
-        be read (never cached as "no warnings": a passing storage error would have stuck)."""
+        is committed. ``OSError`` where the committed table's footer cannot be read."""
+        return list(self._output_facts(job)[0])
+
+    def audited_noise(self, job: JobRow) -> float | None:
+        """1 - mean ``p_clean`` of the job's tables after ``pairclean audit --labels`` applied
+        a map to them (the summary the CLI keeps beside the map); None where no audit was
+        applied (the job's stored estimate, made while it ran, is still the tables')."""
+        return self._output_facts(job)[1]
+
+    def _output_facts(self, job: JobRow) -> tuple[list[str], float | None]:
+        """(warnings, audited noise) of the job's output, from its first committed table's
+        metadata. Cached per table (stem and sha256): a rewrite of the tables (audit,
+        rescore) records new checksums. ``OSError`` where the footer cannot be read (never
+        cached as "nothing to say": a passing storage error would have stuck)."""
         holder = self.output(job)
         committed = holder.committed()
         if not committed:
-            return []
+            return [], None
         record = committed[min(committed)]
         key = (holder.out.uri, record.stem, record.sha256)
         got = self._warnings.get(key)
@@ -328,9 +339,9 @@ class Browser:
             doc = schema.json_object(meta.get(schema.META_KEY, b"{}"))
             if doc is None:  # a list there was an AttributeError (a 500)
                 raise ValueError("the table's pairclean metadata is not a JSON object")
-            got = warnings_of(doc)
+            got = (warnings_of(doc), _audited_noise(holder.out, doc))
             self._warnings.put(key, got)
-        return list(got)
+        return list(got[0]), got[1]
 
     def record(self, job: JobRow, stem: str) -> ShardRecord | None:
         """The committed record of one of the job's shards, by stem; None when the job has
@@ -607,3 +618,16 @@ def _trim(clean: np.ndarray, noisy: np.ndarray, beta: float | None, bars: int = 
     edges = [float(_SIM_BINS[i]) for i in range(lo, hi, group)] + [float(_SIM_BINS[hi])]
     starts = list(range(lo, hi, group))
     return edges, [int(clean[i : i + group].sum()) for i in starts], [int(noisy[i : i + group].sum()) for i in starts]
+
+
+def _audited_noise(out: OutputDir, doc: dict[str, Any]) -> float | None:
+    """The ``expected_noise`` of the summary ``pairclean audit`` kept for the map a table's
+    metadata ``doc`` records; None without an applied map (or its summary: an earlier release)."""
+    from pairclean.audit.run import applied_summary_name, audit_map
+
+    applied = audit_map(doc)
+    if applied is None or not isinstance(applied.get("map_sha256"), str):
+        return None
+    summary = schema.json_object(out.store.get(applied_summary_name(applied["map_sha256"])))
+    value = (summary or {}).get("expected_noise")
+    return float(value) if isinstance(value, (int, float)) and 0.0 <= value <= 1.0 else None

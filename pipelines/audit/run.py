@@ -173,7 +173,10 @@ def make_queue(out: OutputDir, n: int, seed: int, resample: bool = False) -> lis
     earlier = out.store.get(DESIGN_FILE)
     if earlier is not None and not resample:
         before = read_design(out)  # one line where the saved sample is damaged (--resample replaces it)
-        if [(r["shard"], r["key"]) for r in before["queue"]] != [(r["shard"], r["key"]) for r in queue]:
+        pairs = [(r["shard"], r["key"]) for r in before["queue"]]
+        if pairs != [(r["shard"], r["key"]) for r in queue] and sorted(pairs) == sorted((r["shard"], r["key"]) for r in queue):
+            return list(before["queue"])  # the same pairs, queued in an earlier release's order: kept as they are
+        if pairs != [(r["shard"], r["key"]) for r in queue]:
             raise InputError(f"{out.uri} already has an audit sample of {len(before['queue'])} pairs (seed {before['design'].get('seed')}); "
                              "labels made for it count only for its pairs: label that queue (--sample with the same size and "
                              "seed writes it again), or pass --resample to replace it", uri=out.uri)
@@ -496,6 +499,9 @@ def audit_report(design_doc: dict[str, Any], labels: list[Label], threshold: flo
         "status": "ok" if needed == 0 else "too_few_labels",
         # pairs of the queue nobody has labelled yet: when fewer than needed, draw a larger sample
         "queue_left": len(queue) - int(len(units.positions) + len(units.unsure_only)),
+        # how many of the next unlabelled pairs, in queue order, give the estimate (None: not all of them)
+        "queue_next": _next_needed(queue, drawn, strata[~units.conflict], {*units.positions.tolist(), *units.unsure_only},
+                                   int(sizes.sum())) if needed else 0,
     }
     if needed:
         return report
@@ -540,6 +546,18 @@ def audit_report(design_doc: dict[str, Any], labels: list[Label], threshold: flo
     return report
 
 
+def _next_needed(queue: list[dict[str, Any]], drawn: np.ndarray, agreed: np.ndarray, labelled: set[int],
+                 population: int) -> int | None:
+    """How many of the queue's unlabelled pairs, taken in queue order and each labelled one
+    way, bring ``stats.labels_needed`` to 0 (None where the whole queue does not)."""
+    counts = np.bincount(agreed, minlength=len(drawn)).astype(np.int64)
+    for taken, pos in enumerate((p for p in range(len(queue)) if p not in labelled), start=1):
+        counts[int(queue[pos]["stratum"])] += 1
+        if stats.labels_needed(drawn, np.repeat(np.arange(len(drawn)), counts), population=population) == 0:
+            return taken
+    return None
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The report as the CLI prints it."""
     lab = report["labels"]
@@ -559,8 +577,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"self-agreement on {agree['repeats']} blind repeats: {100 * agree['agreement']:.1f}% "
                      f"[{100 * agree['lower']:.1f}, {100 * agree['upper']:.1f}], kappa {agree['kappa']}")
     if report["status"] != "ok":
-        left = report["queue_left"]
-        more = ("the next ones in the queue" if left >= report["labels_needed"] else
+        left, upto = report["queue_left"], report.get("queue_next")
+        more = (f"the next {upto} in the queue give it" if upto is not None else
                 f"only {left} are left in the queue: draw a larger sample with --sample; labels carry over to the pairs it draws again")
         lines.append(f"too few labels for an estimate: label {report['labels_needed']} more pairs ({more})")
         return "\n".join(lines)
@@ -649,6 +667,25 @@ def _applied_name(doc: dict[str, Any], stem: str) -> str:
     return f"{APPLIED_DIR}/{doc['map_sha256'][:12]}/{stem}.json"
 
 
+def applied_summary_name(map_sha256: str) -> str:
+    """Where an applied map's summary is kept (``labels``, ``expected_noise``: 1 - mean of
+    the recalibrated ``p_clean`` over the job's ok pairs, what ``pairclean inspect`` and any
+    reader of the tables now compute; the service shows it as the job's noise-rate estimate)."""
+    return f"{APPLIED_DIR}/{map_sha256[:12]}.summary.json"  # beside the map's folder of per-shard records
+
+
+def _expected_noise(out: OutputDir, records: list[ShardRecord]) -> float | None:
+    """1 - mean ``p_clean`` over the ok pairs of ``records``' tables (two columns read)."""
+    from pairclean.output.report import p_clean_sum
+
+    total, count = 0.0, 0
+    for record in records:
+        table = out.read_scores(record, [schema.COL_STATUS, schema.COL_P_CLEAN])
+        t, c = p_clean_sum(table.column(schema.COL_STATUS).to_pylist(), table.column(schema.COL_P_CLEAN).to_numpy())
+        total, count = total + t, count + c
+    return 1.0 - total / count if count else None
+
+
 def audit_map(table_doc: dict[str, Any] | None) -> dict[str, Any] | None:
     """The audit map (``recalibrated_table``'s ``doc``: knots, labels) a score table's
     metadata (``OutputDir.table_doc``) carries, or None (none applied, or a rescore since
@@ -685,9 +722,12 @@ def apply_recalibration(out: OutputDir, knots: dict[str, list[float]], labels: i
             out.store.put(_applied_name(doc, record.stem), json.dumps({"sha256": info.sha256, "bytes": info.bytes}).encode())
             done[record.stem] = (info.sha256, info.bytes)
             rewritten += 1
+        lock.check()  # nor record what it wrote
         changed = any(r.sha256 != done[r.stem][0] for r in records)
         if changed:
             out.replace_records([replace(r, sha256=done[r.stem][0], bytes=done[r.stem][1]) for r in records])
+        out.store.put(applied_summary_name(sha), json.dumps(
+            {"labels": labels, "expected_noise": _expected_noise(out, records)}).encode())
         out.end_rewrite()
         if changed:
             refresh_exports(out)  # trainers read them without asking: never leave them on the earlier weights

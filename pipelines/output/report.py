@@ -38,6 +38,8 @@ class Summary:
     first: list[dict[str, Any]]
     #: The rule behind ``noisy`` and the corpus contrast's record (None: the job has none).
     noisy_rule: str = "similarity <= beta"
+    #: The audit map applied to the tables (``pairclean audit --labels``), or None.
+    audit: dict[str, Any] | None = None
     contrast: dict[str, Any] | None = None
     #: The ``p_clean`` mixture's noise shares of the calibration sample (random, near-miss);
     #: None without a corpus-mixture curve.
@@ -95,7 +97,8 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
         weight_histogram=[(float(edges[i]), float(edges[i + 1]), int(counts[i])) for i in range(bins)],
         lowest=ok_view.take(order).to_pylist(),
         first=view.slice(0, rows).to_pylist(),
-        noisy_rule=str(meta.get("noisy_rule", "similarity <= beta")),
+        noisy_rule=noisy_rule_of(meta),
+        audit=_audit_of(meta),
         mixture_noise=mixture_noise(meta),
         unexplained_random=junk_gap(meta),
         contrast=meta.get("contrast"),
@@ -108,6 +111,24 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
         retried={stem: r.attempts for stem, r in sorted(committed.items()) if r.attempts > 1},
         quarantined={stem: _clip(str(q.get("error"))) for stem, q in sorted(out.quarantined().items()) if stem not in committed},
     )
+
+
+def _audit_of(meta: dict[str, Any]) -> dict[str, Any] | None:
+    from pairclean.audit.run import audit_map  # (the audit package reads and writes tables: imported when used)
+
+    return audit_map(meta)
+
+
+def noisy_rule_of(meta: dict[str, Any]) -> str:
+    """The rule the tables' ``noisy`` column follows (a table's metadata ``meta``): the job's,
+    or once an audit recalibrated ``p_clean`` under the ``p-clean`` weighting, the audit's
+    (``p_clean <= 0.5`` of the recalibrated value; the model's flag kept as ``noisy_model``)."""
+    rule = str(meta.get("noisy_rule", "similarity <= beta"))
+    audit = _audit_of(meta)
+    if audit is not None and (meta.get("weighting") or {}).get("name") == "p-clean":
+        return (f"p_clean <= 0.5, p_clean recalibrated by an audit on {audit['labels']} human labels "
+                f"(the model's flag, in noisy_model: {rule})")
+    return rule
 
 
 def _owned_share(table: Any, ok: np.ndarray) -> float | None:
@@ -283,6 +304,8 @@ def format_summary(s: Summary) -> str:
         + (f"; {100 * s.owned:.1f}% of ok pairs have a better owner" if s.owned is not None else ""),
         "judge: " + _judge_line(s.judge),
         "refined: " + _refine_line(s.refine),
+        "audited: " + (f"p_clean recalibrated on {s.audit['labels']} human labels (`pairclean audit --labels`; the model's "
+                       f"value in p_clean_model)" if s.audit else "no"),
         "noise-rate estimate (1 - mean p_clean over ok pairs: the wrong captions p_clean expects): "
         + (f"{100 * s.expected_noise:.1f}%" if s.expected_noise is not None else "n/a (no ok pairs)"),
         "random-mismatch share (pairs below the median of random mismatched pairs x 2; GMM without embeddings; "

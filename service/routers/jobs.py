@@ -4,6 +4,7 @@ a job is visible to its owner and to admins only)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -97,22 +98,31 @@ def list_jobs(who: Caller, store: Store, limit: Annotated[int, Query(ge=1, le=50
 
 @router.get("/jobs/{job_id}", response_model=JobPublic)
 def get_job(job_id: JobId, who: Caller, store: Store, request: Request) -> JobPublic:
-    job = job_or_404(store, job_id, who)
-    return public_job(job).model_copy(update={"warnings": _warnings(request, job)})
+    job, warnings = read_output_facts(request, store, job_or_404(store, job_id, who))
+    return public_job(job).model_copy(update={"warnings": warnings})
 
 
-def _warnings(request: Request, job: JobRow) -> list[str] | None:
-    """The job output's warnings (``Browser.job_warnings``) once the job has ended; None
-    before (``pairclean wait`` polls every second: a running job's folder is not listed for
-    them) and where the output cannot be read right now (the job is still answered: its
-    store row is the record)."""
+def read_output_facts(request: Request, store: JobStore, job: JobRow) -> tuple[JobRow, list[str] | None]:
+    """The job once its output has been looked at, and the output's warnings
+    (``Browser.job_warnings``), once the job has ended; (job, None) before (``pairclean
+    wait`` polls every second: a running job's folder is not listed for them) and where the
+    output cannot be read right now (the job is still answered: its store row is the record).
+
+    Where ``pairclean audit --labels`` has recalibrated the tables since the job ended, the
+    job's noise-rate estimate becomes theirs (1 - mean of the audited ``p_clean``), stored, so
+    lists and pages agree with every reader of the tables from then on."""
     if job.state not in TERMINAL:
-        return None
+        return job, None
+    browser = request.app.state.browser
     try:
-        return list(request.app.state.browser.job_warnings(job))
+        warnings, audited = list(browser.job_warnings(job)), browser.audited_noise(job)
     except (OSError, ValueError, ArithmeticError, PaircleanError) as exc:  # storage, policy (UriRefused), damaged metadata
         _log.warning("job %s: the output's warnings could not be read: %s", job.id, first_line(exc))
-        return None
+        return job, None
+    if audited is not None and (job.noise_rate is None or abs(job.noise_rate - audited) > 1e-9):
+        store.update(job.id, noise_rate=audited)
+        job = dataclasses.replace(job, noise_rate=audited)
+    return job, warnings
 
 
 @router.get("/jobs/{job_id}/shards", response_model=ShardPage)

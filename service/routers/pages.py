@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pairclean import schema
 from pairclean.job.lifecycle import TERMINAL, State
-from pairclean.output.report import junk_gap, mixture_noise
+from pairclean.output.report import junk_gap, mixture_noise, noisy_rule_of
 
 from ..browse import GALLERY_MAX, PAGE_SIZE, Browser, JobOverview, RowFilter
 from ..charts import Series, histogram_svg, reliability_svg
@@ -43,7 +43,7 @@ from ..security import hash_key
 from ..sessions import COOKIE, Sessions
 from ..settings import ServiceSettings
 from ..store import Principal
-from .jobs import public_job
+from .jobs import public_job, read_output_facts
 
 __all__ = ["router", "install", "DEMO_IDEMPOTENCY_KEY", "render_page", "same_site"]
 
@@ -341,7 +341,7 @@ def job_progress(job_id: JobId, who: ViewerApi, store: Store) -> dict[str, Any]:
 @router.get("/ui/jobs/{job_id}", response_class=HTMLResponse)
 def job_page(request: Request, job_id: JobId, who: Viewer, store: Store, pages: Pages,
              shard_offset: Annotated[int, Query(ge=0, le=10**9)] = 0) -> Response:
-    row = job_or_404(store, job_id, who)
+    row, _ = read_output_facts(request, store, job_or_404(store, job_id, who))  # an audit's noise rate, once applied
     job = public_job(row)
     view = pages.overview(row)
     audit = request.app.state.auditor.report(row) if request.app.state.store.count_labels(row.id) else None
@@ -392,7 +392,7 @@ def _why(view: JobOverview) -> dict[str, Any]:
         "weighting": weighting,
         "d_ref": cal.d_ref if cal else None,
         "formula": _FORMULAS.get(weighting or "", ""),
-        "noisy_rule": meta.get("noisy_rule", "similarity <= beta"),
+        "noisy_rule": noisy_rule_of(meta),
         "refine": refine.get("method") if isinstance(refine, dict) else None,
         "contrast_rows": (cal.extra.get("contrast") or {}).get("bank_rows") if cal else None,
         "owner_odds": (cal.extra.get("contrast") or {}).get("owner_odds") if cal else None,

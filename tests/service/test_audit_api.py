@@ -95,6 +95,20 @@ def test_label_the_queue_over_http_and_get_the_figures(demo_service, job: str, t
     assert main(["audit", out, "--sample", "400", "--seed", "0", "--out", str(tmp_path / "q.csv")]) == 0
     assert main(["audit", out, "--labels", str(labels)]) == 0  # the service's queue is the CLI's with the same seed
     assert pq.read_table(f"{out}/copy-000000.parquet").column_names.count("p_clean_model") == 1
+    # Every reader agrees on the audited tables: the job's noise-rate estimate (stored when it
+    # ended, from the model's p_clean) becomes 1 - mean of the audited p_clean, in the job,
+    # the job list and the page; the page's flag rule names the audit.
+    import pyarrow.dataset as pads
+
+    tables = pads.dataset(out, format="parquet").to_table(columns=["status", "p_clean"]).to_pylist()
+    audited = 1 - sum(r["p_clean"] for r in tables if r["status"] == "ok") / sum(r["status"] == "ok" for r in tables)
+    assert HTTP.get(f"{demo_service.url}/v1/jobs/{job}", headers=h).json()["noise_rate_estimate"] == pytest.approx(audited, abs=1e-6)
+    listed = HTTP.get(f"{demo_service.url}/v1/jobs", headers=h).json()["items"]
+    assert next(j for j in listed if j["id"] == job)["noise_rate_estimate"] == pytest.approx(audited, abs=1e-6)
+    with httpx.Client(base_url=demo_service.url, timeout=120) as client:
+        client.post("/ui/login", data={"api_key": demo_service.keys["team-a"], "next": "/ui/jobs"})
+        page = client.get(f"/ui/jobs/{job}").text
+    assert f"{100 * audited:.1f}%" in page and "recalibrated by an audit on" in page
 
     # undo removes the caller's latest label
     last = HTTP.post(f"{base}/labels:undo", headers=h).json()["removed"]

@@ -99,6 +99,7 @@ def test_two_replicas_checking_one_label_at_once_store_it_once(tmp_path: Path) -
 
     store = JobStore(f"sqlite:///{tmp_path / 'jobs.db'}")
     job, _ = store.create({"shards": ["/d/a.tar"], "output": "/d/o"}, "team-a", None, 1)
+    assert store.transition(job.id, ["QUEUED"], state="RUNNING") and store.transition(job.id, ["RUNNING"], state="SUCCEEDED")
     store.put_audit_queue(job.id, "team-a", 0, 2, {"design": {"sizes": [2]}, "queue": [{"key": "k0"}, {"key": "k1"}]})
     barrier, read = threading.Barrier(2, timeout=10), store.audit_labels
     first_reads = iter([True, True])
@@ -143,6 +144,7 @@ def test_replicas_storing_one_batch_in_opposite_orders_store_it_once(url: str) -
     for trial in range(3):
         first = JobStore(url)
         job, _ = first.create({"shards": ["/d/a.tar"], "output": f"/d/o{trial}"}, "team-a", None, 1)
+        assert first.transition(job.id, ["QUEUED"], state="RUNNING") and first.transition(job.id, ["RUNNING"], state="SUCCEEDED")
         first.put_audit_queue(job.id, "team-a", 0, n, {"design": {"sizes": [n]}, "queue": [{"key": f"k{i}"} for i in range(n)]})
         stores, barrier = [JobStore(url), JobStore(url)], threading.Barrier(2, timeout=20)
         for store in stores:

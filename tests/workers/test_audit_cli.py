@@ -86,6 +86,11 @@ def test_sample_label_estimate_and_recalibrate(job: Path, tmp_path: Path, capsys
     digest = hashlib.sha256((job / "demo-000000.parquet").read_bytes()).hexdigest()
     assert main(["inspect", str(job), "--json"]) == 0
     capsys.readouterr()
+    assert main(["inspect", str(job)]) == 0  # says the tables were audited, and the flag rule they follow now
+    printed = capsys.readouterr().out
+    assert "audited: p_clean recalibrated on 10 human labels" in printed
+    assert "flagged noisy (p_clean <= 0.5, p_clean recalibrated by an audit on 10 human labels" in printed
+    assert "noise-rate estimate (1 - mean p_clean over ok pairs: the wrong captions p_clean expects): 40.0%" in printed
 
     # a rerun with the same labels rewrites nothing and leaves the table byte-identical
     assert main(["audit", str(job), "--labels", str(labels)]) == 0
