@@ -153,6 +153,7 @@ def _rescore_locked(out: OutputDir, old_spec: JobSpec, lock: RunLock, *, beta_re
                                 (None, None) if fitted is None else table_columns(
                                     fitted, table.column(schema.COL_SIMILARITY).to_numpy(), *_shard_embeddings(out, record, table),
                                     schema.ok_mask(table))))
+    lock.check()  # nor record what it wrote: the tables may be another run's by now
     out.replace_records(records)
     doc = out.read_job_doc() or {}
     doc["spec"] = spec.to_json()

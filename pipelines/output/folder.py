@@ -776,11 +776,27 @@ class OutputDir:
         gone = [records[s] for s in stems if s in records]
         if not gone:
             return
+        ours = [name for record in gone for name in (record.output, record.emb_output)
+                if name and (self.written_by(name) or self._damaged_own(name))]
         self.replace_records([r for s, r in records.items() if s not in stems])
-        for record in gone:
-            for name in (record.output, record.emb_output):
-                if name and self.written_by(name):
-                    self.store.rm(name)
+        for name in ours:
+            self.store.rm(name)
+
+    def _damaged_own(self, name: str) -> bool:
+        """Whether ``name``, a file this job's completion records name, is a damaged copy of
+        what pairclean wrote there: empty, or Parquet (its ``PAR1`` opening) whose footer
+        cannot be read (cut short by a full disk, a failed copy, ``truncate``). Such a file was
+        neither read nor replaced: a resume withdrew the shard, deleted its intact table, and
+        then refused its own damaged sidecar ("not written by pairclean"), so the job failed
+        at every rerun. A readable file without pairclean's metadata stays someone else's."""
+        if self.store.parquet_metadata(name) is not None:
+            return False
+        try:
+            with self.store.open_read(name) as fh:
+                head = fh.read(4)
+        except FileNotFoundError:
+            return False
+        return head in (b"", b"PAR1")
 
     def _mark_derived_stale(self, reason: str = "the job's tables were rewritten after this run") -> None:
         """Mark a pseudo-pair run stale and warn about exports that cannot be refreshed (written
@@ -840,7 +856,10 @@ class OutputDir:
         shard (a table copied under this one's name), a key twice that is not a
         ``duplicate_key`` row. Such tables were read as they were: ``export`` counted a
         shard's rows twice, ``rescore`` died on mismatched arrays."""
-        table = self._read_table(record.output, columns or None, _SCORE_COLUMNS)
+        # the shard column is always read for the check below: a reader of a few columns
+        # (pseudo-pair's key, status, noisy) took a copied table's rows as this shard's
+        extra = bool(columns) and schema.COL_SHARD not in (columns or [])
+        table = self._read_table(record.output, [*columns, schema.COL_SHARD] if columns and extra else columns or None, _SCORE_COLUMNS)
         where = self.store.url(record.output)
         fix = "score the job again with the same arguments to replace it" if self.store.local else "score the shard again"
         if table.num_rows != record.rows:
@@ -856,7 +875,7 @@ class OutputDir:
             twice = schema.repeated_keys(table.column(schema.COL_KEY).to_pylist(), table.column(schema.COL_STATUS).to_pylist())
             if isinstance(twice, str):
                 raise InputError(f"{where}: key {twice!r} appears more than once; the table is damaged ({fix})", uri=where)
-        return table
+        return table.drop_columns([schema.COL_SHARD]) if extra else table
 
     def read_all_scores(self, columns: list[str] | None = None) -> pa.Table:
         """Every committed score table as one table, shards in spec order (only committed

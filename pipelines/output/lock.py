@@ -158,7 +158,10 @@ class RunLock:
         while not self._stop.wait(interval):
             try:
                 holder = self.read()
-                if holder is not None and holder.get("run_id") != self.run_id:
+                # Gone is lost too: another run took the lock over while this one stalled
+                # (stopped with Ctrl-Z, a VM paused) and has released it since; writing it
+                # back let the stalled run go on over that run's finished work.
+                if holder is None or holder.get("run_id") != self.run_id:
                     self.lost.set()
                     return
                 self.store.put(schema.LOCK_FILE, json.dumps(self._doc()).encode())
@@ -183,7 +186,7 @@ class RunLock:
         if self.lost.is_set():
             raise OutputBusyError(
                 f"lost the lock of {self.store.url()} to another run (this run stalled for longer than "
-                f"{self.ttl_s:.0f} s); stopping without committing more"
+                f"{self.ttl_s:.0f} s, or its lock file was deleted); stopping without committing more"
             )
         silent = time.monotonic() - self._last_beat
         if self._thread is not None and silent > self.ttl_s:

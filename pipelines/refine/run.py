@@ -561,6 +561,7 @@ def _refine_locked(out: OutputDir, view: JobView, options: RefineOptions, execut
             if progress is not None:
                 progress(applied)
     apply_seconds = time.perf_counter() - t0
+    lock.check()  # a run that lost its lock must not record what it wrote either
     stale = [r for r in view.records if r.stem in done and r.sha256 != done[r.stem].sha256]
     if stale:
         out.replace_records([replace(r, sha256=done[r.stem].sha256, bytes=done[r.stem].bytes) if r.stem in done else r

@@ -580,6 +580,31 @@ def _rows_of_tar(path: Path) -> dict[str, Any]:
     return {"jpg": members["jpg"], "txt": members["txt"].decode()}
 
 
+def test_a_truncated_sidecar_or_table_is_scored_again_not_a_failed_job(make_shards, tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A sidecar cut short (a full disk, a failed copy) made a resume withdraw the shard,
+    delete its intact table, then refuse the damaged sidecar as "not written by pairclean":
+    the finished job failed at every rerun. A truncated table did the same and stayed in OUT,
+    breaking every reader. Both are pairclean's own files, damaged: they are replaced."""
+    shards = make_shards(n_shards=2, per_shard=6)
+    out = tmp_path / "out"
+    assert _score([str(s) for s in shards], out) == 0
+    before = _rows(out, "part-00001")
+    sidecar = schema.local_side_path(out, "_emb/part-00001.parquet")
+    sidecar.write_bytes(sidecar.read_bytes()[: sidecar.stat().st_size // 2])
+    table = out / "part-00000.parquet"
+    table.write_bytes(table.read_bytes()[:100])
+    assert _score([str(s) for s in shards], out) == 0
+    assert "scoring it again" in caplog.text
+    assert _rows(out, "part-00001") == before and pq.read_table(sidecar).num_rows == 6
+    assert pq.read_table(out).num_rows == 12  # every reader reads OUT again
+    mine = out / "part-00000.parquet"  # a readable file that pairclean did not write stays untouched
+    pq.write_table(pq.read_table(mine).replace_schema_metadata(None), mine)
+    theirs = mine.read_bytes()
+    assert _score([str(s) for s in shards], out) == 3
+    assert mine.read_bytes() == theirs
+
+
 def test_tables_changed_by_hand_are_named_and_a_resume_scores_them_again(
         make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
     """Round 6: the records hold each table's rows, size and sha256, and nothing compared them.
@@ -601,6 +626,15 @@ def test_tables_changed_by_hand_are_named_and_a_resume_scores_them_again(
     assert main(["export", str(out)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "part-00001.parquet: its rows belong to shard" in err
+    # ... also for a reader of a few columns (pseudo-pair reads key, status, noisy; the public
+    # read_scores any): it took the copied table's rows as this shard's
+    from pairclean.errors import InputError
+    from pairclean.output.folder import OutputDir
+
+    folder = OutputDir(str(out))
+    with pytest.raises(InputError, match="its rows belong to shard"):
+        folder.read_scores(folder.committed()["part-00001"], [schema.COL_KEY, schema.COL_STATUS, schema.COL_NOISY])
+    assert folder.read_scores(folder.committed()["part-00000"], [schema.COL_KEY]).column_names == [schema.COL_KEY]
     (out / "part-00001.parquet").unlink()
     assert _score([str(s) for s in shards], out) == 0
     assert "the table of shard" in caplog.text and "scoring it again" in caplog.text

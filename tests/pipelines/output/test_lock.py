@@ -170,6 +170,25 @@ def test_the_heartbeat_refreshes_the_lock_and_check_reports_a_takeover(tmp_path:
         lock.release()
 
 
+def test_a_lock_gone_while_the_run_stalled_is_lost_not_written_back(tmp_path: Path) -> None:
+    """A run stopped (Ctrl-Z) past its TTL: another run took the folder over, finished and
+    released the lock. The stalled run's heartbeat found no lock, wrote its own back, and the
+    run went on rewriting tables over the other run's finished work (both exited 0)."""
+    lock = RunLock(Store(str(tmp_path)), ttl_s=0.3)
+    lock.acquire()
+    try:
+        (tmp_path / schema.LOCK_FILE).unlink()  # taken over and released while this run was stopped
+        deadline = time.time() + 5
+        while not lock.lost.is_set() and time.time() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(OutputBusyError, match="lost the lock"):
+            lock.check()
+        time.sleep(0.2)
+        assert not (tmp_path / schema.LOCK_FILE).exists()  # never written back
+    finally:
+        lock.release()
+
+
 class _Unreachable(Exception):
     """What botocore raises when S3 cannot be reached (EndpointConnectionError): no OSError."""
 
