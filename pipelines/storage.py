@@ -103,6 +103,10 @@ class Store:
         #: Local folders every path must resolve inside (``path``); None: the job process's
         #: write roots from the environment, if any.
         self.roots = list(roots) if roots is not None else None
+        #: Called before each data file is written (``OutputDir.write_table``): the run lock's
+        #: ``check`` while a run holds the folder (``RunLock.acquire`` sets it), so a run that
+        #: lost its lock while it stalled writes no table after it wakes.
+        self.write_guard: Callable[[], None] | None = None
         scheme = _scheme(uri)
         if scheme not in OUTPUT_SCHEMES:
             raise UnsupportedSchemeError(

@@ -641,6 +641,8 @@ class OutputDir:
         if self.store.exists(name) and not self.written_by(name, job) and not (job is not None and self._recorded(name)):
             how = "was written by another pairclean job" if job is not None and self.written_by(name) else "was not written by pairclean"
             raise ForeignOutputError(f"{self.store.url(name)} exists and {how}; it is left untouched", uri=self.store.url(name))
+        if self.store.write_guard is not None:
+            self.store.write_guard()  # the run still holds the folder (it may have stalled past its lock's TTL)
         return self.store.put_parquet(name, table)
 
     def _recorded(self, name: str) -> bool:

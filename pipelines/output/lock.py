@@ -145,6 +145,7 @@ class RunLock:
         self._last_beat = time.monotonic()
         self._thread = threading.Thread(target=self._beat, name="pairclean-lock-heartbeat", daemon=True)
         self._thread.start()
+        self.store.write_guard = self.check
 
     def _busy(self, holder: dict[str, Any]) -> OutputBusyError:
         return OutputBusyError(
@@ -200,6 +201,8 @@ class RunLock:
         """Stop the heartbeat and delete the lock if it is still ours. Never raises: it runs
         in ``finally`` blocks, where its own storage error hid the one that ended the run (a
         lock left behind expires after its TTL)."""
+        if self.store.write_guard == self.check:
+            self.store.write_guard = None
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)

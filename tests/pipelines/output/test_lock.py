@@ -174,19 +174,29 @@ def test_a_lock_gone_while_the_run_stalled_is_lost_not_written_back(tmp_path: Pa
     """A run stopped (Ctrl-Z) past its TTL: another run took the folder over, finished and
     released the lock. The stalled run's heartbeat found no lock, wrote its own back, and the
     run went on rewriting tables over the other run's finished work (both exited 0)."""
-    lock = RunLock(Store(str(tmp_path)), ttl_s=0.3)
+    import pyarrow as pa
+    from pairclean.output.folder import OutputDir
+
+    out = OutputDir(str(tmp_path))
+    lock = RunLock(out.store, ttl_s=0.3)
     lock.acquire()
     try:
-        (tmp_path / schema.LOCK_FILE).unlink()  # taken over and released while this run was stopped
+        lock_file = schema.local_side_path(tmp_path, schema.LOCK_FILE)
+        lock_file.unlink()  # taken over and released while this run was stopped
         deadline = time.time() + 5
         while not lock.lost.is_set() and time.time() < deadline:
             time.sleep(0.02)
         with pytest.raises(OutputBusyError, match="lost the lock"):
             lock.check()
         time.sleep(0.2)
-        assert not (tmp_path / schema.LOCK_FILE).exists()  # never written back
+        assert not lock_file.exists()  # never written back
+        # and no table is written once it woke: the check runs inside each table write too
+        with pytest.raises(OutputBusyError, match="lost the lock"):
+            out.write_table("part-00000.parquet", pa.table({"key": ["a"]}))
+        assert not (tmp_path / "part-00000.parquet").exists()
     finally:
         lock.release()
+    assert out.store.write_guard is None
 
 
 class _Unreachable(Exception):
