@@ -26,8 +26,11 @@ def test_one_stratum_is_wilson_on_the_labelled_count_with_the_finite_population_
     assert iv.estimate == pytest.approx(x / m)
     # smoothed p cancels: n_eff = m / (1 - m / N)
     assert iv.n_eff == pytest.approx(m / (1 - m / n_pop))
-    lo, hi = stats.wilson(x / m, m / (1 - m / n_pop))
+    # at Student's t quantile for m - 1 degrees of freedom (49: 2.0096 against 1.96)
+    assert stats.t_quantile(stats.Z95, m - 1) == pytest.approx(2.0096, abs=2e-4)
+    lo, hi = stats.wilson(x / m, m / (1 - m / n_pop), stats.t_quantile(stats.Z95, m - 1))
     assert (iv.lower, iv.upper) == pytest.approx((lo, hi))
+    assert stats.t_quantile(stats.Z95, 19) == pytest.approx(2.0930, abs=2e-4)
 
 
 def test_a_census_is_exact() -> None:
