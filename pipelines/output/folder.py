@@ -477,14 +477,25 @@ class OutputDir:
         refuse another verb's interrupted rewrite (their own they finish) and clear the
         temporaries a killed write of ours left."""
         self.check_tables_whole(resuming=verb)
+        resuming = self.interrupted_rewrite() is not None  # (then some tables are already this verb's)
         self.remove_temporaries()
+        listed: dict[str, dict[str, int]] = {}
         for record in self.iter_committed():
             # Before anything is rewritten: a table another tool wrote in place (its metadata
             # gone) crashed a rescore halfway, with a traceback and the rewrite left marked.
+            where = self.store.url(record.output)
             if self.store.exists(record.output) and not self.written_by(record.output):
-                where = self.store.url(record.output)
                 raise InputError(f"{where} has no pairclean metadata (rewritten by another tool?): it is not rewritten; "
                                  "put back the table pairclean wrote, or score the job again into a new folder", uri=where)
+            # ... and one changed in place with pyarrow (which keeps the metadata): a column a
+            # user added was dropped without a word, as the rewrite builds its own columns.
+            folder, _, base = record.output.rpartition("/")
+            size = listed.setdefault(folder, self.store.sizes(folder)).get(base)
+            if not resuming and size is not None and size != record.bytes:
+                raise InputError(f"{where} changed since pairclean wrote it ({record.bytes} bytes then, {size} now: a column "
+                                 f"added, rows edited?): a `pairclean {verb}` would rebuild it from its own columns and lose "
+                                 "the change; keep your copy elsewhere and put back the table pairclean wrote (or score the "
+                                 "job again)", uri=where)
 
     def check_tables_whole(self, resuming: str | None = None) -> None:
         """``InputError`` when a rewrite of the tables was interrupted (some tables hold the

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -780,6 +781,15 @@ def test_a_rewrite_refuses_a_table_another_tool_wrote_before_rewriting_anything(
     assert err.count("\n") == 1 and "part-00001.parquet has no pairclean metadata" in err
     assert (out / "part-00000.parquet").read_bytes() == first  # nothing rewritten
     assert main(["export", str(out)]) == 0  # and no rewrite left marked
+    # A column added with pyarrow (which keeps pairclean's metadata): the rewrite built the
+    # table from its own columns and the user's column was gone, without a word.
+    pq.write_table(table.append_column("my_label", pa.array(["x"] * table.num_rows)), out / "part-00001.parquet")
+    for verb in (["rescore", str(out), "--beta-recipe", "gmm", "--weighting", "paper"], ["refine", str(out), "--method", "ncr"]):
+        assert main(verb) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "part-00001.parquet changed since pairclean wrote it" in err, err
+    assert "my_label" in pq.read_table(out / "part-00001.parquet").column_names
+    assert (out / "part-00000.parquet").read_bytes() == first
 
 
 def test_damaged_state_files_are_one_line(make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
