@@ -33,7 +33,7 @@ import pyarrow as pa
 from pairclean import schema
 from pairclean.errors import InputError
 from pairclean.output.folder import OutputDir, ShardRecord
-from pairclean.output.exports import refresh_exports
+from pairclean.output.exports import exports_current, refresh_exports
 from pairclean.output.lock import RunLock
 
 from . import stats
@@ -708,7 +708,7 @@ def apply_recalibration(out: OutputDir, knots: dict[str, list[float]], labels: i
     try:
         out.start_rewrite_run("audit")
         records = list(out.iter_committed())
-        out.begin_rewrite("audit")
+        stale = out.begin_rewrite("audit")
         done: dict[str, tuple[str, int]] = {}
         rewritten = 0
         for record in records:
@@ -729,8 +729,10 @@ def apply_recalibration(out: OutputDir, knots: dict[str, list[float]], labels: i
         out.store.put(applied_summary_name(sha), json.dumps(
             {"labels": labels, "expected_noise": _expected_noise(out, records)}).encode())
         out.end_rewrite()
-        if changed:
+        if changed or stale:
             refresh_exports(out)  # trainers read them without asking: never leave them on the earlier weights
+        else:
+            exports_current(out)
     finally:
         lock.release()
     return {"rewritten": rewritten, "skipped": len(records) - rewritten}

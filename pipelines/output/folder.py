@@ -453,9 +453,16 @@ class OutputDir:
         self.store.remove_temporaries(schema.EMB_DIR)
 
     # -- rewrites of the committed tables (rescore, refine, audit) ------------------------
-    def begin_rewrite(self, verb: str) -> None:
-        """Record that ``verb`` starts rewriting committed tables (call with the lock held)."""
+    def begin_rewrite(self, verb: str) -> bool:
+        """Record that ``verb`` starts rewriting committed tables (call with the lock held),
+        and that the exports are to be written again (``exports.mark_exports_stale``: the
+        verb's refresh clears it; ``inspect`` warns while it stays). Returns whether an
+        earlier run had left the exports stale (refresh them even if nothing changes)."""
+        from pairclean.output.exports import mark_exports_stale  # (that module imports this one)
+
+        stale = mark_exports_stale(self, verb)
         self.store.put(schema.REWRITE_FILE, json.dumps({"verb": verb, "started": time.time()}).encode())
+        return stale
 
     def end_rewrite(self) -> None:
         """The rewrite is complete: every table, the records and the calibration agree again."""

@@ -40,6 +40,9 @@ class Summary:
     noisy_rule: str = "similarity <= beta"
     #: The audit map applied to the tables (``pairclean audit --labels``), or None.
     audit: dict[str, Any] | None = None
+    #: A run that changes the tables stopped before it wrote the exports again
+    #: (``exports.mark_exports_stale``): trainers reading them read the earlier weights.
+    exports_stale: bool = False
     contrast: dict[str, Any] | None = None
     #: The ``p_clean`` mixture's noise shares of the calibration sample (random, near-miss);
     #: None without a corpus-mixture curve.
@@ -108,6 +111,7 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
         if schema.COL_P_CLEAN in table.column_names else None,
         owned=_owned_share(table, ok),
         interrupted_rewrite=out.interrupted_rewrite(),
+        exports_stale=out.store.exists(schema.EXPORTS_STALE_FILE),
         retried={stem: r.attempts for stem, r in sorted(committed.items()) if r.attempts > 1},
         quarantined={stem: _clip(str(q.get("error"))) for stem, q in sorted(out.quarantined().items()) if stem not in committed},
     )
@@ -292,6 +296,10 @@ def format_summary(s: Summary) -> str:
     """Human-readable text of a summary."""
     warning = ([f"WARNING: a `pairclean {s.interrupted_rewrite}` was interrupted while rewriting the tables: some hold "
                 f"its weights, some the earlier ones; run it again before using them"] if s.interrupted_rewrite else [])
+    if s.exports_stale and not s.interrupted_rewrite:
+        warning.append("WARNING: the exports (sizes.json, shard_weights.json, datacomp_keep.npy) may hold the earlier "
+                       "weights: a run changed the tables and stopped before it wrote them again; run `pairclean export` "
+                       "on this folder")
     lines = warning + [
         f"shards: {s.shards_committed}/{s.shards_total} committed, pairs: {s.pairs}"
         + (f"; {len(s.quarantined)} failed (a rerun retries them): " + _few(s.quarantined) if s.quarantined else "")

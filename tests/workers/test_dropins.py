@@ -184,7 +184,8 @@ def test_relative_shards_are_recorded_absolute_so_another_folder_cannot_resume_i
 
 
 def test_exports_a_killed_run_left_stale_are_written_by_the_next_run(img2dataset_folder: Path, tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """A rerun that committed a repaired shard and was killed inside the export refresh left
     sizes.json without that shard; the next run had nothing to commit, so it did not refresh,
     and nothing recorded that the exports were stale."""
@@ -208,8 +209,22 @@ def test_exports_a_killed_run_left_stale_are_written_by_the_next_run(img2dataset
     monkeypatch.undo()
     assert "00003.tar" not in json.loads(sizes.read_text())  # stale: the table of 00003 is committed
     assert schema.local_side_path(out, schema.EXPORTS_STALE_FILE).is_file()
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0  # says so (it said nothing: a rescore killed there left no other trace)
+    assert "WARNING: the exports (sizes.json, shard_weights.json, datacomp_keep.npy) may hold the earlier weights" in \
+        capsys.readouterr().out
     assert main(run) == 0  # nothing left to score: the exports are written anyway
     assert json.loads(sizes.read_text())["00003.tar"] == 10
+    assert not schema.local_side_path(out, schema.EXPORTS_STALE_FILE).exists()
+    assert main(["inspect", str(out)]) == 0 and "WARNING" not in capsys.readouterr().out
+    # a rescore killed inside its refresh (after its rewrite ended) is said too, and repaired
+    import pairclean.job.rescore as rescore
+
+    monkeypatch.setattr(rescore, "refresh_exports", killed)
+    assert main(["rescore", str(out), "--beta-recipe", "gmm", "--weighting", "paper"]) == 130
+    monkeypatch.undo()
+    assert main(["inspect", str(out)]) == 0 and "may hold the earlier weights" in capsys.readouterr().out
+    assert main(["export", str(out)]) == 0
     assert not schema.local_side_path(out, schema.EXPORTS_STALE_FILE).exists()
 
 
