@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pairclean.errors import InputError
@@ -66,6 +67,25 @@ def positive_int(text: str) -> int:
     """An argparse type: a whole number of at least 1 (``--threads -2`` ended in torch's
     traceback, ``--num-actors 0`` was taken)."""
     return _whole_at_least(text, 1)
+
+
+def whole_at_least(least: int, most: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in [least, most] (a usage error, one line, otherwise)."""
+    def parse(text: str) -> int:
+        value = _whole_at_least(text, least)
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"expected a whole number of at most {most:,}, not {text}")
+        return value
+
+    return parse
+
+
+def device_name(text: str) -> str:
+    """An argparse type: ``auto``, ``cpu``, ``mps``, ``cuda`` or ``cuda:N`` (``--device bogus``
+    ended in torch's traceback, or was ignored where no model is loaded)."""
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, mps, cuda or cuda:N, not {text!r}")
+    return text
 
 
 def _whole_at_least(text: str, least: int) -> int:

@@ -34,9 +34,14 @@ from pairclean_workers.args import (
     add_seed_arg,
     add_storage_arg,
     add_threads_arg,
+    device_name,
     positive_seconds,
     storage_options,
+    whole_at_least,
 )
+
+#: The largest --beta-k: K * K reference pairs (4,096: 16.8 million; 100,000,000 was written into a spec).
+MAX_BETA_K = 4096
 
 __all__ = ["main", "build_parser"]
 
@@ -57,7 +62,7 @@ def _add_estimator_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint", help="local weights file (open_clip state dict; for pairclean-lite, a heads file)")
     g.add_argument("--pretrained", help="open_clip pretrained tag (needs the model hub)")
     g.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"))
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--engine", default="auto", choices=("auto", "torch"),
                    help="auto: pairclean-lite's image tower on ONNX Runtime on CPU when installed and agreeing (1.8x); torch: PyTorch only")
     add_threads_arg(g, "torch threads (default: all cores)")
@@ -91,7 +96,7 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     score.add_argument("--out", required=True, help="output folder: a local path, file://, s3:// or gs:// (written by the workers)")
     _add_estimator_args(score)
     score.add_argument("--beta-recipe", default="auto", choices=("auto", *osa.BETA_RECIPES), help="auto: the estimator's measured default")
-    score.add_argument("--beta-k", type=int, default=osa.DEFAULT_K)
+    score.add_argument("--beta-k", type=whole_at_least(2, MAX_BETA_K), default=osa.DEFAULT_K)
     score.add_argument("--weighting", default=osa.DEFAULT_WEIGHTING, choices=osa.WEIGHTINGS)
     add_seed_arg(score, 0, "seed of the calibration (random inputs, K x K samples)")
     score.add_argument("--batch-size", type=int, default=64)
@@ -128,10 +133,11 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     rescore.add_argument("out")
     rescore.add_argument("--beta-recipe", required=True, choices=osa.BETA_RECIPES)
     rescore.add_argument("--weighting", required=True, choices=osa.WEIGHTINGS)
-    rescore.add_argument("--beta-k", type=int, default=None)
+    rescore.add_argument("--beta-k", type=whole_at_least(2, MAX_BETA_K), default=None)
     rescore.add_argument("--contrast", choices=["keep", "on", "off"], default="keep",
                          help="corpus contrast (needs the embedding sidecars to turn on); keep: as the job was scored")
-    rescore.add_argument("--device", default="auto")
+    rescore.add_argument("--device", type=device_name, default="auto",
+                         help="where the reference model runs (--beta-recipe random-inputs only): auto, cpu, cuda, cuda:N")
     add_lock_ttl_arg(rescore)
     add_storage_arg(rescore)
 

@@ -23,7 +23,10 @@ from pairclean_workers.args import (
     add_seed_arg,
     add_storage_arg,
     add_threads_arg,
+    fraction,
+    positive_int,
     storage_options,
+    whole_at_least,
 )
 
 __all__ = ["add_pseudo_parser", "cmd_pseudo_pair"]
@@ -41,14 +44,14 @@ def add_pseudo_parser(sub: Any) -> None:
     p.add_argument("--pool", choices=POOLS, default="noisy", help="unpaired pool: ok pairs flagged noisy (default) or every ok pair")
     p.add_argument("--mutual", action="store_true", help="keep only mutual nearest neighbours")
     p.add_argument("--index", choices=INDEX_KINDS, default="auto", help=f"auto: exact up to {FLAT_MAX:,}, IVF up to {IVF_MAX:,}, IVF-PQ above")
-    p.add_argument("--min-weight", type=float, default=0.0, help="drop pseudo-pairs whose OSA weight is below this")
-    p.add_argument("--neighbours", type=int, default=1, help="pseudo-captions per image (and images per caption)")
-    p.add_argument("--nprobe", type=int, default=None, help="IVF lists probed per query (default nlist/64, at least 8)")
+    p.add_argument("--min-weight", type=fraction, default=0.0, help="drop pseudo-pairs whose OSA weight is below this")
+    p.add_argument("--neighbours", type=positive_int, default=1, help="pseudo-captions per image (and images per caption)")
+    p.add_argument("--nprobe", type=positive_int, default=None, help="IVF lists probed per query (default nlist/64, at least 8)")
     add_seed_arg(p, None, "index training seed (default: the job's seed)")
-    p.add_argument("--chunk", type=int, default=_CHUNK, help=f"query rows per FAISS call, and per Ray task (default {_CHUNK})")
+    p.add_argument("--chunk", type=positive_int, default=_CHUNK, help=f"query rows per FAISS call, and per Ray task (default {_CHUNK})")
     add_executor_args(p, "search actors (default: one per Ray node; each holds a copy of the index)", "pools of --ray-min-pool pairs or more")
     add_threads_arg(p, "FAISS threads of each actor (default: the cluster's CPUs / actors)")
-    p.add_argument("--ray-min-pool", type=int, default=RAY_MIN_POOL, help=f"smaller pools are searched in this process (default {RAY_MIN_POOL:,})")
+    p.add_argument("--ray-min-pool", type=whole_at_least(0), default=RAY_MIN_POOL, help=f"smaller pools are searched in this process (default {RAY_MIN_POOL:,})")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
     add_storage_arg(p)  # one spelling of --storage-option for every verb

@@ -14,9 +14,14 @@ from pairclean_workers.args import (
     add_storage_arg,
     add_threads_arg,
     storage_options,
+    whole_at_least,
 )
 
 __all__ = ["add_refine_parser", "cmd_refine"]
+
+#: The smallest --sample-pairs: the ensemble chooses its blend on a held-out part of the
+#: sample (5 pairs chose a learned blend that moved p_clean; 0 and 1 ended in a traceback).
+MIN_SAMPLE_PAIRS = 100
 
 
 def add_refine_parser(sub: Any) -> None:
@@ -28,7 +33,9 @@ def add_refine_parser(sub: Any) -> None:
     p.add_argument("out", help="a scored job's output folder (with embedding sidecars)")
     p.add_argument("--method", choices=METHODS, default=None, help=f"default: {DEFAULT_METHOD} (or the method of --heads)")
     add_seed_arg(p, 0, "seed of the fit sample and the heads' initialisation")
-    p.add_argument("--sample-pairs", type=int, default=DEFAULT_SAMPLE_PAIRS, help="ok pairs the heads are fitted on (a seeded sample; all when fewer)")
+    p.add_argument("--sample-pairs", type=whole_at_least(MIN_SAMPLE_PAIRS), default=DEFAULT_SAMPLE_PAIRS,
+                   help=f"ok pairs the heads are fitted on (a seeded sample; all when fewer; at least {MIN_SAMPLE_PAIRS}: "
+                        "the ensemble chooses its blend on a held-out part)")
     p.add_argument("--heads", default=None, help="apply this heads file (OUT.pairclean/state/heads/*.safetensors of another job) instead of fitting")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a method setting, e.g. epochs=3 (repeatable)")
     add_executor_args(p, "actors that apply the heads (default: one per 2 CPUs)")

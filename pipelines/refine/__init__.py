@@ -71,11 +71,40 @@ def settings_for(method: str, overrides: dict[str, Any] | None = None) -> Any:
         out = {}
         for name, cls in _SETTINGS.items():
             fields = {f.name for f in dataclasses.fields(cls)}
-            out[name] = cls(**{**{k: v for k, v in flat.items() if k in fields}, **overrides.get(name, {})})
+            out[name] = _checked(cls(**{**{k: v for k, v in flat.items() if k in fields}, **overrides.get(name, {})}))
         return out
     if method not in _SETTINGS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    return _SETTINGS[method](**overrides)
+    return _checked(_SETTINGS[method](**overrides))
+
+
+#: Integer settings that may be 0 (no warm-up; ``clusters`` 0: SDCMR picks the number itself).
+_MAY_BE_ZERO = {"warmup_epochs", "clusters"}
+
+
+def _checked(settings: Any) -> Any:
+    """``settings`` when every value has its field's type and range: an int field a whole
+    number >= 1 (>= 0 for ``_MAY_BE_ZERO``), a float field finite and >= 0. ``TypeError``
+    naming the field otherwise: ``--set epochs=-3``, ``lr=nan``, ``epochs=1.5`` ended in
+    scikit-learn's or torch's traceback, or trained on nonsense."""
+    import dataclasses
+    import math
+
+    for f in dataclasses.fields(settings):
+        value, default = getattr(settings, f.name), f.default
+        if isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(default, int):
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= (0 if f.name in _MAY_BE_ZERO else 1)
+        elif isinstance(default, float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+        else:
+            continue
+        if not ok:
+            kind = "a whole number >= " + ("0" if f.name in _MAY_BE_ZERO else "1") if isinstance(default, int) and not isinstance(default, bool) \
+                else "a finite number >= 0" if isinstance(default, float) else "true or false"
+            raise TypeError(f"{f.name} must be {kind}, got {value!r}")
+    return settings
 
 
 #: Random mismatched pairs of the fit sample that pin the noise side of OSA's mixture.

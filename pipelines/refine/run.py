@@ -157,6 +157,9 @@ def check_job(out: OutputDir) -> JobView:
     records = list(out.iter_committed())
     if not records:
         raise InputError(f"{out.uri} holds no committed shard: score it first", uri=out.uri)
+    if out.read_calibration() is None:  # p_clean is mapped through it (the judge, the contrast): without it, silently not
+        raise InputError(f"{out.uri} has no calibration ({out.store.url(schema.CALIBRATION_FILE)} is missing): put it back, "
+                         "or score the job again into a new folder", uri=out.uri)
     missing = [r.stem for r in records if not out.has_embeddings(r)]
     if missing:
         spec = out.read_spec()
@@ -170,7 +173,10 @@ def check_job(out: OutputDir) -> JobView:
         if not out.store.exists(r.output):  # its metadata would read as "another model" (None)
             raise InputError(f"{out.store.url(r.output)} is missing (the folder's records name it): a resume of the "
                              "job's `pairclean score` scores it again", uri=out.uri)
-        meta = out.store.parquet_metadata(r.output) or {}
+        meta = out.store.parquet_metadata(r.output)
+        if meta is None:  # read as "another model" (None): it is no Parquet pairclean can read
+            raise InputError(f"{out.store.url(r.output)} is not a readable Parquet table (cut short?): a resume of the "
+                             "job's `pairclean score` scores it again", uri=out.uri)
         doc = json.loads(meta.get(schema.META_KEY, b"{}"))
         model = doc.get("model") or {}
         ident = json.dumps({k: model.get(k) for k in ("model_id", "checkpoint_sha256", "embed_dim")}, sort_keys=True)

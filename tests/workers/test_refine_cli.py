@@ -141,6 +141,28 @@ def test_bad_input_is_one_line_and_changes_nothing(tmp_path: Path, capsys: pytes
         assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
     assert main(["refine", str(tmp_path / "nothing-here"), "--executor", "local"]) == 1
     assert "not a pairclean output folder" in capsys.readouterr().err
+    # Settings and sizes out of range, and a folder without its calibration (round 3 of the
+    # verbs attack: tracebacks from scikit-learn and torch, a blend chosen on 5 held-out pairs,
+    # a refine that silently left the judge and the contrast out of p_clean).
+    job = tmp_path / "gone"
+    job_files = {p: p.read_bytes() for p in job.rglob("*") if p.is_file()}
+    for bad, says in ((["--set", "epochs=-3"], "epochs must be a whole number >= 1, got -3"),
+                      (["--set", "lr=nan"], "lr must be a finite number >= 0, got "),
+                      (["--set", "epochs=1.5"], "epochs must be a whole number >= 1, got 1.5")):
+        fresh = tmp_path / f"set-{len(says)}"
+        make_planted_job(str(fresh), n_shards=2, per_shard=20)
+        assert main(["refine", str(fresh), "--executor", "local", *bad]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err and "Traceback" not in err, err
+    with pytest.raises(SystemExit) as usage:
+        main(["refine", str(job), "--sample-pairs", "5"])
+    assert usage.value.code == 2 and "at least 100" in capsys.readouterr().err
+    nocal = tmp_path / "nocal"
+    make_planted_job(str(nocal), n_shards=2, per_shard=20)
+    schema.local_side_path(nocal, schema.CALIBRATION_FILE).unlink()
+    assert main(["refine", str(nocal), "--executor", "local"]) == 1
+    assert "has no calibration" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in job.rglob("*") if p.is_file()} == job_files
 
 
 def test_resume_after_kill_9_in_the_middle_of_a_refine(tmp_path: Path) -> None:
