@@ -32,7 +32,7 @@ from numpy.typing import NDArray
 
 from pairclean import schema
 from pairclean.errors import InputError, first_line
-from pairclean.output.folder import OutputDir
+from pairclean.output.folder import OutputDir, is_output
 from pairclean.storage import open_regular
 from pairclean.uris import LOCAL_SCHEMES, LOCAL_WRITE_ROOTS_ENV, check_local_root, local_path, scheme_of, shard_stem
 
@@ -389,6 +389,11 @@ def _refuse_inside_tables(out: OutputDir, folder: str) -> None:
     if where == tables or where.startswith(tables.rstrip(os.sep) + os.sep):
         raise InputError(f"--sizes-dir {folder}: inside the output folder {out.uri}, which holds the tables and nothing "
                          "else (a sizes.json there breaks reading it as one dataset); give another folder, e.g. the shards'")
+    # ... nor any other job's tables (another job's OUT then failed in pyarrow and pandas)
+    for above in [where, *(str(p) for p in Path(where).parents)]:
+        if is_output(os.path.exists, above):
+            raise InputError(f"--sizes-dir {folder}: inside another pairclean job's output folder ({above}), which holds "
+                             "its tables and nothing else; give another folder, e.g. the shards'")
 
 
 def _check_sizes_target(folder: Path, previous: dict[str, list[str]]) -> None:

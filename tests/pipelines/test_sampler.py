@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -419,6 +420,13 @@ def test_export_sizes_where_open_clip_looks_and_never_over_foreign_files(scored,
             export(OutputDir(str(out)), sizes_dirs=[str(inside)])
         assert not (inside / "sizes.json").exists()
     (out / "sub").rmdir()
+    # nor into another job's tables (that job's OUT then failed in pyarrow and pandas)
+    other = tmp_path / "other-job"
+    shutil.copytree(out, other)
+    shutil.copytree(f"{out}{schema.SIDE_SUFFIX}", f"{other}{schema.SIDE_SUFFIX}")
+    with pytest.raises(InputError, match="inside another pairclean job's output folder"):
+        export(OutputDir(str(out)), sizes_dirs=[str(other)])
+    assert not (other / "sizes.json").exists()
 
 
 def test_read_scores_for_notebooks(scored) -> None:
