@@ -492,6 +492,9 @@ class OutputDir:
             # gone) crashed a rescore halfway, with a traceback and the rewrite left marked.
             where = self.store.url(record.output)
             if self.store.exists(record.output) and not self.written_by(record.output):
+                if self._damaged_own(record.output):
+                    raise InputError(f"{where} is not a readable Parquet table (cut short?): run the job's `pairclean "
+                                     "score` again first, which scores that shard again", uri=where)
                 raise InputError(f"{where} has no pairclean metadata (rewritten by another tool?): it is not rewritten; "
                                  "put back the table pairclean wrote, or score the job again into a new folder", uri=where)
             # ... and one changed in place with pyarrow (which keeps the metadata): a column a

@@ -10,6 +10,7 @@ import numpy as np
 
 from pairclean import osa, schema
 from pairclean.calibrate.p_clean import unexplained_random
+from pairclean.errors import InputError
 from pairclean.output.folder import OutputDir
 from pairclean.output.tables import read_embeddings
 from pairclean.uris import shard_stem
@@ -71,6 +72,8 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
     """Summarise ``out``: status counts, noisy fraction, the expected share of wrong captions
     (``expected_noise``), the random-mismatch share, weight histogram."""
     spec = out.read_spec()
+    if spec is None and not out.committed():  # a missing path, a file, a folder of something else
+        raise InputError(f"{out.uri} is not a pairclean output folder (no {out.store.url(schema.JOB_FILE)})", uri=out.uri)
     table = out.read_all_scores()
     meta = json.loads(table.schema.metadata[schema.META_KEY])
     status = np.asarray(table.column(schema.COL_STATUS).to_pylist())

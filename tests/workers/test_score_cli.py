@@ -207,6 +207,10 @@ def test_inspect_prints_counts_noise_rate_and_histogram(make_shards, tmp_path: P
     with pytest.raises(SystemExit) as usage:
         main(["inspect", str(tmp_path / "o"), "--rows", "-1"])
     assert usage.value.code == 2
+    capsys.readouterr()
+    for wrong in (tmp_path / "no-such-folder", tmp_path / "o" / "part-00000.parquet"):  # said "holds no committed shard"
+        assert main(["inspect", str(wrong)]) == 1
+        assert "is not a pairclean output folder" in capsys.readouterr().err
 
 
 def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -582,7 +586,8 @@ def _rows_of_tar(path: Path) -> dict[str, Any]:
 
 
 def test_a_truncated_sidecar_or_table_is_scored_again_not_a_failed_job(make_shards, tmp_path: Path,
-                                                                      caplog: pytest.LogCaptureFixture) -> None:
+                                                                      caplog: pytest.LogCaptureFixture,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """A sidecar cut short (a full disk, a failed copy) made a resume withdraw the shard,
     delete its intact table, then refuse the damaged sidecar as "not written by pairclean":
     the finished job failed at every rerun. A truncated table did the same and stayed in OUT,
@@ -595,6 +600,8 @@ def test_a_truncated_sidecar_or_table_is_scored_again_not_a_failed_job(make_shar
     sidecar.write_bytes(sidecar.read_bytes()[: sidecar.stat().st_size // 2])
     table = out / "part-00000.parquet"
     table.write_bytes(table.read_bytes()[:100])
+    assert main(["rescore", str(out), "--beta-recipe", "gmm", "--weighting", "paper"]) == 1  # said as it is
+    assert "part-00000.parquet is not a readable Parquet table (cut short?)" in capsys.readouterr().err
     assert _score([str(s) for s in shards], out) == 0
     assert "scoring it again" in caplog.text
     assert _rows(out, "part-00001") == before and pq.read_table(sidecar).num_rows == 6
@@ -622,7 +629,7 @@ def test_tables_changed_by_hand_are_named_and_a_resume_scores_them_again(
     pq.write_table(table.slice(0, 4), out / "part-00002.parquet")  # its pairclean metadata kept
     capsys.readouterr()
     assert main(["rescore", str(out), "--beta-recipe", "gmm", "--weighting", "paper"]) == 1
-    assert "part-00002.parquet holds 4 rows, and the record of shard" in capsys.readouterr().err
+    assert "part-00002.parquet changed since pairclean wrote it" in capsys.readouterr().err
     shutil.copy(out / "part-00000.parquet", out / "part-00001.parquet")
     assert main(["export", str(out)]) == 1
     err = capsys.readouterr().err
