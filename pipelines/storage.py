@@ -44,7 +44,7 @@ OUTPUT_SCHEMES = frozenset({"", "file", "s3", "gs", "gcs"})
 _TMP_MARK = ".tmp-"
 #: Exactly the names ``write_file_atomic`` gives its temporaries (".<name>.tmp-<pid>-<8 hex>"):
 #: a user's own hidden file with ".tmp-" in its name is not ours to delete.
-_TEMPORARY = re.compile(r"\..+\.tmp-[0-9]+-[0-9a-f]{8}")
+_TEMPORARY = re.compile(r"\..+\.tmp-([0-9]+)-[0-9a-f]{8}")
 
 
 @dataclass(frozen=True)
@@ -363,14 +363,19 @@ class Store:
         except (pa.ArrowInvalid, OSError):
             return None
 
-    def remove_temporaries(self, folder: str = "") -> int:
-        """Delete hidden temporaries our own local writes left behind after a crash."""
+    def remove_temporaries(self, folder: str = "", depth: int = 0) -> int:
+        """Delete hidden temporaries our own local writes left behind after a crash, in
+        ``folder`` and its sub-folders ``depth`` levels down (never through a link)."""
         if not self.local:
             return 0  # object stores have no temporaries: a PUT is all or nothing
         removed = 0
         for name in self.list(folder):
-            if _TEMPORARY.fullmatch(name):
-                removed += self.rm(f"{folder}/{name}" if folder else name)
+            child = f"{folder}/{name}" if folder else name
+            found = _TEMPORARY.fullmatch(name)
+            if found and found.group(1) != str(os.getpid()):  # this process's own are writes in flight (the lock's beat)
+                removed += self.rm(child)
+            elif depth > 0 and not os.path.islink(self.path(child)) and os.path.isdir(self.path(child)):
+                removed += self.remove_temporaries(child, depth - 1)
         return removed
 
 

@@ -447,10 +447,12 @@ class OutputDir:
         return removed
 
     def remove_temporaries(self) -> None:
-        """Delete the hidden temporaries a killed write of ours left in ``OUT`` and the
-        sidecar folder (polars refuses a folder holding them). Call with the lock held."""
+        """Delete the hidden temporaries a killed write of ours left in ``OUT``, the sidecar
+        folder (polars refuses a folder holding them) and the state folder with its
+        sub-folders (refine's per-shard records). Call with the lock held."""
         self.store.remove_temporaries()
         self.store.remove_temporaries(schema.EMB_DIR)
+        self.store.remove_temporaries(schema.STATE_DIR, depth=3)
 
     # -- rewrites of the committed tables (rescore, refine, audit) ------------------------
     def begin_rewrite(self, verb: str) -> bool:

@@ -161,6 +161,14 @@ def test_remove_temporaries_deletes_only_our_leftovers(tmp_path: Path) -> None:
     assert store.remove_temporaries() == 0
     assert [p.exists() for p in leftovers] == [False, False]
     assert all(p.exists() for p in kept)
+    # below sub-folders (refine's records in state/refine/<heads>/, left by a kill -9), never
+    # a temporary of this very process (a write in flight: the lock's heartbeat)
+    (tmp_path / "sub" / "deep").mkdir()
+    deep, mine = tmp_path / "sub" / "deep" / ".p.json.tmp-77-0badcafe", tmp_path / "sub" / f".lock.json.tmp-{os.getpid()}-12345678"
+    deep.write_bytes(b"?")
+    mine.write_bytes(b"?")
+    assert store.remove_temporaries("sub") == 0 and deep.exists()
+    assert store.remove_temporaries("", depth=2) == 1 and not deep.exists() and mine.exists()
 
 
 def test_a_store_pickles_to_the_same_folder(tmp_path: Path) -> None:
