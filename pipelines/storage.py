@@ -447,7 +447,10 @@ def write_file_atomic(final: str | os.PathLike[str], data: bytes, check_folder: 
         except FileExistsError:
             raise
         except OSError as exc:
-            if exc.filename is None:  # a failed write (EFBIG, ENOSPC) names no file: name the one it was for
+            if exc.filename is None or exc.filename in (tmp, name):
+                # a failed write (EFBIG, ENOSPC) names no file, a refused create (a read-only
+                # folder) the temporary, relative to a folder the message does not say: name
+                # the file it was for
                 raise OSError(exc.errno, exc.strerror or str(exc), final) from exc
             raise
         finally:

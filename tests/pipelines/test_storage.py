@@ -239,3 +239,21 @@ def test_get_reads_at_most_max_get_bytes(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="is over 64 MiB"):
         store.get("huge.json")
     assert store.get("small.json") == b"{}"
+
+
+def test_a_refused_write_names_the_file_it_was_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a read-only folder the error named the temporary, relative to a folder it did not
+    say (``Read-only file system: '.lock.json.tmp-...'``)."""
+    import errno
+
+    real_open = os.open
+
+    def read_only(path, flags, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if isinstance(path, str) and ".tmp-" in path:
+            raise OSError(errno.EROFS, "Read-only file system", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(OSError) as refused:
+        Store(str(tmp_path)).put("state.json", b"{}")
+    assert refused.value.errno == errno.EROFS and refused.value.filename == str(tmp_path / "state.json")
