@@ -623,7 +623,8 @@ def _trim(clean: np.ndarray, noisy: np.ndarray, beta: float | None, bars: int = 
 def _audited_noise(out: OutputDir, doc: dict[str, Any]) -> float | None:
     """The ``expected_noise`` of the summary ``pairclean audit`` kept for the map a table's
     metadata ``doc`` records; None without an applied map (or its summary: an earlier release)."""
-    from pairclean.audit.run import applied_summary_name, audit_map
+    from pairclean.audit.run import applied_summary_name
+    from pairclean.output.report import audit_map
 
     applied = audit_map(doc)
     if applied is None or not isinstance(applied.get("map_sha256"), str):

@@ -340,6 +340,7 @@ def _follow_rewrites(out: Any, report: Any, lock_ttl_s: float | None) -> None:
     only a refit on every pair makes them agree, so it is said. The older tables are found
     among the first N + 1 of the job's (N committed now), read by footer once."""
     from pairclean.audit import run as audit_run
+    from pairclean.output.report import audit_map
 
     if not report.committed:
         return
@@ -347,7 +348,7 @@ def _follow_rewrites(out: Any, report: Any, lock_ttl_s: float | None) -> None:
     if any("refine" in d for d in docs):
         log.warning("the job's tables were refined, but the %d this run committed hold OSA's p_clean: run `pairclean "
                     "refine %s` again so that every table holds the refined weights", report.committed, out.uri)
-    audit = next((m for m in map(audit_run.audit_map, docs) if m is not None), None)
+    audit = next((m for m in map(audit_map, docs) if m is not None), None)
     if audit is None:
         return
     applied = audit_run.apply_recalibration(out, audit["knots"], audit["labels"], lock_ttl_s=lock_ttl_s)

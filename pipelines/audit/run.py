@@ -686,16 +686,6 @@ def _expected_noise(out: OutputDir, records: list[ShardRecord]) -> float | None:
     return 1.0 - total / count if count else None
 
 
-def audit_map(table_doc: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The audit map (``recalibrated_table``'s ``doc``: knots, labels) a score table's
-    metadata (``OutputDir.table_doc``) carries, or None (none applied, or a rescore since
-    replaced it with its own calibration)."""
-    doc = (table_doc or {}).get("audit")
-    if isinstance(doc, dict) and isinstance(doc.get("knots"), dict) and isinstance(doc.get("labels"), int):
-        return doc
-    return None
-
-
 def apply_recalibration(out: OutputDir, knots: dict[str, list[float]], labels: int, lock_ttl_s: float | None = None) -> dict[str, int]:
     """Rewrite every committed score table with the recalibrated ``p_clean`` (resumable:
     shards already rewritten with this map are skipped). Returns rewritten / skipped counts."""

@@ -104,7 +104,7 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
         lowest=ok_view.take(order).to_pylist(),
         first=view.slice(0, rows).to_pylist(),
         noisy_rule=noisy_rule_of(meta),
-        audit=_audit_of(meta),
+        audit=audit_map(meta),
         mixture_noise=mixture_noise(meta),
         unexplained_random=junk_gap(meta),
         contrast=meta.get("contrast"),
@@ -120,10 +120,14 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
     )
 
 
-def _audit_of(meta: dict[str, Any]) -> dict[str, Any] | None:
-    from pairclean.audit.run import audit_map  # (the audit package reads and writes tables: imported when used)
-
-    return audit_map(meta)
+def audit_map(table_doc: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The audit map (``recalibrated_table``'s ``doc``: knots, labels) a score table's
+    metadata (``OutputDir.table_doc``) carries, or None (none applied, or a rescore since
+    replaced it with its own calibration)."""
+    doc = (table_doc or {}).get("audit")
+    if isinstance(doc, dict) and isinstance(doc.get("knots"), dict) and isinstance(doc.get("labels"), int):
+        return doc
+    return None
 
 
 def noisy_rule_of(meta: dict[str, Any]) -> str:
@@ -131,7 +135,7 @@ def noisy_rule_of(meta: dict[str, Any]) -> str:
     or once an audit recalibrated ``p_clean`` under the ``p-clean`` weighting, the audit's
     (``p_clean <= 0.5`` of the recalibrated value; the model's flag kept as ``noisy_model``)."""
     rule = str(meta.get("noisy_rule", "similarity <= beta"))
-    audit = _audit_of(meta)
+    audit = audit_map(meta)
     if audit is not None and (meta.get("weighting") or {}).get("name") == "p-clean":
         return (f"p_clean <= 0.5, p_clean recalibrated by an audit on {audit['labels']} human labels "
                 f"(the model's flag, in noisy_model: {rule})")

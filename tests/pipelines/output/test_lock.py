@@ -270,8 +270,9 @@ def test_a_run_that_saw_the_lock_free_too_late_is_refused(tmp_path: Path, where:
         import s3fs
 
         options = {"endpoint_url": request.getfixturevalue("s3_endpoint")}
-        s3fs.S3FileSystem(**options).mkdir("weights")
-        uri = "s3://weights/job"
+        bucket = f"locks-{os.getpid()}-{time.monotonic_ns()}"  # moto's buckets outlive its server in this process
+        s3fs.S3FileSystem(**options).mkdir(bucket)
+        uri = f"s3://{bucket}/job"
     a = RunLock(Store(uri, options), ttl_s=30)
     a.acquire()
     try:
