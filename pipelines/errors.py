@@ -79,6 +79,12 @@ class ModelLoadError(PaircleanError):
     """The estimator could not be built or its weights could not be loaded."""
 
 
+def printable(text: str) -> str:
+    """``text`` with control characters escaped (``\x1b``): keys and shard names are the
+    corpus's, and an escape sequence in one would clear or recolour the terminal that prints it."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of ``exc``'s message, or its type's name when it has none: what a
     one-line error quotes of a library's (pyarrow's run to dozens of lines)."""

@@ -278,7 +278,10 @@ def utf8_text(text: str) -> tuple[str, bool]:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"), False
+        # U+DC80-DCFF are bytes (``surrogateescape``): \xNN; any other lone surrogate (JSON's
+        # "\ud800") \uNNNN: ``surrogateescape`` alone raised on them, and the job died
+        return "".join(c if not 0xD800 <= ord(c) <= 0xDFFF else
+                       f"\\x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else f"\\u{ord(c):04x}" for c in text), False
     return text, True
 
 

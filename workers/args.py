@@ -80,6 +80,15 @@ def whole_at_least(least: int, most: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def caption_field_name(text: str) -> str:
+    """An argparse type: a json field name, or ``.ext`` for a member (the REST API's rule:
+    a letter, digit or ``_`` first, then at most 63 of those, ``.`` or ``-``). ``""`` was
+    taken as a field and every sample failed "no txt member or json caption"."""
+    if not re.fullmatch(r"\.?[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}", text):
+        raise argparse.ArgumentTypeError(f"expected a json field name or .ext, not {text!r}")
+    return text
+
+
 def device_name(text: str) -> str:
     """An argparse type: ``auto``, ``cpu``, ``mps``, ``cuda`` or ``cuda:N`` (``--device bogus``
     ended in torch's traceback, or was ignored where no model is loaded)."""

@@ -24,7 +24,7 @@ from typing import Any
 
 from pairclean import __version__
 from pairclean.embed.cpu_settings import apply_process_env
-from pairclean.errors import PaircleanError
+from pairclean.errors import PaircleanError, printable
 from pairclean.job.lifecycle import EXIT_CODES, EXIT_ERROR, FAILED, PARTIAL, SUCCEEDED
 from pairclean_workers.signals import raise_if_stopped
 from pairclean_workers.args import (
@@ -34,6 +34,7 @@ from pairclean_workers.args import (
     add_seed_arg,
     add_storage_arg,
     add_threads_arg,
+    caption_field_name,
     device_name,
     positive_seconds,
     storage_options,
@@ -101,7 +102,7 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     add_seed_arg(score, 0, "seed of the calibration (random inputs, K x K samples)")
     score.add_argument("--batch-size", type=int, default=64)
     score.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS)
-    score.add_argument("--caption-field", default=None, help="take the caption from this json field, or, with a leading dot (.caption), from the member of that extension")
+    score.add_argument("--caption-field", type=caption_field_name, default=None, help="take the caption from this json field, or, with a leading dot (.caption), from the member of that extension")
     score.add_argument("--decode-device", default="cpu", help="cpu (PIL, on --cpus-per-actor threads) or cuda (batched nvJPEG on the GPU, CPU fallback for PNG/WebP/corrupt images)")
     score.add_argument("--calibration-pairs", type=int, default=4096, help="ok pairs that corpus recipes calibrate on")
     score.add_argument("--contrast", choices=["auto", "on", "off"], default="auto",
@@ -422,7 +423,7 @@ def _print_report(report: Any, out: str) -> int:
     if note:
         print(note)
     for uri, error in report.failed:
-        print(f"FAILED {uri}: {error}", file=sys.stderr)
+        print(f"FAILED {printable(uri)}: {printable(error)}", file=sys.stderr)  # a shard's name may carry escapes
     return EXIT_CODES.get(report.state, EXIT_FAILED)
 
 
@@ -575,7 +576,7 @@ def main(argv: Sequence[str] | None = None, extend: Callable[[Any], None] | None
         with stop_signals():
             return handler(args)
     except PaircleanError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(str(exc))}", file=sys.stderr)  # one line, whatever a name it quotes holds
         return EXIT_ERROR
     except OSError as exc:
         # A job-level failure of the machine, not a bug (a read-only output, an output that
@@ -586,7 +587,7 @@ def main(argv: Sequence[str] | None = None, extend: Callable[[Any], None] | None
         out = getattr(args, "out", None)
         where = f": {exc.filename}" if exc.filename else (f" (working on {out})" if out else "")
         hint = "; check the credentials and permissions" if isinstance(exc, PermissionError) else ""
-        print(f"error: {exc.strerror or exc}{where}{hint}", file=sys.stderr)
+        print(f"error: {printable(str(exc.strerror or exc))}{printable(where)}{hint}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt as exc:
         what, code = ("terminated (SIGTERM)", 143) if isinstance(exc, Terminated) else ("interrupted", 130)

@@ -31,7 +31,7 @@ import pyarrow as pa
 from numpy.typing import NDArray
 
 from pairclean import schema
-from pairclean.errors import InputError, first_line
+from pairclean.errors import InputError, first_line, printable
 from pairclean.output.folder import OutputDir, is_output
 from pairclean.storage import open_regular
 from pairclean.uris import LOCAL_SCHEMES, LOCAL_WRITE_ROOTS_ENV, check_local_root, local_path, scheme_of, shard_stem
@@ -246,7 +246,7 @@ def _note_unscored(out: OutputDir, report: ExportReport) -> None:
     failed = out.quarantined()
     missing = [u for u in (spec.shards if spec is not None else []) if shard_stem(u) not in committed]
     if missing:
-        named = ", ".join(PurePosixPath(u).name for u in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        named = ", ".join(printable(PurePosixPath(u).name) for u in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         why = f"{sum(1 for u in missing if shard_stem(u) in failed)} failed scoring, the others are not scored yet"
         report.notes.append(f"{len(missing)} of the job's {len(spec.shards) if spec else 0} shards are in none of these files "
                             f"({why}): {named}; leave them out of the training URLs (open_clip's sizes.json has no entry "

@@ -10,7 +10,7 @@ import numpy as np
 
 from pairclean import osa, schema
 from pairclean.calibrate.p_clean import unexplained_random
-from pairclean.errors import InputError
+from pairclean.errors import InputError, printable
 from pairclean.output.folder import OutputDir
 from pairclean.output.tables import read_embeddings
 from pairclean.uris import shard_stem
@@ -261,13 +261,7 @@ def _row(r: dict[str, Any]) -> str:
     flag = "NOISY" if r[schema.COL_NOISY] else "clean"
     # shard/key: keys repeat across shards in many corpora (00000.tar ... each from key 0)
     where = f"{shard_stem(r[schema.COL_SHARD])}/{r[schema.COL_KEY]}" if r.get(schema.COL_SHARD) else str(r[schema.COL_KEY])
-    return f"  {_printable(where):<40} {r[schema.COL_STATUS]:<13} sim {sim_s}  weight {r[schema.COL_WEIGHT]:.3f}  {flag}"
-
-
-def _printable(text: str) -> str:
-    """``text`` with control characters escaped: a key is the shard's, and an escape
-    sequence in it would clear or recolour the terminal that prints it."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+    return f"  {printable(where):<40} {r[schema.COL_STATUS]:<13} sim {sim_s}  weight {r[schema.COL_WEIGHT]:.3f}  {flag}"
 
 
 def _contrast_line(doc: dict[str, Any]) -> str:
@@ -295,7 +289,7 @@ def _clip(text: str, limit: int = 160) -> str:
 
 def _few(items: dict[str, Any], shown: int = 3) -> str:
     """The first ``shown`` entries of ``items`` as ``stem (value)``, and how many more."""
-    text = ", ".join(f"{stem} ({value})" for stem, value in list(items.items())[:shown])
+    text = ", ".join(f"{printable(stem)} ({printable(value)})" for stem, value in list(items.items())[:shown])
     return text + (f" and {len(items) - shown} more" if len(items) > shown else "")
 
 

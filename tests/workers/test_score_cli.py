@@ -843,6 +843,7 @@ def test_an_object_stores_refusal_names_what_was_worked_on(capsys: pytest.Captur
     (["rescore", "OUT", "--beta-recipe", "gmm", "--weighting", "paper", "--beta-k", "0"], "--beta-k: expected a whole number"),
     (["rescore", "OUT", "--beta-recipe", "gmm", "--weighting", "paper", "--device", "bogus"], "--device: expected auto, cpu"),
     (["score", "x.tar", "--out", "OUT", "--beta-k", "100000000"], "--beta-k: expected a whole number of at most 4,096"),
+    (["score", "x.tar", "--out", "OUT", "--caption-field", ""], "--caption-field: expected a json field name or .ext"),
 ])
 def test_options_out_of_range_are_usage_errors(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Round 3 of the verbs attack: these were taken (a pseudo-pair run of NaN weight that wrote
@@ -852,3 +853,19 @@ def test_options_out_of_range_are_usage_errors(argv: list[str], says: str, capsy
         main(argv)
     err = capsys.readouterr().err
     assert usage.value.code == 2 and says in err and "Traceback" not in err, err
+
+
+def test_a_shard_name_with_terminal_escapes_is_printed_escaped(make_shards, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """The FAILED line, inspect's failed shards and export's note printed a shard's name raw:
+    an escape sequence in it reached the terminal (row keys were already escaped)."""
+    good = make_shards(n_shards=1, per_shard=4)[0]
+    bad = tmp_path / "x\x1b[2Jy.tar"
+    bad.write_bytes(b"not a tar" * 100)
+    out = tmp_path / "out"
+    assert _score([str(good), str(bad)], out) != 0
+    failed = capsys.readouterr().err
+    assert "FAILED" in failed and "\x1b" not in failed and "\\x1b[2Jy" in failed
+    assert main(["inspect", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "\x1b" not in printed and "failed (a rerun retries them)" in printed

@@ -21,7 +21,46 @@ def test_key_rule_matches_webdataset() -> None:
     assert split_member_name("a/b.c/img001.seg.png") == ("a/b.c/img001", "seg.png")
     assert split_member_name("x.JPG") == ("x", "jpg")
     assert split_member_name("noext") is None
-    assert split_member_name("__index__.json") is None
+    # WebDataset's own rule for meta members: "__x__" alone or as a top folder, and top-level
+    # names that begin and end with "__"; "__0001__.jpg" is a sample it yields (no weight row before)
+    assert split_member_name("__index__") is None and split_member_name("__meta__/x.jpg") is None
+    assert split_member_name("__0001__.jpg") == ("__0001__", "jpg")
+    assert split_member_name("dir/__x__.txt") == ("dir/__x__", "txt")
+    import re as _re
+
+    from webdataset.tariterators import meta_prefix, meta_suffix
+
+    for name in ("__index__", "__meta__/x.jpg", "__0001__.jpg", "dir/__x__.txt", "a/__b__c__.txt", "__init__", "__a__.json"):
+        skipped = bool(_re.match(r"__[^/]*__($|/)", name)) or ("/" not in name and name.startswith(meta_prefix)
+                                                               and name.endswith(meta_suffix))
+        assert (split_member_name(name) is None) == skipped, name
+
+
+def test_hostile_json_and_text_become_rows_never_a_dead_job() -> None:
+    """Round 3 of the text attack: a json integer of 5,000 digits (ValueError) and a lone high
+    surrogate in ``uid`` (valid JSON; UnicodeEncodeError) killed the job at every rerun; a
+    UTF-8 caption padded with NULs was read as UTF-16; a Latin-1 json lost its caption; a
+    caption of punctuation or invisible letters was scored as text."""
+    from pairclean import schema
+    from pairclean.read.shards import RawSample, decode_caption, to_pair
+
+    jpg = b"\xff\xd8 not decoded here"
+
+    def pair(**files: bytes) -> tuple[str, str | None, str | None]:
+        got = to_pair(RawSample("k", 0, {"jpg": jpg, **files}))
+        return got.status, got.text, got.uid
+
+    status, _, _ = pair(json=b'{"uid": ' + b"9" * 5000 + b', "caption": "a dog"}')
+    assert status == schema.STATUS_MISSING_TEXT
+    assert pair(txt=b"a dog", json=b'{"uid": "\\ud800x", "url": "\\udfff"}') == (schema.STATUS_OK, "a dog", "\\ud800x")
+    assert pair(json=b'{"caption": "a dog \\ud800"}') == (schema.STATUS_OK, "a dog \\ud800", None)
+    assert decode_caption(b"a dog on grass" + b"\x00" * 200) == "a dog on grass"
+    assert decode_caption("a dog".encode("utf-16-le") + b"\x00" * 4) == "a dog"
+    assert pair(json='{"caption": "caf\u00e9 au lait"}'.encode("latin-1"))[:2] == (schema.STATUS_OK, "caf\u00e9 au lait")
+    for junk in ("!!!???...,,,;;;", "\u0301", "\ufffd", "\u3164\uffa0", "\u2800", "\u034f\ufe0f"):
+        assert pair(txt=junk.encode())[0] == schema.STATUS_EMPTY_TEXT, junk
+    for text in ("\U0001f436", "42", "a", "\u72ac"):
+        assert pair(txt=text.encode())[0] == schema.STATUS_OK, text
 
 
 def test_pairs_keep_keys_order_uid_url_and_caption_sources(tmp_path: Path, dev_images: list) -> None:
