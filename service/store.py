@@ -25,8 +25,9 @@ from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import ColumnElement, Engine, Row, Select, create_engine, delete, event, func, insert, literal, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 
+from pairclean.errors import InputError, first_line
 from pairclean.job.lifecycle import ACTIVE, QUEUED, RUNNING, STATES, TERMINAL, IllegalTransition, can_move
 
 from . import migrations
@@ -133,14 +134,32 @@ def _values(fields: dict[str, Any]) -> dict[str, Any]:
     return {_SETTABLE[name]: value for name, value in fields.items()}
 
 
+def _make_sqlite_folder(url: str) -> None:
+    """Make the folder of a SQLite database file (``sqlite:////data/service/jobs.db`` on a
+    fresh volume): SQLite creates the file, not its folder, and the service died on
+    "unable to open database file" at its first start."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:" \
+            and not parsed.database.startswith("file:"):
+        os.makedirs(os.path.dirname(os.path.abspath(parsed.database)), exist_ok=True)
+
+
 class JobStore:
     """Jobs and API keys in a real database file (or server)."""
 
     def __init__(self, url: str) -> None:
+        _make_sqlite_folder(url)
         self.engine: Engine = create_engine(url, pool_pre_ping=True)
         if self.engine.dialect.name == "sqlite":
             event.listen(self.engine, "connect", _sqlite_pragmas)
-        self.migrate()
+        try:
+            self.migrate()
+        except OperationalError as exc:  # a traceback before: the file's folder missing, a server down
+            where = self.engine.url.render_as_string(hide_password=True)
+            raise InputError(f"the job store {where} cannot be opened: {first_line(exc.orig or exc)} "
+                             "(PAIRCLEAN_DATABASE_URL)") from None
         #: A SQLite file's path and identity (device, inode) as opened: ``ping`` notices the
         #: file deleted or replaced under a running service (open connections would keep
         #: writing into the unlinked file: every job lost at the next start).

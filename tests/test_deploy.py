@@ -28,6 +28,9 @@ def _check_cluster_spec(spec: dict) -> None:
     for group in groups:
         assert group["groupName"] and group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
         assert "rayStartParams" in group
+    for group in gpu:  # GPU nodes are tainted: without the toleration the pods stay Pending
+        tolerations = group["template"]["spec"].get("tolerations", [])
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
 
 
 def test_raycluster_manifest() -> None:
@@ -35,6 +38,10 @@ def test_raycluster_manifest() -> None:
     assert (doc["apiVersion"], doc["kind"]) == ("ray.io/v1", "RayCluster")
     assert doc["metadata"]["name"]
     _check_cluster_spec(doc["spec"])
+    # a job sizes its actor pool from the GPUs it sees at its start: with CPUs on the head and
+    # the GPU group scaled to zero, it scored on CPU actors and never asked for a GPU
+    assert doc["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    assert all(g["minReplicas"] >= 1 for g in doc["spec"]["workerGroupSpecs"])
 
 
 def test_rayjob_manifest_runs_the_score_command() -> None:
@@ -64,6 +71,8 @@ def test_images_install_the_cli_on_the_matching_ray(name: str) -> None:
     assert extras is not None and {"score", "ray", "service"} <= set(extras.group(1).split(","))
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     assert any(s.get("command", [None])[:2] == ["pairclean", "serve"] for s in compose["services"].values())
+    # the volume's folders exist in the image, owned by its user (a fresh volume takes them over)
+    assert "mkdir -p /data/service /data/shards /data/weights && chown -R ray:users /data" in text
 
 
 def test_grafana_panels_use_only_exported_metrics() -> None:
@@ -83,6 +92,14 @@ def test_grafana_panels_use_only_exported_metrics() -> None:
             assert names, f"panel {panel['title']!r} uses no pairclean metric"
             used |= names
     assert used <= exported, f"unknown metrics: {used - exported}"
+    for panel in dash["panels"]:
+        for target in panel["targets"]:
+            # every replica exports the shared store's job counts: summed, N replicas count N times
+            assert "sum by (state) (pairclean_jobs)" not in target["expr"]
+            if panel["type"] == "heatmap":  # cumulative buckets drawn as they are stack every lower one
+                assert target.get("format") == "heatmap" and "_bucket" in target["expr"], panel["title"]
+            elif "_total" in target["expr"] and "rate(" in target["expr"]:
+                assert target["expr"].startswith(("sum", "max")), f"{panel['title']}: one line per replica"
     # every family is on the dashboard
     families = {re.sub(r"_(total|bucket|sum|count|created)$", "", n) for n in exported}
     assert families <= {re.sub(r"_(total|bucket|sum|count|created)$", "", n) for n in used}
@@ -95,3 +112,6 @@ def test_prometheus_and_compose_point_at_the_api() -> None:
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     assert {"api", "ray-head", "prometheus", "grafana"} <= set(compose["services"])
     assert compose["services"]["api"]["command"][:2] == ["pairclean", "serve"]
+    # the api container runs no raylet: a bare host:port failed every job after a minute
+    assert compose["services"]["api"]["environment"]["PAIRCLEAN_RAY_ADDRESS"] == "ray://ray-head:10001"
+    assert "--ray-client-server-port=10001" in compose["services"]["ray-head"]["command"]

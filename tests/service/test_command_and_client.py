@@ -165,3 +165,15 @@ def test_failed_tries_of_a_shard_that_was_committed_in_the_end_are_counted() -> 
     metrics.shard_quarantined(2)
     text = metrics.render().decode()
     assert "pairclean_shard_attempts_failed_total 4.0" in text and 'pairclean_pairs_scored_total{status="ok"} 8.0' in text
+
+
+def test_a_job_store_in_a_missing_folder_is_made_and_one_that_cannot_open_is_one_line(tmp_path: Path) -> None:
+    """compose's ``sqlite:////data/service/jobs.db`` on a fresh volume: SQLite makes the file,
+    not its folder, and ``serve``/``apikey`` died with a traceback at the first start."""
+    env = dict(os.environ, PAIRCLEAN_DATABASE_URL=f"sqlite:///{tmp_path / 'fresh' / 'service' / 'jobs.db'}")
+    made = _pairclean("apikey", "someone", env=env)
+    assert made.returncode == 0 and (tmp_path / "fresh" / "service" / "jobs.db").is_file(), made.stderr
+    for verb in (["apikey", "someone"], ["serve", "--port", "9"]):
+        bad = _pairclean(*verb, env=dict(os.environ, PAIRCLEAN_DATABASE_URL=f"sqlite:///{tmp_path}"))  # a folder
+        assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr, bad.stderr
+        assert "cannot be opened: unable to open database file (PAIRCLEAN_DATABASE_URL)" in bad.stderr
