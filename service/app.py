@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .dependencies import ValidationPool, output_key
 from .guards import BodyLimit, SecurityHeaders, public_errors, redact_access_log
-from .metrics import Metrics
+from .metrics import REFUSED_BODY_ROUTE, Metrics
 from .audit import Auditor
 from .routers import audit, health, jobs, pages
 from .routers.jobs import read_log
@@ -96,7 +96,8 @@ def _add_middleware(app: FastAPI, settings: ServiceSettings, metrics: Metrics) -
     app.add_middleware(SecurityHeaders, page_policy=pages.PAGE_CSP)
     # Outermost (added last; pages.install adds none): bodies are bounded before metrics,
     # authentication or routing.
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s,
+                       on_refused=lambda code: metrics.requests.labels(route=REFUSED_BODY_ROUTE, code=f"{code // 100}xx").inc())
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -35,8 +35,16 @@ class BodyLimit:
     so the limit holds before authentication and before any route reads the body.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float, on_refused: Callable[[int], None] | None = None) -> None:
         self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+        #: Told each refusal's status code (the metrics: the app's own middleware, inside
+        #: this one, never sees these requests)
+        self.on_refused = on_refused
+
+    async def _refuse(self, send: Send, code: int, detail: str) -> None:
+        if self.on_refused is not None:
+            self.on_refused(code)
+        await _reply(send, code, detail)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -44,7 +52,7 @@ class BodyLimit:
             return
         for name, value in scope.get("headers", []):
             if name == b"content-length" and (not value.isdigit() or int(value) > self.max_bytes):
-                await _reply(send, 413, f"request body over {self.max_bytes} bytes")
+                await self._refuse(send, 413, f"request body over {self.max_bytes} bytes")
                 return
         body = bytearray()
         deadline = time.monotonic() + self.timeout_s
@@ -53,14 +61,14 @@ class BodyLimit:
             try:
                 message = await asyncio.wait_for(receive(), timeout=max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                await _reply(send, 408, f"request body not received within {self.timeout_s:g} s")
+                await self._refuse(send, 408, f"request body not received within {self.timeout_s:g} s")
                 return
             if message["type"] == "http.disconnect":
                 return
             body += message.get("body", b"")
             more = bool(message.get("more_body", False))
             if len(body) > self.max_bytes:
-                await _reply(send, 413, f"request body over {self.max_bytes} bytes")
+                await self._refuse(send, 413, f"request body over {self.max_bytes} bytes")
                 return
         replayed = False
 

@@ -11,12 +11,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from pairclean import schema
 
-__all__ = ["Metrics", "exported_names", "STAGES"]
+__all__ = ["Metrics", "REFUSED_BODY_ROUTE", "exported_names", "STAGES"]
 
 _UNIT_BUCKETS = tuple(round(0.1 * i, 1) for i in range(1, 11))
 _SIM_BUCKETS = tuple(round(-0.2 + 0.1 * i, 1) for i in range(0, 11))
 _STAGE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
 STAGES = ("read_decode", "embed", "write")
+
+
+#: The ``route`` of requests the body limit refused (413, 408) before any route matched.
+REFUSED_BODY_ROUTE = "refused_body"
 
 
 class Metrics:
@@ -49,17 +53,21 @@ class Metrics:
     def shard_committed(self, record: dict[str, Any], read_scores: Callable[[list[str]], Any]) -> None:
         """Account for one committed shard: statuses, stage times, weight/similarity histograms."""
         self.shards.labels(state=schema.SHARD_COMMITTED).inc()
-        self.retries.inc(max(0, int(record.get("attempts", 1)) - 1))  # tries that failed before this one
-        for status, count in record.get("statuses", {}).items():
-            self.pairs.labels(status=status).inc(count)
+        self.retries.inc(max(0, _count(record.get("attempts", 1)) - 1))  # tries that failed before this one
+        statuses = record.get("statuses")
+        for status, count in (statuses.items() if isinstance(statuses, dict) else ()):
+            # The record lives in the tenant's own folder: its keys are bounded to the known
+            # statuses here (an edited record made label values of anything, and a negative
+            # count stopped the runner following the job)
+            self.pairs.labels(status=status if status in schema.STATUSES else "other").inc(_count(count))
         for stage, seconds in record.get("timings", {}).items():
             if stage in STAGES:
                 self.stage.labels(stage=stage).observe(seconds)
         self._observe_values(read_scores)
 
-    def shard_quarantined(self, attempts: int) -> None:
+    def shard_quarantined(self, attempts: Any) -> None:
         self.shards.labels(state=schema.SHARD_QUARANTINED).inc()
-        self.retries.inc(attempts)
+        self.retries.inc(_count(attempts))
 
     def _observe_values(self, read_scores: Callable[[list[str]], Any]) -> None:
         try:
@@ -88,3 +96,11 @@ def exported_names() -> set[str]:
         else:  # labelled, no child yet: the names its type writes
             names.update(family.name + suffix for suffix in _SUFFIXES.get(family.type, ("",)))
     return names
+
+
+def _count(value: Any) -> int:
+    """A count read from a job's own files as a whole number >= 0 (0 for anything else)."""
+    try:
+        return max(0, int(value))
+    except (TypeError, ValueError, OverflowError):
+        return 0

@@ -123,6 +123,8 @@ class JobRunner:
                 _end_group(job.pid)
             if self.store.transition(job.id, [RUNNING], expect={"runner": job.runner, "pid": job.pid}, state=QUEUED, pid=None):
                 log.info("resuming job %s after a restart", job.id)
+                if job.runner is not None and job.runner != self.runner_id:
+                    self.metrics.requeued.inc()  # another replica's job (dead on this host): a take-over too
         self._thread.start()
 
     def _resumes(self, job: JobRow) -> bool:
@@ -297,7 +299,7 @@ class JobRunner:
             if stem not in run.seen_failed:
                 run.seen_failed.add(stem)
                 if run.failed_before.get(stem) != record:  # failed in this run, not only in an earlier one
-                    self.metrics.shard_quarantined(int(record.get("attempts", 1)))
+                    self.metrics.shard_quarantined(record.get("attempts", 1))
         for stem, entry in committed.items():
             if stem not in run.seen_stems:
                 run.seen_stems.add(stem)

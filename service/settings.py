@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["ServiceSettings"]
@@ -89,4 +89,16 @@ class ServiceSettings(BaseSettings):
     shard_timeout_s: float | None = Field(3600.0, gt=0, le=86_400)
     orphan_grace_s: float = Field(180.0, gt=0)
     max_log_bytes: int = Field(100 * 2**20, ge=4096)
+
+    @model_validator(mode="after")
+    def _grace_outlasts_the_lock(self) -> ServiceSettings:
+        """``orphan_grace_s`` above the run lock's TTL (``PAIRCLEAN_LOCK_TTL_S``, 60 s): a job
+        queued again sooner found its folder still locked by the lost run and ended FAILED."""
+        from pairclean.output.lock import lock_ttl_from_env
+
+        ttl = lock_ttl_from_env()
+        if self.orphan_grace_s <= ttl:
+            raise ValueError(f"orphan_grace_s ({self.orphan_grace_s:g} s) must be above the run lock's TTL ({ttl:g} s, "
+                             "PAIRCLEAN_LOCK_TTL_S): a job taken over sooner finds its folder still locked and fails")
+        return self
     orphan_check_s: float = Field(30.0, gt=0)

@@ -854,7 +854,10 @@ class OutputDir:
         A table or sidecar of this job at the shard's names (written before a crash, never
         committed) is deleted: readers of OUT took its old rows as current beside a
         quarantined shard (``inspect`` said 35 pairs, pyarrow read 40)."""
-        record = {"state": schema.SHARD_QUARANTINED, "shard": shard, "stem": stem, "error": error, "attempts": attempts}
+        # ``failed_at``: each run's failure is a new record (the service counts a shard that
+        # fails again on a retry; the same record twice read as the earlier run's failure)
+        record = {"state": schema.SHARD_QUARANTINED, "shard": shard, "stem": stem, "error": error, "attempts": attempts,
+                  "failed_at": time.time()}
         self.store.put(f"{schema.FAILED_DIR}/{stem}.json", json.dumps(record, sort_keys=True).encode())
         if self._failed_stems is not None:
             self._failed_stems.add(stem)

@@ -266,6 +266,8 @@ def test_body_limit_holds_for_chunked_bodies_before_authentication(live: Live) -
     r = httpx.post(f"{live.url}/v1/jobs", content=b"{" + b" " * 2_000_000 + b"}", timeout=30)
     assert r.status_code == 413
     assert httpx.get(f"{live.url}/healthz").status_code == 200
+    # counted (the metrics middleware, inside the limit, never saw them: no series at all)
+    assert 'pairclean_http_requests_total{code="4xx",route="refused_body"} 2.0' in httpx.get(f"{live.url}/metrics").text
 
 
 def test_brace_and_glob_limits_are_enforced_while_expanding(tmp_path: Path) -> None:

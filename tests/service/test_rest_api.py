@@ -234,7 +234,8 @@ def test_starting_a_second_replica_leaves_the_first_ones_running_job_alone(tmp_p
 
 
 
-def test_a_replica_lost_with_its_host_leaves_no_job_running_for_ever(tmp_path: Path, live_server_cls) -> None:
+def test_a_replica_lost_with_its_host_leaves_no_job_running_for_ever(tmp_path: Path, live_server_cls,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A RUNNING job launched by a replica on another host stayed RUNNING for good when that
     host was lost: only a restart of the same replica resumed it. Another replica now takes
     it over once its signs of life (its runner's heartbeat in the store, its run lock's
@@ -243,7 +244,13 @@ def test_a_replica_lost_with_its_host_leaves_no_job_running_for_ever(tmp_path: P
     clock, so a job whose lock or runner still beats stays, however far the clocks differ."""
     from pairclean import schema
     from pairclean.output.folder import OutputDir
+    from pairclean_service.settings import ServiceSettings
     from pairclean_service.store import JobStore, now_iso
+
+    # the grace must outlast the run lock's TTL (a job queued sooner finds its folder locked)
+    with pytest.raises(ValueError, match="must be above the run lock's TTL"):
+        ServiceSettings(orphan_grace_s=30.0)
+    monkeypatch.setenv("PAIRCLEAN_LOCK_TTL_S", "2")  # so that this test's grace of 3 s may be
 
     url = f"sqlite:///{tmp_path / 'jobs.db'}"
     store = JobStore(url)
@@ -364,3 +371,28 @@ def test_readiness_fails_when_the_job_store_file_is_deleted_under_the_service(tm
             (tmp_path / f"jobs.db{suffix}").unlink(missing_ok=True)
         r = httpx.get(f"{srv.url}/readyz")
         assert r.status_code == 503 and r.json() == {"status": "not ready"}
+
+
+def test_metrics_from_a_tenants_records_are_bounded_and_a_failure_on_retry_counts_again(tmp_path: Path) -> None:
+    """The completion and quarantine records live in the tenant's own folder: an edited one
+    made label values of anything, and a negative count raised in the runner (which then
+    stopped following the job). A shard that failed again on a ``:retry`` wrote the same
+    record as before and was not counted."""
+    from pairclean.output.folder import OutputDir
+    from pairclean_service.metrics import Metrics
+
+    def unreadable(cols: list[str]) -> None:
+        raise OSError("the table is gone")
+
+    metrics = Metrics()
+    metrics.shard_committed({"attempts": "-3", "statuses": {"<script>": 2, "ok": -5, "decode_error": 1}}, unreadable)
+    metrics.shard_quarantined(-4)
+    text = metrics.render().decode()
+    assert 'status="other"} 2.0' in text and "<script>" not in text and 'status="decode_error"} 1.0' in text
+    assert "pairclean_shard_attempts_failed_total 0.0" in text
+    out = OutputDir(str(tmp_path / "out"))
+    out.quarantine("/x/a.tar", "a", "unreadable tar", 1)
+    first = out.quarantined()["a"]
+    time.sleep(0.01)
+    out.quarantine("/x/a.tar", "a", "unreadable tar", 1)
+    assert out.quarantined()["a"] != first  # the runner tells this run's failure from the earlier one's
