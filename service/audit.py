@@ -118,7 +118,7 @@ class Auditor:
         assert doc is not None
         queue = doc["queue"]
         labels = self.store.audit_labels(job.id, job.owner)
-        position = self._pick(job, queue, labels, who.labeller)
+        position = self._pick(job, queue, labels, who.label_names)
         reply: dict[str, Any] = {"progress": self._progress(queue, labels), "summary": self.summary(job, doc, labels),
                                  "warning": self.stale(job, doc)}
         if position is None:
@@ -129,8 +129,8 @@ class Auditor:
         return reply | {"done": False, "position": position, "key": item["key"], "shard": item["shard"], "stem": item["stem"],
                         "row": item["row"], "caption": caption}
 
-    def _pick(self, job: JobRow, queue: list[dict[str, Any]], labels: list[dict[str, Any]], who: str) -> int | None:
-        mine = [lab for lab in labels if lab["who"] == who]
+    def _pick(self, job: JobRow, queue: list[dict[str, Any]], labels: list[dict[str, Any]], who: tuple[str, ...]) -> int | None:
+        mine = [lab for lab in labels if lab["who"] in who]
         if len(mine) >= REPEAT_EVERY - 1 and len(mine) % REPEAT_EVERY == REPEAT_EVERY - 1:
             counts: dict[int, int] = {}
             for lab in mine:
@@ -138,7 +138,7 @@ class Auditor:
             once = sorted(p for p, c in counts.items() if c == 1 and p != mine[-1]["position"])
             if once:
                 # deterministic: the same state shows the same repeat (an undo brings it back)
-                h = int(hashlib.sha256(f"{job.id}:{who}:{len(mine)}".encode()).hexdigest()[:8], 16)
+                h = int(hashlib.sha256(f"{job.id}:{who[0]}:{len(mine)}".encode()).hexdigest()[:8], 16)
                 return once[h % len(once)]
         done = {lab["position"] for lab in labels}
         return next((i for i in range(len(queue)) if i not in done), None)
@@ -184,11 +184,11 @@ class Auditor:
             pos = item["position"]
             if not 0 <= pos < len(queue) or queue[pos]["key"] != item["key"]:
                 raise HTTPException(422, f"labels[{i}]: no such pair in this job's audit queue")
-            mine = [lab for lab in labels if lab["who"] == who.labeller and lab["position"] == pos]
+            mine = [lab for lab in labels if lab["who"] in who.label_names and lab["position"] == pos]
             # A second label of one pair by one labeller counts only as the blind repeat the
             # queue asked for (``_pick`` is deterministic): a retried request, or a double
             # click, would otherwise count as a repeat that agrees with itself.
-            if mine and self._pick(job, queue, labels, who.labeller) != pos:
+            if mine and self._pick(job, queue, labels, who.label_names) != pos:
                 if mine[-1]["label"] == item["label"]:
                     already += 1
                     continue
@@ -206,7 +206,7 @@ class Auditor:
     def undo(self, job: JobRow, who: Principal) -> dict[str, Any] | None:
         """Remove ``who``'s latest label on the job (each undo another label, even sent at once)."""
         with self._lock_of(job.id):
-            return self.store.undo_label(job.id, who.labeller)
+            return self.store.undo_label(job.id, who.label_names)
 
     # -- figures ------------------------------------------------------------------------------
     def report(self, job: JobRow, doc: dict[str, Any] | None = None, labels: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:

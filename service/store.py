@@ -97,6 +97,12 @@ class Principal:
         """The ``who`` of its audit labels: ``name#key_id`` (``name`` where no key identifies it)."""
         return f"{self.name[:91]}#{self.key_id}" if self.key_id else self.name  # a 100-character column
 
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        """The ``who`` values of labels that are its own: its labeller, and the owner's name
+        (labels stored before labellers were keys: any key of the owner may undo or repeat them)."""
+        return (self.labeller, self.name) if self.key_id else (self.name,)
+
 
 class LabelTaken(Exception):
     """Another request stored a label of the same pair, labeller and attempt first."""
@@ -342,7 +348,9 @@ class JobStore:
         the same time)."""
         if any(label not in AUDIT_LABELS for _, _, label, _ in items):
             raise ValueError("label must be one of " + ", ".join(AUDIT_LABELS))
-        now = _now()
+        # to the microsecond (32 characters): a blind repeat stored within the second of the
+        # first label was exported as the same row, and the CLI counted it once
+        now = datetime.now(timezone.utc).isoformat(timespec="microseconds")
         # In one order (pair, attempt): two replicas inserting overlapping labels in opposite
         # orders deadlocked on PostgreSQL's unique index (a 500) instead of one losing cleanly.
         rows = [{"job_id": job_id, "tenant": tenant, "position": pos, "key": key, "label": label, "who": who, "labelled_at": now,
@@ -368,15 +376,15 @@ class JobStore:
         with self.engine.connect() as conn:
             return int(conn.execute(select(func.count()).select_from(audit_labels).where(audit_labels.c.job_id == job_id)).scalar() or 0)
 
-    def undo_label(self, job_id: str, who: str) -> dict[str, Any] | None:
-        """Remove ``who``'s latest label on the job; returns it (None when there is none).
+    def undo_label(self, job_id: str, who: str | Sequence[str]) -> dict[str, Any] | None:
+        """Remove the latest label on the job stored as any of ``who``; returns it (None when there is none).
 
         The label returned is the one this call deleted: another undo (of another replica)
         that deleted it first sends this one on to the next latest."""
         while True:
             with self.engine.begin() as conn:
                 r = conn.execute(select(audit_labels.c.id, audit_labels.c.position, audit_labels.c.key, audit_labels.c.label)
-                                 .where(audit_labels.c.job_id == job_id, audit_labels.c.who == who)
+                                 .where(audit_labels.c.job_id == job_id, audit_labels.c.who.in_([who] if isinstance(who, str) else list(who)))
                                  .order_by(audit_labels.c.id.desc()).limit(1)).first()
                 if r is None:
                     return None

@@ -209,6 +209,17 @@ def test_two_keys_of_one_owner_are_two_labellers(demo_service) -> None:
     assert removed["label"] == "noisy"  # the second member's own label, not the first's
     rows = list(csv.DictReader(io.StringIO(HTTP.get(f"{base}/labels", headers=one).text)))
     assert [(r["label"], r["who"]) for r in rows] == [("clean", f"team-a#{hash_key(demo_service.keys['team-a'])[:8]}")]
+    # labels stored before labellers were keys (who = the owner) stay the owner's keys' own:
+    # after an upgrade, undo found none of them and a repeat of such a pair was a second labeller
+    store = demo_service.live.app.state.store
+    other = HTTP.get(f"{base}/next", headers=one).json()
+    store.add_labels(job, "team-a", "team-a", [(other["position"], other["key"], "noisy", 0)])
+    assert HTTP.post(f"{base}/labels:undo", headers=two).json()["removed"]["position"] == other["position"]
+    # to the microsecond: a blind repeat stored within the second of the first label is another row
+    store.add_labels(job, "team-a", "x#1", [(other["position"], other["key"], "noisy", 0)])
+    store.add_labels(job, "team-a", "x#1", [(other["position"], other["key"], "noisy", 1)])
+    stamps = [lab["labelled_at"] for lab in store.audit_labels(job, "team-a") if lab["who"] == "x#1"]
+    assert len(stamps) == 2 and stamps[0] != stamps[1] and len(stamps[0]) == 32
 
 
 def test_a_retry_that_commits_more_shards_is_named_and_labels_wait_for_its_end(demo_service, tmp_path) -> None:
