@@ -714,10 +714,11 @@ def apply_recalibration(out: OutputDir, knots: dict[str, list[float]], labels: i
             rewritten += 1
         lock.check()  # nor record what it wrote
         changed = any(r.sha256 != done[r.stem][0] for r in records)
-        if changed:
-            out.replace_records([replace(r, sha256=done[r.stem][0], bytes=done[r.stem][1]) for r in records])
+        # before the records name the new tables: the service caches what it reads per table checksum
         out.store.put(applied_summary_name(sha), json.dumps(
             {"labels": labels, "expected_noise": _expected_noise(out, records)}).encode())
+        if changed:
+            out.replace_records([replace(r, sha256=done[r.stem][0], bytes=done[r.stem][1]) for r in records])
         out.end_rewrite()
         if changed or stale:
             refresh_exports(out)  # trainers read them without asking: never leave them on the earlier weights
