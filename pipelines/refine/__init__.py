@@ -92,17 +92,17 @@ def _checked(settings: Any) -> Any:
 
     for f in dataclasses.fields(settings):
         value, default = getattr(settings, f.name), f.default
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if isinstance(default, bool):
-            ok = isinstance(value, bool)
+            ok, kind = isinstance(value, bool), "true or false"
         elif isinstance(default, int):
-            ok = isinstance(value, int) and not isinstance(value, bool) and value >= (0 if f.name in _MAY_BE_ZERO else 1)
+            least = 0 if f.name in _MAY_BE_ZERO else 1
+            ok, kind = number and isinstance(value, int) and value >= least, f"a whole number >= {least}"
         elif isinstance(default, float):
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+            ok, kind = number and math.isfinite(value) and value >= 0, "a finite number >= 0"
         else:
             continue
         if not ok:
-            kind = "a whole number >= " + ("0" if f.name in _MAY_BE_ZERO else "1") if isinstance(default, int) and not isinstance(default, bool) \
-                else "a finite number >= 0" if isinstance(default, float) else "true or false"
             raise TypeError(f"{f.name} must be {kind}, got {value!r}")
     return settings
 
