@@ -173,10 +173,10 @@ def make_queue(out: OutputDir, n: int, seed: int, resample: bool = False) -> lis
     earlier = out.store.get(DESIGN_FILE)
     if earlier is not None and not resample:
         before = read_design(out)  # one line where the saved sample is damaged (--resample replaces it)
-        pairs = [(r["shard"], r["key"]) for r in before["queue"]]
-        if pairs != [(r["shard"], r["key"]) for r in queue] and sorted(pairs) == sorted((r["shard"], r["key"]) for r in queue):
+        pairs, drawn = [(r["shard"], r["key"]) for r in before["queue"]], [(r["shard"], r["key"]) for r in queue]
+        if pairs != drawn and sorted(pairs) == sorted(drawn):
             return list(before["queue"])  # the same pairs, queued in an earlier release's order: kept as they are
-        if pairs != [(r["shard"], r["key"]) for r in queue]:
+        if pairs != drawn:
             raise InputError(f"{out.uri} already has an audit sample of {len(before['queue'])} pairs (seed {before['design'].get('seed')}); "
                              "labels made for it count only for its pairs: label that queue (--sample with the same size and "
                              "seed writes it again), or pass --resample to replace it", uri=out.uri)

@@ -32,8 +32,8 @@ from numpy.typing import NDArray
 
 from pairclean import schema
 from pairclean.errors import InputError, first_line, printable
-from pairclean.output.folder import OutputDir, is_output
-from pairclean.storage import open_regular
+from pairclean.output.folder import OutputDir, enclosing_output, is_output
+from pairclean.storage import Store, open_regular
 from pairclean.uris import LOCAL_SCHEMES, LOCAL_WRITE_ROOTS_ENV, check_local_root, local_path, scheme_of, shard_stem
 
 log = logging.getLogger(__name__)
@@ -389,11 +389,11 @@ def _refuse_inside_tables(out: OutputDir, folder: str) -> None:
     if where == tables or where.startswith(tables.rstrip(os.sep) + os.sep):
         raise InputError(f"--sizes-dir {folder}: inside the output folder {out.uri}, which holds the tables and nothing "
                          "else (a sizes.json there breaks reading it as one dataset); give another folder, e.g. the shards'")
-    # ... nor any other job's tables (another job's OUT then failed in pyarrow and pandas)
-    for above in [where, *(str(p) for p in Path(where).parents)]:
-        if is_output(os.path.exists, above):
-            raise InputError(f"--sizes-dir {folder}: inside another pairclean job's output folder ({above}), which holds "
-                             "its tables and nothing else; give another folder, e.g. the shards'")
+    # ... nor any other job's (another job's OUT then failed in pyarrow and pandas)
+    other = where if is_output(os.path.exists, where) else enclosing_output(Store(where))
+    if other is not None and os.path.realpath(other) != tables:
+        raise InputError(f"--sizes-dir {folder}: inside another pairclean job's output folder ({other}), which holds "
+                         "its tables and nothing else; give another folder, e.g. the shards'")
 
 
 def _check_sizes_target(folder: Path, previous: dict[str, list[str]]) -> None:
