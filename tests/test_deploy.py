@@ -115,3 +115,39 @@ def test_prometheus_and_compose_point_at_the_api() -> None:
     # the api container runs no raylet: a bare host:port failed every job after a minute
     assert compose["services"]["api"]["environment"]["PAIRCLEAN_RAY_ADDRESS"] == "ray://ray-head:10001"
     assert "--ray-client-server-port=10001" in compose["services"]["ray-head"]["command"]
+
+
+def test_alert_rules_read_exported_metrics_and_label_values() -> None:
+    """Every alert reads metrics the API exports, with label values the code writes, and is wired in."""
+    pytest.importorskip("prometheus_client")
+    from pairclean import schema
+    from pairclean.job.lifecycle import STATES
+    from pairclean_service.metrics import exported_names
+
+    rules = [r for g in yaml.safe_load((DEPLOY / "alerts.yml").read_text())["groups"] for r in g["rules"]]
+    assert len({r["alert"] for r in rules}) == len(rules) >= 6
+    known = {
+        "state": set(STATES) | {schema.SHARD_COMMITTED, schema.SHARD_QUARANTINED},
+        "status": set(schema.STATUSES),
+        "code": {f"{c}xx" for c in range(1, 6)},
+        "job": {"pairclean-api"},
+    }
+    exported = exported_names() | {"up"}
+    for rule in rules:
+        expr = rule["expr"]
+        assert expr.count("(") == expr.count(")"), rule["alert"]
+        names = set(re.findall(r"\b(pairclean_[a-z_]+|up)\b(?=[{\[)\s])", expr))
+        assert names and names <= exported, f"{rule['alert']}: {names - exported}"
+        for label, value in re.findall(r'(\w+)\s*!?=\s*"([^"]*)"', expr):
+            assert value in known[label], f"{rule['alert']}: {label}={value!r}"
+        assert rule["labels"]["severity"] in {"critical", "warning", "info"}
+        assert rule["annotations"]["summary"]
+        if "_total" in expr:  # counters: rates summed over replicas, never one series per replica
+            assert re.search(r"sum\((rate|increase)\(pairclean_\w+_total", expr), rule["alert"]
+        # every replica exports the shared store's job counts: taken with max, never summed
+        assert expr.count("pairclean_jobs{") == expr.count("max(pairclean_jobs{"), rule["alert"]
+    prom = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    assert prom["rule_files"] == ["/etc/prometheus/alerts.yml"]
+    assert prom["scrape_configs"][0]["job_name"] == "pairclean-api"
+    mounts = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]["prometheus"]["volumes"]
+    assert "./alerts.yml:/etc/prometheus/alerts.yml:ro" in mounts
