@@ -104,12 +104,9 @@ class Auditor:
     @staticmethod
     def stale(job: JobRow, doc: dict[str, Any]) -> str | None:
         """What the queue does not cover: the shards a ``:retry`` committed after it was drawn."""
-        then = doc["design"].get("shards_committed")
-        if then is None or job.shards_done == then:
-            return None
-        return (f"the audit queue was drawn when {then} shards were committed; {job.shards_done} are now (a retry): the "
-                f"figures describe the pairs of those {then} only. To audit every shard, draw a sample of the whole job "
-                "with `pairclean audit OUT --sample N --resample` (labels carry over by key)")
+        from pairclean.audit.run import coverage_warning
+
+        return coverage_warning(doc["design"], job.shards_done, "OUT", "a retry")
 
     def next_item(self, job: JobRow, who: Principal) -> dict[str, Any]:
         """The next pair for ``who`` to label (or ``done``), with progress and the estimate."""

@@ -90,6 +90,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
     run.check_design_current(out, design)
     labels = run.read_labels(args.labels, storage)
     report = run.audit_report(design, labels, args.threshold, target)
+    warning = run.coverage_warning(design["design"], len(out.committed()), args.out, "a rerun")
+    if warning:
+        report["warning"] = warning
+        print(f"WARNING: {warning}", file=sys.stderr)
     if report["status"] == "ok" and "recalibration" in report and not args.no_apply:
         knots = {"x": report["recalibration"]["x"], "y": report["recalibration"]["y"]}
         applied = run.apply_recalibration(out, knots, report["recalibration"]["labels"], lock_ttl_s=args.lock_ttl)

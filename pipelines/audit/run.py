@@ -42,6 +42,7 @@ from .design import EDGES, draw_design
 __all__ = [
     "AUDIT_DIR",
     "check_design_current",
+    "coverage_warning",
     "COL_P_CLEAN_MODEL",
     "DESIGN_FILE",
     "EDGES",
@@ -180,8 +181,22 @@ def make_queue(out: OutputDir, n: int, seed: int, resample: bool = False) -> lis
             raise InputError(f"{out.uri} already has an audit sample of {len(before['queue'])} pairs (seed {before['design'].get('seed')}); "
                              "labels made for it count only for its pairs: label that queue (--sample with the same size and "
                              "seed writes it again), or pass --resample to replace it", uri=out.uri)
+    doc["shards_committed"] = len(out.committed())  # what the sample is of: a rerun may commit more (coverage_warning)
     out.store.put(DESIGN_FILE, json.dumps({"design": doc, "queue": queue}, indent=1).encode())
     return queue
+
+
+def coverage_warning(design: dict[str, Any], shards_now: int, out_uri: str, why: str) -> str | None:
+    """What an audit sample does not cover: shards committed after it was drawn (``why``: how,
+    "a rerun" or "a retry"), or None. Its labels, figures and recalibration map describe the
+    pairs of the shards committed when it was drawn only; a sample saved by an earlier
+    release, which did not record that, gives None."""
+    then = design.get("shards_committed")
+    if not isinstance(then, int) or then == shards_now:
+        return None
+    return (f"the audit queue was drawn when {then} shards were committed; {shards_now} are now ({why}): the figures "
+            f"describe the pairs of those {then} only. To audit every shard, draw a sample of the whole job with "
+            f"`pairclean audit {out_uri} --sample N --resample --out queue.csv` (labels carry over by key)")
 
 
 def read_design(out: OutputDir) -> dict[str, Any]:

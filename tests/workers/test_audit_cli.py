@@ -308,3 +308,10 @@ def test_a_rerun_gives_the_shards_it_commits_the_audit_map(tmp_path: Path, capsy
     assert a.schema.names == b.schema.names and "p_clean_model" in b.schema.names
     assert a.column("p_clean").to_pylist() == b.column("p_clean").to_pylist()  # the same pairs, one scale
     assert ds.dataset(str(out)).to_table().num_rows == 20
+    # the sample holds pairs of shard a only: the labels' figures describe that shard, and say so
+    capsys.readouterr()
+    assert main(["audit", str(out), "--labels", str(tmp_path / "labels.csv")]) == 0
+    err = capsys.readouterr().err
+    assert "WARNING: the audit queue was drawn when 1 shards were committed; 2 are now (a rerun)" in err
+    assert f"pairclean audit {out} --sample N --resample" in err
+    assert "drawn when 1 shards" in json.loads((tmp_path / f"out{schema.SIDE_SUFFIX}/state/audit.json").read_text())["warning"]
