@@ -36,7 +36,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -159,6 +159,11 @@ _MANIFEST_SCHEMA = pa.schema(
         ("mtime_ns", pa.int64()),  # absent from segments written before it was kept: read as None
     ]
 )
+
+
+def _tables_of(records: Iterable[ShardRecord]) -> set[tuple[str, str, str, int]]:
+    """What a set of completion records says of the tables: (stem, table, sha256, bytes)."""
+    return {(r.stem, r.output, r.sha256, r.bytes) for r in records}
 
 
 def _records_table(records: list[ShardRecord]) -> pa.Table:
@@ -780,11 +785,14 @@ class OutputDir:
     def replace_records(self, records: list[ShardRecord]) -> None:
         """Rewrite the manifest as exactly ``records`` (e.g. new checksums after a rescore).
 
-        The tables changed, so what was derived from them is out of date: a pseudo-pair run
-        is marked stale (its readers refuse it until it is run again), and exports are
-        named in a warning (open_clip and DataComp read them without asking)."""
-        self._mark_derived_stale()
-        self.committed()
+        Where the tables changed (a record's table, checksum or size differs, or a shard
+        left), what was derived from them is out of date: a pseudo-pair run is marked stale
+        (its readers refuse it until it is run again), and exports are named in a warning
+        (open_clip and DataComp read them without asking). A rewrite that left every table
+        as it was (a rescore with the job's own recipe) leaves them current."""
+        before = self.committed()
+        if _tables_of(before.values()) != _tables_of(records):
+            self._mark_derived_stale()
         old = list(self._segments)
         name = self._write_segment({r.stem: r for r in records})
         self._rm_many([f"{schema.COMPLETIONS_DIR}/{n}" for n in self.store.list(schema.COMPLETIONS_DIR)])

@@ -144,12 +144,21 @@ def test_sampler_substitutes_pseudo_captions(job) -> None:
 def test_a_rescore_makes_trainers_refuse_the_earlier_pseudo_pairs_until_they_are_made_again(job, tmp_path: Path, caplog) -> None:
     import shutil
 
+    from pairclean.output.folder import OutputDir
     from pairclean.pseudo.pairing import PseudoCaptions
 
     out = tmp_path / "out"
     shutil.copytree(job[0], out)
     shutil.copytree(f"{job[0]}{schema.SIDE_SUFFIX}", f"{out}{schema.SIDE_SUFFIX}")
     assert main(["pseudo-pair", str(out), "--pool", "noisy"]) == 0
+    PseudoCaptions(out)
+    # a rescore with the job's own recipe leaves every table as it was: the pseudo-pairs stay current
+    tables = {p.name: p.read_bytes() for p in out.glob("*.parquet")}
+    spec = OutputDir(str(out)).read_spec()
+    assert spec is not None
+    assert main(["rescore", str(out), "--beta-recipe", spec.beta_recipe, "--weighting", spec.weighting]) == 0
+    assert {p.name: p.read_bytes() for p in out.glob("*.parquet")} == tables
+    assert "made from the earlier weights" not in caplog.text
     PseudoCaptions(out)
     assert main(["rescore", str(out), "--beta-recipe", "gmm", "--weighting", "paper"]) == 0
     assert "pseudo-pairs" in caplog.text and "made from the earlier weights" in caplog.text
