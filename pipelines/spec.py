@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -85,6 +86,7 @@ class JobSpec:
     def stems(self) -> dict[str, str]:
         """Shard URI -> output stem; raises ``InputError`` when two shards would collide."""
         seen: dict[str, str] = {}
+        seen_folded: dict[str, str] = {}
         for uri in self.shards:
             _check_utf8_name(uri)
             stem = shard_stem(uri)
@@ -102,8 +104,23 @@ class JobSpec:
                     "would collide in one folder; score them into separate output folders",
                     uri=uri,
                 )
-            seen[stem] = uri
+            folded = _folded(stem)
+            if folded in seen_folded:
+                # macOS and Windows file systems (and some object stores' gateways) take names
+                # that differ only in case or Unicode normalisation for one file: the second
+                # table would overwrite the first there
+                raise InputError(
+                    f"shards {seen_folded[folded]!r} and {uri!r} have names that differ only in case or Unicode "
+                    f"normalisation: their outputs would collide on a case-insensitive file system; rename one, or score "
+                    "them into separate output folders", uri=uri)
+            seen[stem] = seen_folded[folded] = uri
         return {uri: stem for stem, uri in seen.items()}
+
+
+def _folded(stem: str) -> str:
+    """The stem as a case- and normalisation-insensitive file system compares it (simple case
+    mapping, as APFS and NTFS: "straße" and "STRASSE" are two files there)."""
+    return unicodedata.normalize("NFC", stem).lower()
 
 
 def _check_utf8_name(uri: str) -> None:

@@ -59,6 +59,16 @@ def test_stems_and_collisions() -> None:
         spec.stems()
 
 
+@pytest.mark.parametrize("names", [("A-000.tar", "a-000.tar"), ("caf\u00e9.tar", "cafe\u0301.tar"), ("CAF\u00c9.tar", "cafe\u0301.tar")])
+def test_names_that_differ_only_in_case_or_normalisation_collide(names: tuple[str, str]) -> None:
+    """macOS and Windows take such names for one file: the second table would overwrite the first."""
+    spec = JobSpec(tuple(f"/d/{n}" for n in names), "m", None, None, "fp32", "gmm", 4, "paper", 0, 8, 10, None, True, 16)
+    with pytest.raises(InputError, match="differ only in case or Unicode normalisation"):
+        spec.stems()
+    apart = JobSpec(("/d/a-000.tar", "/d/a-001.tar", "/d/STRASSE.tar", "/d/stra\u00dfe.tar"), "m", None, None, "fp32", "gmm", 4, "paper", 0, 8, 10, None, True, 16)
+    assert len(set(apart.stems().values())) == 4
+
+
 def test_one_file_listed_under_two_spellings_is_named_as_such(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     _touch(tmp_path, "s.tar")
