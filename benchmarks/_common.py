@@ -36,10 +36,10 @@ class _Timer:
     def start(self, total_shards: int, already_done: int) -> None:
         self.first = time.perf_counter()
 
-    def shard_done(self, stem: str, rows: int) -> None:
+    def shard_done(self, record: Any) -> None:
         self.last = time.perf_counter()
 
-    def shard_failed(self, uri: str, error: str) -> None:
+    def shard_failed(self, uri: str, error: str, attempts: int = 1) -> None:
         raise RuntimeError(error)
 
 

@@ -56,6 +56,11 @@ def test_rayjob_manifest_runs_the_score_command() -> None:
     known = {o for a in build_parser()._subparsers._group_actions[0].choices["score"]._actions for o in a.option_strings}
     assert opts <= known, opts - known
     _check_cluster_spec(doc["spec"]["rayClusterSpec"])
+    # the driver (on the head) serves its metrics where the head pod's annotations say
+    port = entry.split("--metrics-port", 1)[1].split()[0]
+    head = doc["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]
+    assert head["metadata"]["annotations"]["prometheus.io/port"] == port
+    assert {"name": "metrics", "containerPort": int(port)} in head["spec"]["containers"][0]["ports"]
 
 
 @pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.cuda"])
@@ -81,9 +86,10 @@ def test_grafana_panels_use_only_exported_metrics() -> None:
 
     pytest.importorskip("prometheus_client")
     from pairclean_service.metrics import exported_names
+    from pairclean_workers.metrics import BatchMetrics, sample_names
 
     dash = json.loads((DEPLOY / "grafana" / "pairclean-dashboard.json").read_text())
-    exported = exported_names()
+    exported = exported_names() | sample_names(BatchMetrics().registry)  # the service's and a batch job's
     used = set()
     for panel in dash["panels"]:
         assert panel["targets"], panel["title"]
@@ -123,16 +129,17 @@ def test_alert_rules_read_exported_metrics_and_label_values() -> None:
     from pairclean import schema
     from pairclean.job.lifecycle import STATES
     from pairclean_service.metrics import exported_names
+    from pairclean_workers.metrics import BatchMetrics, sample_names
 
     rules = [r for g in yaml.safe_load((DEPLOY / "alerts.yml").read_text())["groups"] for r in g["rules"]]
     assert len({r["alert"] for r in rules}) == len(rules) >= 6
     known = {
-        "state": set(STATES) | {schema.SHARD_COMMITTED, schema.SHARD_QUARANTINED},
+        "state": set(STATES) | {schema.SHARD_COMMITTED, schema.SHARD_QUARANTINED, "total"},  # "total": pairclean_batch_shards
         "status": set(schema.STATUSES),
         "code": {f"{c}xx" for c in range(1, 6)},
         "job": {"pairclean-api"},
     }
-    exported = exported_names() | {"up"}
+    exported = exported_names() | sample_names(BatchMetrics().registry) | {"up"}
     for rule in rules:
         expr = rule["expr"]
         assert expr.count("(") == expr.count(")"), rule["alert"]

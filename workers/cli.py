@@ -114,6 +114,11 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     add_storage_arg(score)
     add_lock_ttl_arg(score)
     score.add_argument("--no-progress", action="store_true")
+    score.add_argument("--metrics-port", type=whole_at_least(0, 65535), default=None, metavar="PORT",
+                       help="serve Prometheus metrics of this run at http://HOST:PORT/metrics while it runs (the service's "
+                            "job families plus pairclean_batch_shards; 0: a free port, printed)")
+    score.add_argument("--metrics-host", default="0.0.0.0", metavar="HOST",
+                       help="address the metrics server listens on (default all, so Prometheus can scrape the driver's node)")
     judge_group = score.add_argument_group("judge (a second, fine-grained stage; see pipelines/judge/)")
     judge_group.add_argument("--judge", default="auto", choices=("auto", "off", "band", "all"),
                              help="off: OSA only; band: the judge on the pairs of the band --judge-budget buys; all: on every pair; "
@@ -206,15 +211,15 @@ class _Bar:
             self.bar = tqdm(total=total_shards, initial=already_done, unit="shard", dynamic_ncols=True)
         self.t0 = time.perf_counter()
 
-    def shard_done(self, stem: str, rows: int) -> None:
+    def shard_done(self, record: Any) -> None:
         raise_if_stopped()  # a stop that start-up swallowed (signals.py) ends the run here
-        self.pairs += rows
+        self.pairs += record.rows
         if self.bar is not None:
             rate = self.pairs / max(time.perf_counter() - self.t0, 1e-9)
             self.bar.set_postfix_str(f"{rate:.1f} pairs/s, {self.pairs} pairs")
             self.bar.update(1)
 
-    def shard_failed(self, uri: str, error: str) -> None:
+    def shard_failed(self, uri: str, error: str, attempts: int = 1) -> None:
         raise_if_stopped()
         if self.bar is not None:
             self.bar.write(f"shard failed: {error}")
@@ -321,15 +326,37 @@ def cmd_score(args: argparse.Namespace) -> int:
         _warn_ray_only(args)
     bar = _Bar(enabled=not args.no_progress)
     out = OutputDir(args.out, storage)
+    progress = _with_metrics(args, bar, out)
     try:
         report = run_job(
             spec, out, lambda: _make_source(args, est_spec, spec, out, score_options(spec, storage)),
-            overwrite=args.overwrite, progress=bar, max_failed_fraction=args.max_failed_fraction, lock_ttl_s=args.lock_ttl,
+            overwrite=args.overwrite, progress=progress, max_failed_fraction=args.max_failed_fraction, lock_ttl_s=args.lock_ttl,
         )
     finally:
         bar.close()
     _follow_rewrites(out, report, args.lock_ttl)
     return _print_report(report, out.uri)
+
+
+def _with_metrics(args: argparse.Namespace, bar: _Bar, out: Any) -> Any:
+    """The run's progress sink: the bar, or with ``--metrics-port`` the bar behind a
+    Prometheus exporter (started here, before the model loads, so a taken port fails fast)."""
+    if args.metrics_port is None:
+        return bar
+    from pairclean.errors import InputError
+
+    try:
+        from pairclean_workers.metrics import BatchMetrics, MetricsProgress, serve
+    except ImportError as exc:
+        raise InputError(f"--metrics-port needs prometheus-client (pip install 'pairclean[score]'): {exc}") from None
+    metrics = BatchMetrics()
+    try:
+        port = serve(metrics.registry, args.metrics_port, args.metrics_host)
+    except OSError as exc:
+        raise InputError(f"--metrics-port {args.metrics_port}: cannot listen on {args.metrics_host}: {exc.strerror or exc}") from None
+    shown = "localhost" if args.metrics_host in ("0.0.0.0", "::", "") else args.metrics_host
+    print(f"metrics: http://{shown}:{port}/metrics", file=sys.stderr)
+    return MetricsProgress(metrics, out.read_scores, inner=bar)
 
 
 def _follow_rewrites(out: Any, report: Any, lock_ttl_s: float | None) -> None:

@@ -60,9 +60,9 @@ class Progress(Protocol):
 
     def start(self, total_shards: int, already_done: int) -> None: ...
 
-    def shard_done(self, stem: str, rows: int) -> None: ...
+    def shard_done(self, record: ShardRecord) -> None: ...
 
-    def shard_failed(self, uri: str, error: str) -> None: ...
+    def shard_failed(self, uri: str, error: str, attempts: int) -> None: ...
 
 
 class ShardSource(Protocol):
@@ -187,7 +187,7 @@ class _Recorder:
         for status, count in record.statuses.items():
             self.report.statuses[status] = self.report.statuses.get(status, 0) + count
         if self.progress:
-            self.progress.shard_done(record.stem, record.rows)
+            self.progress.shard_done(record)
 
     def _fail(self, outcome: ShardOutcome) -> None:
         error = outcome.error or "unknown error"
@@ -195,7 +195,7 @@ class _Recorder:
         self.out.quarantine(outcome.uri, self.stems[outcome.uri], error, outcome.attempts)
         self.report.failed.append((outcome.uri, error))
         if self.progress:
-            self.progress.shard_failed(outcome.uri, error)
+            self.progress.shard_failed(outcome.uri, error, outcome.attempts)
 
 
 def run_job(

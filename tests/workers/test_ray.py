@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -74,13 +75,13 @@ class _KillAfterFirst:
     def start(self, total_shards: int, already_done: int) -> None:
         pass
 
-    def shard_done(self, stem: str, rows: int) -> None:
+    def shard_done(self, record: Any) -> None:
         self.done += 1
         if self.done == 1:
             for pid in self.pids:
                 os.kill(pid, signal.SIGKILL)
 
-    def shard_failed(self, uri: str, error: str) -> None:
+    def shard_failed(self, uri: str, error: str, attempts: int = 1) -> None:
         pass
 
 

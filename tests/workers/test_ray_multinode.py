@@ -48,14 +48,14 @@ class _KillNodeAtFirstCommit:
     def start(self, total_shards: int, already_done: int) -> None:
         pass
 
-    def shard_done(self, stem: str, rows: int) -> None:
+    def shard_done(self, record: Any) -> None:
         self.done += 1
         if self.done == 1:
             node = next(n for n in self.cluster.worker_nodes if n.node_id == self.node_id)
             self.cluster.remove_node(node, allow_graceful=False)
             self.killed = True
 
-    def shard_failed(self, uri: str, error: str) -> None:
+    def shard_failed(self, uri: str, error: str, attempts: int = 1) -> None:
         pass
 
 

@@ -869,3 +869,57 @@ def test_a_shard_name_with_terminal_escapes_is_printed_escaped(make_shards, tmp_
     assert main(["inspect", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "\x1b" not in printed and "failed (a rerun retries them)" in printed
+
+
+def _scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """The samples of http://127.0.0.1:PORT/metrics, parsed by prometheus_client's own parser."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_a_batch_job_serves_the_service_metric_families_while_it_runs(make_shards, tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--metrics-port``: the driver of a CLI job serves what the service's runner counts, by
+    the same names (one dashboard for both), plus the job's progress; a taken port is one line."""
+    import re
+    import socket
+
+    from pairclean_service.metrics import exported_names
+
+    shards = [str(s) for s in make_shards(n_shards=3, per_shard=6)]
+    broken = Path(shards[2]).read_bytes()
+    Path(shards[2]).write_bytes(broken[: len(broken) // 3])  # cut short: quarantined
+    from pairclean_workers.cli import EXIT_PARTIAL
+
+    assert _score(shards, tmp_path / "out", "--metrics-port", "0", "--metrics-host", "127.0.0.1",
+                  "--max-failed-fraction", "0.5") == EXIT_PARTIAL
+    port = int(re.search(r"metrics: http://127\.0\.0\.1:(\d+)/metrics", capsys.readouterr().err).group(1))
+    got = _scrape(port)  # the exporter's thread lives as long as the process: this test's
+
+    def value(name: str, **labels: str) -> float:
+        return got[(name, frozenset(labels.items()))]
+
+    assert value("pairclean_batch_shards", state="total") == 3
+    assert value("pairclean_batch_shards", state="committed") == 2
+    assert value("pairclean_batch_shards", state="quarantined") == 1
+    assert value("pairclean_shards_total", state="committed") == 2 and value("pairclean_shards_total", state="quarantined") == 1
+    assert value("pairclean_pairs_scored_total", status="ok") == 12
+    assert value("pairclean_pair_weight_count") == 12 and value("pairclean_stage_seconds_count", stage="embed") == 2
+    assert value("pairclean_shard_attempts_failed_total") >= 1
+    # the job families are the service's, by name: the dashboard and the alert rules read both
+    job_families = {n for n, _ in got if n.startswith("pairclean_") and not n.startswith("pairclean_batch_")}
+    assert job_families <= exported_names()
+    # a port already taken: one line, nothing scored
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = str(taken.getsockname()[1])
+        assert _score(shards[:1], tmp_path / "o2", "--metrics-port", busy, "--metrics-host", "127.0.0.1") == 1
+    err = capsys.readouterr().err
+    assert f"--metrics-port {busy}: cannot listen on 127.0.0.1" in err and "Traceback" not in err
+    assert not (tmp_path / "o2").exists()

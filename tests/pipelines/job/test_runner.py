@@ -57,10 +57,10 @@ class Events:
     def start(self, total_shards: int, already_done: int) -> None:
         self.events.append(("start", total_shards, already_done))
 
-    def shard_done(self, stem: str, rows: int) -> None:
-        self.events.append(("done", stem, rows))
+    def shard_done(self, record: Any) -> None:
+        self.events.append(("done", record.stem, record.rows))
 
-    def shard_failed(self, uri: str, error: str) -> None:
+    def shard_failed(self, uri: str, error: str, attempts: int = 1) -> None:
         self.events.append(("failed", uri, error))
 
 
