@@ -36,7 +36,13 @@ wrong caption of one kind:
 - ``all-captions``: no noise at all: every image with each of its five human captions, in
   shuffled order, so images repeat as in COCO- or Flickr-style sets; what such a clean
   corpus loses (its flag rate, 1 - clean accuracy, and mean ``p_clean``; AUCs are NaN; 5,000
-  pairs; its rows say 0%).
+  pairs; its rows say 0%);
+- ``clause``: the own first caption with a clause of another dev caption appended whose
+  content words no caption of the photo uses ("... next to a large elephant"; a caption
+  embellished by a person or a captioning model; ``pairclean.judge.additions``: the judge's
+  recipe can train on clauses of *train* captions, never these);
+- ``negation``: the own first caption with "not" after its first "is"/"are" (only photos
+  whose first caption has one).
 
 Each (kind, rate) becomes WebDataset shards scored by the real CLI (``pairclean score
 --executor local``; ``--judge MODE`` is passed through when the CLI has that option: the
@@ -87,7 +93,7 @@ from _embed_dev import embed_dev
 from pairclean.calibrate.calibration import cache_dir as _default_cache
 
 KINDS = ("random", "near-image", "near-text", "edit", "mix", "retrieved", "near-image-unseen", "edit-unseen", "boilerplate",
-         "placeholder", "all-captions")
+         "placeholder", "all-captions", "clause", "negation")
 #: A noisy pair whose p_clean is above this is called clean with confidence (a confident wrong answer).
 CONFIDENT = 0.9
 PER_SHARD = 250
@@ -192,7 +198,12 @@ def make_pairing(kind: str, rate: float, images: list[Any], emb: dict[str, np.nd
     captions = [img.captions[0] for img in images]
     labels = [""] * n
     edits = _edit_module()
-    if kind == "edit-unseen":  # only images with a caption the held-out words apply to
+    if kind == "negation":  # only images whose first caption has an "is"/"are" to deny
+        from pairclean.judge.additions import negate
+
+        able = [i for i, c in enumerate(captions) if negate(c) is not None]
+        chosen = rng.choice(able, size=min(len(able), int(round(rate * n))), replace=False)
+    elif kind == "edit-unseen":  # only images with a caption the held-out words apply to
         if edits is None:
             raise SystemExit("the edit-unseen kind needs pairclean.judge.edits with its UNSEEN words")
         able = [i for i, img in enumerate(images) if any(edits.applicable_kinds(c, edits.UNSEEN) for c in img.captions)]
@@ -231,6 +242,15 @@ def make_pairing(kind: str, rate: float, images: list[Any], emb: dict[str, np.nd
             for i in idx:
                 out[i] = images[near_txt_img[i]].captions[near_txt_cap[i]]
                 labels[i] = k
+        elif k in ("clause", "negation"):
+            from pairclean.judge import additions
+
+            pool = additions.clause_pool(c for img in images for c in img.captions)  # dev's own clauses: never trained on
+            for i in idx:
+                made = (additions.add_clause(captions[i], images[i].captions, pool, rng) if k == "clause"
+                        else additions.negate(captions[i]))
+                if made is not None:
+                    out[i], labels[i] = made, k
         elif k in ("edit", "edit-unseen"):
             if edits is None:
                 raise SystemExit(f"the {k} kind needs pairclean.judge.edits (not in this tree yet); pass --kinds without it and mix")

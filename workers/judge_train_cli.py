@@ -62,6 +62,9 @@ def add_judge_train_parser(sub: Any) -> None:
                         "training (core plus extra words; never the held-out unseen lists)")
     p.add_argument("--edits-per-positive", type=int, default=base.edits_per_positive,
                    help="distinct edits of a caption used as negatives each epoch (up to --train-edits)")
+    p.add_argument("--added-negatives", choices=("on", "off"), default="on" if base.added_negatives else "off",
+                   help="also train on each caption's clause and negation edits (pairclean.judge.additions), one more "
+                        "negative per positive and epoch")
     p.add_argument("--pair-weight", type=float, default=base.pair_weight, help="weight of the edit ranking loss (0: BCE only)")
     p.add_argument("--epochs", type=int, default=base.epochs)
     p.add_argument("--width", type=int, default=base.width)
@@ -117,17 +120,17 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
         raise InputError("Flickr8k not found: pass --data /path/to/flickr8k or set PAIRCLEAN_FLICKR8K")
     cache = Path(args.features_cache) if args.features_cache else cache_dir() / "judge" / (
         f"lite0-c{args.train_captions}" + (f"-e{args.train_edits}" if args.train_edits > 1 else "")
-        + ("" if args.edit_words == "core" else f"-w{args.edit_words}"))
+        + ("" if args.edit_words == "core" else f"-w{args.edit_words}") + ("-a" if args.added_negatives == "on" else ""))
     print(f"extracting (or loading cached) regions and tokens into {cache} ...", flush=True)
     # PyTorch fp32 towers: the judge reads what `pairclean score` computes for pairclean-lite.
     estimator = load_estimator(EstimatorSpec(model="pairclean-lite", precision="fp32", engine="torch"))
     if source is not None:
         JudgeRunner(source, estimator)  # a judge for another estimator's regions and tokens: one line, before any work
     build_cache(root, cache, estimator, seed=args.seed, train_captions=args.train_captions, train_edits=args.train_edits,
-                edit_words=VOCABULARIES[args.edit_words])
+                edit_words=VOCABULARIES[args.edit_words], added=args.added_negatives == "on")
     recipe = JudgeRecipe(epochs=args.epochs, width=args.width, layers=args.layers, seed=args.seed, lr=args.lr, batch=args.batch,
                          pair_weight=args.pair_weight, colours=args.colours == "on",
-                         edits_per_positive=args.edits_per_positive)
+                         edits_per_positive=args.edits_per_positive, added_negatives=args.added_negatives == "on")
     if source is not None:  # the judge's own recipe, and whether it reads colours, are the source's
         kept = source.meta.get("recipe")
         kept = {k: v for k, v in kept.items() if k in asdict(recipe)} if isinstance(kept, dict) else {}

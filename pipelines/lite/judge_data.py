@@ -58,7 +58,7 @@ class SplitFeatures:
 
 
 def _texts_of(images: list[Any], split: str, seed: int, train_captions: int,
-              train_edits: int = 1, edit_words: Vocabulary = CORE) -> tuple[list[str], list[int], list[str], list[int]]:
+              train_edits: int = 1, edit_words: Vocabulary = CORE, added: bool = False) -> tuple[list[str], list[int], list[str], list[int]]:
     texts, owner, kinds, source = [], [], [], []
     for i, im in enumerate(images):
         # train: ``train_captions`` per photo, rotating which (every annotator's style is seen)
@@ -88,11 +88,34 @@ def _texts_of(images: list[Any], split: str, seed: int, train_captions: int,
             made += 1
             if split != "dev" and made == train_edits:
                 break  # train: ``train_edits`` edits per caption, each of another kind
+    if added:
+        _add_additions(images, split, texts, owner, kinds, source, n_real, seed)
     return texts, owner, kinds, source
 
 
+def _add_additions(images: list[Any], split: str, texts: list[str], owner: list[int], kinds: list[str], source: list[int],
+                   n_real: int, seed: int) -> None:
+    """Append a ``clause`` and a ``negation`` edit (``pairclean.judge.additions``) of each real
+    caption (dev: of each photo's first), where they apply. The clauses come from the split's
+    own captions (train's for training, dev's for the dev figures)."""
+    from pairclean.judge.additions import add_clause, clause_pool, negate
+
+    rng = np.random.default_rng([seed, 1])  # its own stream: the word edits stay those of a cache without additions
+    pool = clause_pool(c for im in images for c in im.captions)
+    for row in range(n_real):
+        if split == "dev" and row % 5 != 0:
+            continue
+        photo = images[owner[row]]
+        for kind, edited in (("clause", add_clause(texts[row], photo.captions, pool, rng)), ("negation", negate(texts[row]))):
+            if edited is not None:
+                texts.append(edited)
+                owner.append(owner[row])
+                kinds.append(kind)
+                source.append(row)
+
+
 def build_cache(root: Path, cache: Path, estimator: Any, batch: int = 64, seed: int = 0, train_captions: int = 1,
-                train_edits: int = 1, edit_words: Vocabulary = CORE) -> None:
+                train_edits: int = 1, edit_words: Vocabulary = CORE, added: bool = False) -> None:
     """Compute and store the features of the train and dev splits (skips files present).
 
     ``train_edits``: one-word edits per train caption, each of a different kind (in a random
@@ -101,6 +124,8 @@ def build_cache(root: Path, cache: Path, estimator: Any, batch: int = 64, seed: 
 
     ``edit_words``: the word lists the train edits draw from (``edits.CORE``, or
     ``edits.TRAINING``: the core and the extra words); dev edits always use the core words.
+
+    ``added``: also a clause and a negation edit of each caption (``_add_additions``).
 
     ``train_captions``: captions per train photo (1-5). One by default: on the shared
     2-core machine the text tower ran at about 16 captions/s, so all five captions and their
@@ -132,7 +157,7 @@ def build_cache(root: Path, cache: Path, estimator: Any, batch: int = 64, seed: 
         tpath = cache / f"texts-{split}.npz"
         if not tpath.exists():
             t0 = time.perf_counter()
-            texts, owner, kinds, source = _texts_of(images, split, seed, train_captions, train_edits, edit_words)
+            texts, owner, kinds, source = _texts_of(images, split, seed, train_captions, train_edits, edit_words, added)
             tokens, text_masks, text_embs = encode_texts(estimator, texts)
             _save(tpath, tokens=tokens, mask=text_masks, emb=text_embs,
                   image=np.array(owner, np.int64), kind=np.array(kinds), source=np.array(source, np.int64),

@@ -79,6 +79,9 @@ class JudgeRecipe:
     edits_per_positive: int = 1
     #: Train on at most this many train photos (None: all); for quick comparisons.
     max_images: int | None = None
+    #: One more negative per positive and epoch: the caption's clause or negation edit
+    #: (``pairclean.judge.additions``; the cache needs them: ``build_cache(added=True)``).
+    added_negatives: bool = False
 
 
 def _topk_excluding(a: NDArray[np.float32], b: NDArray[np.float32], a_owner: NDArray[np.int64] | None,
@@ -122,18 +125,21 @@ def _other_edit(rows: list[int] | None, taken: int, rng: np.random.Generator) ->
     return _one_edit(left, rng)
 
 
-def _edits_by_source(source: NDArray[np.int64]) -> dict[int, list[int]]:
-    """Edit rows of each edited caption row (``SplitFeatures.source``)."""
+def _edits_by_source(source: NDArray[np.int64], kind: NDArray[np.str_] | None = None,
+                     kinds: tuple[str, ...] = EDIT_KINDS) -> dict[int, list[int]]:
+    """Edit rows of each edited caption row (``SplitFeatures.source``), of ``kinds`` only
+    where ``kind`` (the rows' kinds) is given."""
     out: dict[int, list[int]] = {}
     for row, src in enumerate(source):
-        if src >= 0:
+        if src >= 0 and (kind is None or str(kind[row]) in kinds):
             out.setdefault(int(src), []).append(row)
     return out
 
 
 def _epoch_pairs(train: SplitFeatures, real: NDArray[np.int64], edit_of: dict[int, list[int]],
                  t2i: tuple[NDArray[np.int64], NDArray[np.float32]], i2t: tuple[NDArray[np.int64], NDArray[np.float32]],
-                 recipe: JudgeRecipe, rng: np.random.Generator) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.float32]]:
+                 recipe: JudgeRecipe, rng: np.random.Generator,
+                 added_of: dict[int, list[int]] | None = None) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.float32]]:
     """(image rows, text rows, labels) of one epoch, shuffled."""
     owner = train.image[real]
     n_img = len(train.image_emb)
@@ -150,6 +156,11 @@ def _epoch_pairs(train: SplitFeatures, real: NDArray[np.int64], edit_of: dict[in
         has = edits >= 0
         images.append(owner[has])
         texts.append(edits[has])
+    if added_of is not None:  # the caption's clause or negation edit
+        extra = np.array([_one_edit(added_of.get(int(t)), rng) for t in real])
+        has = extra >= 0
+        images.append(owner[has])
+        texts.append(extra[has])
     rand = rng.random(len(real)) < recipe.random_rate
     other = (owner[rand] + rng.integers(1, n_img, rand.sum())) % n_img
     images.append(other)
@@ -253,7 +264,14 @@ def train_judge(train: SplitFeatures, dev: SplitFeatures, recipe: JudgeRecipe) -
     real = np.nonzero(train.kind == "")[0]
     if recipe.max_images is not None:
         real = real[train.image[real] < recipe.max_images]
-    edit_of = _edits_by_source(train.source)
+    edit_of = _edits_by_source(train.source, train.kind)
+    added_of = None
+    if recipe.added_negatives:
+        from pairclean.judge.additions import ADDED_KINDS
+
+        added_of = _edits_by_source(train.source, train.kind, ADDED_KINDS)
+        if not added_of:
+            raise ValueError("the recipe adds clause and negation edits; build the cache with them (build_cache(added=True))")
     n_img = len(train.image_emb) if recipe.max_images is None else min(recipe.max_images, len(train.image_emb))
     img_emb = train.image_emb[:n_img]
     # caption -> photo candidates (other photos only), photo -> caption candidates (other photos' captions)
@@ -271,7 +289,7 @@ def train_judge(train: SplitFeatures, dev: SplitFeatures, recipe: JudgeRecipe) -
     step = 0
     started = time.perf_counter()
     for epoch in range(recipe.epochs):
-        img, txt, labels = _epoch_pairs(train, real, edit_of, (t2i[0], t2i[1]), (i2t_idx, i2t_val), recipe, rng)
+        img, txt, labels = _epoch_pairs(train, real, edit_of, (t2i[0], t2i[1]), (i2t_idx, i2t_val), recipe, rng, added_of)
         steps_per_epoch = steps_per_epoch or math.ceil(len(labels) / recipe.batch)
         total = steps_per_epoch * recipe.epochs
         pos_w = float((labels == 0).sum() / max(1, (labels == 1).sum()))

@@ -209,6 +209,41 @@ def test_two_edits_per_positive_show_both_edits_of_a_caption_each_epoch_and_neve
     assert _other_edit([5], 5, rng) == -1 and _other_edit([5, 6], 5, rng) == 6 and _other_edit(None, -1, rng) == -1
 
 
+def test_added_negatives_give_each_caption_one_clause_or_negation_beside_its_word_edit() -> None:
+    """``--added-negatives on``: the word edits stay those of a cache without additions, and
+    each epoch shows each caption's word edit and one of its clause or negation edits."""
+    from types import SimpleNamespace
+
+    from pairclean.judge.additions import ADDED_KINDS
+    from pairclean.lite.judge_data import SplitFeatures, _texts_of
+    from pairclean.lite.judge_train import _edits_by_source, _epoch_pairs
+
+    images = [SimpleNamespace(captions=[f"{c} {extra}" for c in CAPTIONS])
+              for extra in ("on the beach", "next to a red car", "in front of a tall building", "under a blue umbrella")]
+    plain = _texts_of(images, "train", 0, 5, 1)
+    texts, owner, kinds, source = _texts_of(images, "train", 0, 5, 1, added=True)
+    assert texts[: len(plain[0])] == plain[0] and kinds[: len(plain[2])] == plain[2]
+    added = [i for i, k in enumerate(kinds) if k in ADDED_KINDS]
+    assert added and {kinds[i] for i in added} <= set(ADDED_KINDS)
+    for i in added:  # an edit of its own source caption, for the source's photo
+        assert source[i] >= 0 and owner[i] == owner[source[i]] and texts[i] != texts[source[i]]
+    n = len(texts)
+    feats = SplitFeatures(regions=np.zeros((4, 1, 1), np.float16), image_emb=np.eye(4, dtype=np.float32),
+                          tokens=np.zeros((n, 1, 1), np.float16), mask=np.ones((n, 1), bool),
+                          text_emb=np.zeros((n, 4), np.float32), image=np.array(owner), kind=np.array(kinds),
+                          source=np.array(source), texts=texts)
+    real = np.nonzero(np.array(kinds) == "")[0]
+    edit_of = _edits_by_source(feats.source, feats.kind)
+    added_of = _edits_by_source(feats.source, feats.kind, ADDED_KINDS)
+    assert not set(edit_of.get(0, [])) & set(added_of.get(0, []))
+    top = (np.zeros((len(real), 2), np.int64), np.zeros((len(real), 2), np.float32))
+    img_top = (np.zeros((4, 2), np.int64), np.zeros((4, 2), np.float32))
+    recipe = JudgeRecipe(random_rate=0.0, added_negatives=True)
+    _, txt, labels = _epoch_pairs(feats, real, edit_of, top, img_top, recipe, np.random.default_rng(0), added_of)
+    assert np.isin(txt, added).sum() == len(added_of) and (labels[np.isin(txt, added)] == 0).all()
+    assert np.isin(txt, [r for rows in edit_of.values() for r in rows]).sum() == len(edit_of)
+
+
 @pytest.mark.slow
 def test_train_judge_from_the_shipped_judge_adds_a_grounding_and_keeps_its_weights(tmp_path: Path) -> None:
     """`pairclean train-judge --judge-from FILE --words on` on a Flickr8k-shaped folder of ten
