@@ -35,6 +35,7 @@ import io
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -159,6 +160,10 @@ _MANIFEST_SCHEMA = pa.schema(
         ("mtime_ns", pa.int64()),  # absent from segments written before it was kept: read as None
     ]
 )
+
+
+#: Characters fsspec reads as a glob in a path it is given a list of (``cat``, ``rm``).
+_GLOB_CHARS = re.compile(r"[*?\[]")
 
 
 def _tables_of(records: Iterable[ShardRecord]) -> set[tuple[str, str, str, int]]:
@@ -724,19 +729,43 @@ class OutputDir:
             return []
         if self.store.local:
             return [self.store.get(n, max_bytes=None) if whole else self.store.get(n) for n in names]
-        # One concurrent batch of GETs rather than a round trip each.
-        paths = [self.store.path(n) for n in names]
-        got = self.store.fs.cat(paths, on_error="omit")
-        return [got.get(p) for p in paths]
+        # One concurrent batch of GETs rather than a round trip each. fsspec's list ``cat``
+        # expands each path as a glob: a shard named ``x[1]`` made its own record unreadable
+        # (``[1]`` a character class), and every later run and reader failed on it; names
+        # with glob characters are read one by one.
+        plain = [n for n in names if not _GLOB_CHARS.search(n)]
+        paths = [self.store.path(n) for n in plain]
+        got = dict(zip(plain, self.store.fs.cat_ranges(paths, None, None, on_error="return"))) if paths else {}
+        out: list[bytes | None] = []
+        for name in names:
+            data: Any = got[name] if name in got else self._get_one(name)
+            if isinstance(data, FileNotFoundError):
+                data = None
+            elif isinstance(data, BaseException):
+                raise data
+            out.append(None if data is None else bytes(data))
+        return out
+
+    def _get_one(self, name: str) -> bytes | None:
+        """One file's bytes, None where it is missing."""
+        try:
+            return bytes(self.store.fs.cat_file(self.store.path(name)))
+        except FileNotFoundError:
+            return None
 
     def _rm_many(self, names: list[str]) -> None:
         if not names:
             return
-        if self.store.local:
-            for name in names:
-                self.store.rm(name)
+        # fsspec's list ``rm`` expands globs too: ``x[1].json`` would also delete ``x1.json``
+        # (a file pairclean may not have written); such names are deleted one by one.
+        plain = [n for n in names if not _GLOB_CHARS.search(n)]
+        if self.store.local or not plain:
+            plain = []
         else:
-            self.store.fs.rm([self.store.path(n) for n in names])  # batched deletes
+            self.store.fs.rm([self.store.path(n) for n in plain])  # batched deletes
+        for name in names:
+            if name not in plain:
+                self.store.rm(name)
 
     def record_completion(self, record: ShardRecord) -> None:
         """Commit a shard: write its completion record, clear a failure record, and compact

@@ -91,3 +91,29 @@ def test_file_scheme_uris(make_shards, tmp_path: Path) -> None:
     shard = make_shards(n_shards=1, per_shard=3)[0]
     assert main(["score", f"file://{shard}", "--out", f"file://{tmp_path / 'o'}", *TINY]) == 0
     assert pq.read_table(tmp_path / "o" / "part-00000.parquet").num_rows == 3
+
+
+def test_s3_names_with_glob_characters_are_read_and_deleted_as_names(make_shards, s3_endpoint: str, tmp_path: Path) -> None:
+    """fsspec expands the paths of a list ``cat``/``rm`` as globs: a shard ``x[1].tar`` on S3
+    made its own completion record unreadable (the job, every rerun and every reader failed
+    on it), and a batched delete of ``x[1].json`` would take ``x1.json`` along."""
+    import s3fs
+
+    from pairclean.output.folder import OutputDir
+
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint)
+    fs.mkdir("globchars")
+    first, second = make_shards(n_shards=2, per_shard=4)
+    fs.put(str(first), "globchars/in/x[1].tar")
+    fs.put(str(second), "globchars/in/y.tar")
+    opt = ["--storage-option", f"endpoint_url={s3_endpoint}"]
+    assert main(["score", "s3://globchars/in/", "--out", "s3://globchars/out", *TINY, *opt]) == 0
+    assert main(["score", "s3://globchars/in/", "--out", "s3://globchars/out", *TINY, *opt]) == 0  # resumed: nothing to do
+    assert main(["inspect", "s3://globchars/out", *opt]) == 0
+    out = OutputDir("s3://globchars/out", {"endpoint_url": s3_endpoint})
+    assert sorted(out.committed()) == ["x[1]", "y"]
+    for name in ("x1.json", "x[1].json", "xa.json"):
+        out.store.put(f"probe/{name}", b"{}")
+    assert out._get_many(["probe/x[1].json", "probe/missing[2].json", "probe/x1.json"]) == [b"{}", None, b"{}"]
+    out._rm_many(["probe/x[1].json", "probe/xa.json"])
+    assert sorted(out.store.list("probe")) == ["x1.json"]
