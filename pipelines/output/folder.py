@@ -532,7 +532,25 @@ class OutputDir:
         """A pseudo-pair run's files (its tables, recognised by their metadata, and its
         records): made from this job's weights, so ``--overwrite`` removes them with it."""
         tables = [f"{schema.PSEUDO_DIR}/{n}" for n in self.store.list(schema.PSEUDO_DIR) if n.endswith(".parquet")]
-        return [n for n in tables if self.written_by(n)] + [schema.PSEUDO_RECORD_FILE, schema.PSEUDO_STALE_FILE]
+        return [n for n in tables if self.written_by(n)] + [n for n, ours in self.pseudo_records().items() if ours]
+
+    def pseudo_records(self) -> dict[str, bool]:
+        """The pseudo-pair run's record files present (``_run.json``, ``_stale.json``), each
+        with whether pairclean wrote it (a JSON object with the keys it writes): a file of
+        someone else's at such a name is neither replaced nor deleted."""
+        shapes = {schema.PSEUDO_RECORD_FILE: ("kind", "files"), schema.PSEUDO_STALE_FILE: ("reason", "at")}
+        out = {}
+        for name, keys in shapes.items():
+            data = self.store.get(name)
+            if data is None:
+                continue
+            try:
+                doc = json.loads(data)
+            except ValueError:
+                doc = None
+            out[name] = isinstance(doc, dict) and all(k in doc for k in keys) and (
+                name != schema.PSEUDO_RECORD_FILE or doc.get("kind") == "pseudo-pairs")
+        return out
 
     def _stray_outputs(self, digest: str | None, known: set[str], spec: JobSpec | None) -> list[str]:
         """Data files of this job with no completion record: at the names its shards' tables

@@ -508,6 +508,7 @@ def pseudo_pair(out: OutputDir, opts: PseudoOptions, storage_options: Mapping[st
         "weighted_on": "similarity" if contrast is None else "adjusted_similarity (the job's corpus contrast)",
         "job": _job_digest(out),
     }
+    _check_targets(out, pool.stems)
     if before_write is not None:
         before_write()
     out.store.rm(RECORD)  # from here until the record is back, the folder is a run in progress
@@ -523,6 +524,23 @@ def pseudo_pair(out: OutputDir, opts: PseudoOptions, storage_options: Mapping[st
     return PseudoReport(pool.size, pairs, mutual, sorted(files), result.plans, timings,
                         executor=remote if where == {"remote"} else "local" if where <= {"local"} else "mixed",
                         excluded_nonfinite=pool.excluded)
+
+
+def _check_targets(out: OutputDir, stems: list[str]) -> None:
+    """``InputError`` naming the first file at a name this run writes or replaces that
+    pairclean did not write, before anything is written or deleted (such a file stopped the
+    run half-way, after the record was deleted and some tables written)."""
+    from pairclean import schema
+    from pairclean.errors import InputError
+
+    present = set(out.store.list(PSEUDO_DIR))
+    targets = [f"{PSEUDO_DIR}/{stem}.parquet" for stem in stems if f"{stem}.parquet" in present]
+    foreign = [n for n, ours in out.pseudo_records().items() if not ours]
+    foreign += [n for n in targets if not out.written_by(n)]
+    if foreign:
+        where = out.store.url(foreign[0])
+        raise InputError(f"{where} was not written by pairclean: pseudo-pair writes nothing over it (move it away, or "
+                         f"out of {out.store.url(schema.PSEUDO_DIR)})", uri=where)
 
 
 def _job_digest(out: OutputDir) -> str | None:

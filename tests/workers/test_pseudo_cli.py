@@ -203,6 +203,33 @@ def test_a_shard_committed_later_or_overwrite_leaves_no_pseudo_pairs_that_look_c
         PseudoCaptions(out)
 
 
+def test_files_of_someone_else_in_the_pseudo_folder_are_neither_replaced_nor_deleted(job, tmp_path: Path, capsys) -> None:
+    """A foreign ``_run.json`` was deleted unchecked, and a foreign table at a shard's name
+    stopped the run after it had written the tables before it; ``--overwrite`` deleted the
+    record files whoever wrote them."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(job[0], out)
+    shutil.copytree(f"{job[0]}{schema.SIDE_SUFFIX}", f"{out}{schema.SIDE_SUFFIX}")
+    folder = _pseudo(out)
+    shutil.rmtree(folder, ignore_errors=True)  # the module's job may hold an earlier test's run
+    folder.mkdir(parents=True)
+    for name, data in (("_run.json", b"my notes"), ("part-00001.parquet", b"not pairclean's")):
+        (folder / name).write_bytes(data)
+        capsys.readouterr()
+        assert main(["pseudo-pair", str(out), "--pool", "all"]) == 1
+        err = capsys.readouterr().err
+        assert f"{name} was not written by pairclean" in err and "Traceback" not in err
+        assert sorted(p.name for p in folder.iterdir()) == [name] and (folder / name).read_bytes() == data
+        (folder / name).unlink()
+    assert main(["pseudo-pair", str(out), "--pool", "all"]) == 0  # nothing in the way: written
+    (folder / "_stale.json").write_text('["mine"]')
+    command = ["score", *map(str, job[1]), "--out", str(out), *TINY, "--overwrite"]
+    assert main(command) == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["_stale.json"]  # ours gone, theirs kept
+
+
 def test_clear_errors(job, tmp_path: Path, dev_images: list, capsys) -> None:
     from pairclean.lite.evaldata import write_shard
 
