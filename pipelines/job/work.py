@@ -450,10 +450,19 @@ class ShardWork:
             sims, ratios = calibration_similarities(held, n), calibration_ratios(held, n)
             if len(ratios) == len(sims):  # else a shard judged nothing: rescore reads the tables, as before
                 self.out.write_judge_ratios(sims, ratios)
-        written = [
-            ShardOutcome(u, self.write(r, calibration) if r is not None else None, e) for u, r, e in outcomes
-        ]
+        written = [self._written(u, r, e, calibration) for u, r, e in outcomes]
         return CalibrationOutcome(calibration, written)
+
+    def _written(self, uri: str, result: ShardResult | None, error: str | None, calibration: Calibration) -> ShardOutcome:
+        """A calibration shard's outcome once its outputs are written: a shard whose table
+        cannot be written (its name taken by someone else's file since the run began) fails
+        alone, as it would in the scoring phase; it failed the job, every rerun again."""
+        if result is None:
+            return ShardOutcome(uri, None, error)
+        try:
+            return ShardOutcome(uri, self.write(result, calibration), None)
+        except InputError as exc:
+            return ShardOutcome(uri, None, str(exc))
 
     def score(self, uri: str, calibration: Calibration) -> ShardRecord:
         """Score one shard with the frozen ``calibration``, write its outputs, return its record.

@@ -253,3 +253,25 @@ def test_a_different_spec_is_refused_and_overwrite_starts_over(job, make_spec, w
     assert other.out.read_spec() == other.spec
     cal = other.out.read_calibration()
     assert cal is not None and cal.seed == 1
+
+
+def test_a_table_name_taken_during_the_calibration_phase_fails_that_shard_alone(job, make_spec, write_shards) -> None:
+    """A file of someone else's that appears at a calibration shard's table name once the run
+    has begun failed the whole job with nothing recorded, at every rerun; as in the scoring
+    phase, that shard fails (naming the file, which is left as it was) and the rest commit."""
+    shards = write_shards([4, 4, 4, 4])
+    run = job(make_spec(shards, beta_recipe="shuffled", weighting="reference", calibration_pairs=100))  # every shard calibrates
+    foreign = run.path / "part-00002.parquet"
+
+    class Intruder(Events):
+        def start(self, total_shards: int, already_done: int) -> None:
+            super().start(total_shards, already_done)
+            foreign.parent.mkdir(parents=True, exist_ok=True)
+            foreign.write_bytes(b"someone else's table")
+
+    report = run.run(progress=Intruder(), max_failed_fraction=0.5)
+    assert report.state == PARTIAL and report.committed == 3 and report.calibration is not None
+    ((uri, error),) = report.failed
+    assert uri == shards[2] and "part-00002.parquet exists and was not written by pairclean" in error
+    assert foreign.read_bytes() == b"someone else's table"
+    assert sorted(run.out.committed()) == [_stem(u) for u in shards if u != shards[2]]
