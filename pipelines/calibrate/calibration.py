@@ -22,7 +22,8 @@ import numpy as np
 from numpy.typing import NDArray
 from pairclean import osa
 from pairclean.calibrate import p_clean as p_clean_model
-from pairclean.calibrate.contrast import MIN_GATE_PAIRS, RANDOM_FIT_QUANTILE, Contrast, copied_caption_share, random_fit
+from pairclean.calibrate.contrast import (MIN_GATE_PAIRS, RANDOM_FIT_QUANTILE, SAME_IMAGE_COSINE, Contrast, copied_caption_share,
+                                        random_fit)
 from pairclean.errors import InputError
 from pairclean.storage import write_file_atomic
 
@@ -250,9 +251,11 @@ def calibrate(
     curve = None
     if noise is not None and image_emb is not None and text_emb is not None and np.isfinite(sims).sum() >= MIN_MIXTURE_PAIRS:
         # p_clean from what the corpus shows (random and near-miss pairs), not a pinned Gaussian
-        refs = p_clean_model.noise_references(image_emb, text_emb, noise, seed, pair_scores=pair_scores)
+        refs = p_clean_model.noise_references(image_emb, text_emb, noise, seed, pair_scores=pair_scores,
+                                              image_copy=SAME_IMAGE_COSINE if contrast is None else contrast.image_copy_cosine)
         # under a contrast, copied captions give a floor on the near-miss share (contrast.py)
-        floor = (copied_caption_share(similarities, image_emb, text_emb, min_fit=contrast.owner_min_fit)
+        floor = (copied_caption_share(similarities, image_emb, text_emb, min_fit=contrast.owner_min_fit,
+                                      image_copy=contrast.image_copy_cosine)
                  if pair_scores is not None and contrast is not None else 0.0)
         curve = p_clean_model.fit_p_clean(sims, refs, seed, min_near_share=floor, profile=not word_check).to_json()
         level = _random_level(similarities, image_emb, text_emb)

@@ -123,7 +123,7 @@ from pairclean.calibrate.p_clean import DUPLICATE_COSINE
 __all__ = ["RECIPE", "VERSION", "K", "CAPTION_GAMMA", "IMAGE_GAMMA", "BANK_SIZE", "SAME_IMAGE_COSINE", "MIN_BANK", "Contrast", "fit_contrast",
            "copied_caption_share", "bank_sha256", "from_json", "rival_weights", "OWNER_COSINE", "OWNER_ODDS", "owner_p_clean",
            "table_columns", "owner_cosine_for", "OWNER_MODEL", "OWNER_SHARD_ROWS", "has_owner", "FLOOR_Z", "deviation_floor",
-           "OWNER_FIT_QUANTILE", "plausible_fit",
+           "OWNER_FIT_QUANTILE", "plausible_fit", "IMAGE_COPY_COSINE_LITE", "image_copy_cosine_for",
            "RANDOM_FIT_QUANTILE", "random_fit"]
 
 RECIPE: Final = "bank-contrast"
@@ -142,6 +142,16 @@ BANK_SIZE: Final = 4096
 #: A bank image (caption) at least this alike the pair's own is that image (or a copy):
 #: the same threshold as the p_clean references' copies.
 SAME_IMAGE_COSINE: Final = DUPLICATE_COSINE
+#: In pairclean-lite's image space (its shipped heads), an image at least this alike the
+#: pair's own is a copy of it: measured on Flickr8k dev, the same photo re-encoded as JPEG at
+#: quality 90 lies at 0.934-0.993 of the original (1st percentile 0.934, median 0.972), at
+#: quality 75 at 0.86-0.99 (median 0.942), while the most alike *other* dev photo lies at
+#: most at 0.90 (median 0.59). At ``SAME_IMAGE_COSINE`` (0.98) most re-encoded copies were
+#: other images: a clean corpus holding each photo twice, once re-encoded, with its caption,
+#: had 52% of its pairs flagged noisy (each copy a "better owner" of the other's caption, the
+#: copied captions a floor on the near-miss share). Recorded in the contrast
+#: (``image_copy_cosine``); contrasts recorded before it keep ``SAME_IMAGE_COSINE``.
+IMAGE_COPY_COSINE_LITE: Final = 0.92
 #: Fewer bank images than this and no contrast is applied (a tiny job).
 MIN_BANK: Final = 16
 #: A caption (of the bank or the shard) at least this alike a pair's caption says the same
@@ -216,6 +226,9 @@ class Contrast:
     #: Version 4, set only on a junk-heavy corpus (``calibration.calibrate``): below this
     #: similarity every rival is gated (``random_fit``; None: not set).
     random_fit: float | None = None
+    #: Images at least this alike are one image (or copies of it): never a rival, an owner
+    #: or a copied caption's source (``image_copy_cosine_for``).
+    image_copy_cosine: float = SAME_IMAGE_COSINE
 
     def rivals(self, image_emb: NDArray[Any], text_emb: NDArray[Any],
                source: NDArray[np.int64] | None = None) -> tuple[FloatArray, FloatArray]:
@@ -231,7 +244,7 @@ class Contrast:
         img_rival = np.zeros(len(txt), dtype=np.float32)
         for start in range(0, len(txt), _BLOCK):
             rows = slice(start, start + _BLOCK)
-            same = (img[rows] @ bank_img.T) >= SAME_IMAGE_COSINE
+            same = (img[rows] @ bank_img.T) >= self.image_copy_cosine
             if source is not None:
                 src = source[rows]
                 has = np.nonzero(src >= 0)[0]
@@ -299,8 +312,8 @@ class Contrast:
         img, txt = _f16(image_emb), _f16(text_emb)
         ok = np.isfinite(s) & (True if ok is None else np.asarray(ok, dtype=bool))
         shard = np.nonzero(ok)[0][:OWNER_SHARD_ROWS]
-        fit = np.maximum(_best_owner_fit(img, txt, self.bank[0], self.bank[1], self.owner_cosine),
-                         _best_owner_fit(img, txt, img[shard], txt[shard], self.owner_cosine))
+        fit = np.maximum(_best_owner_fit(img, txt, self.bank[0], self.bank[1], self.owner_cosine, self.image_copy_cosine),
+                         _best_owner_fit(img, txt, img[shard], txt[shard], self.owner_cosine, self.image_copy_cosine))
         if self.owner_min_fit is not None:  # version 4: a repeat that fits no photo well is no owner
             fit = np.where(fit >= np.float32(self.owner_min_fit), fit, -np.inf).astype(np.float32)
         out: FloatArray = np.where(ok & np.isfinite(fit), fit - s, np.nan).astype(np.float32)
@@ -317,7 +330,8 @@ class Contrast:
         return {"recipe": RECIPE, "version": 4 if floors else 3 if owner else 2, **floors, "k": self.k, "caption_gamma": self.caption_gamma,
                 "image_gamma": self.image_gamma,
                 "mean_caption_rival": self.mean_caption_rival, "mean_image_rival": self.mean_image_rival,
-                "bank_rows": int(self.bank.shape[1]), "bank_sha256": bank_sha256(self.bank), **owner}
+                "bank_rows": int(self.bank.shape[1]), "bank_sha256": bank_sha256(self.bank), **owner,
+                **({} if self.image_copy_cosine == SAME_IMAGE_COSINE else {"image_copy_cosine": self.image_copy_cosine})}
 
 
 def _gated(deviation: NDArray[Any], floor: float, similarity: FloatArray, rival: FloatArray,
@@ -339,10 +353,11 @@ def _gated(deviation: NDArray[Any], floor: float, similarity: FloatArray, rival:
     return np.where(free, deviation, np.maximum(deviation, -beat))
 
 
-def _best_owner_fit(img: FloatArray, txt: FloatArray, ref_img: FloatArray, ref_txt: FloatArray, cosine: float) -> FloatArray:
+def _best_owner_fit(img: FloatArray, txt: FloatArray, ref_img: FloatArray, ref_txt: FloatArray, cosine: float,
+                    image_copy: float = SAME_IMAGE_COSINE) -> FloatArray:
     """(N,) for each pair (rows of ``img``, ``txt``) the largest cosine of its caption with a
     reference image whose caption says the same (cosine >= ``cosine``) and that is not its
-    own image (image cosine below ``SAME_IMAGE_COSINE``); -inf where there is none.
+    own image (image cosine below ``image_copy``); -inf where there is none.
 
     One caption product per block; the image products only for the few caption matches
     (about 1 in 10,000 reference rows for pairclean-lite at 0.85), so a 10,000-pair shard
@@ -354,7 +369,7 @@ def _best_owner_fit(img: FloatArray, txt: FloatArray, ref_img: FloatArray, ref_t
     for start in range(0, len(txt), block):
         r, c = np.nonzero((txt[start : start + block] @ ref_txt.T) >= cosine)
         r = r + start
-        other = np.einsum("nd,nd->n", img[r], ref_img[c]) < SAME_IMAGE_COSINE
+        other = np.einsum("nd,nd->n", img[r], ref_img[c]) < image_copy
         r, c = r[other], c[other]
         np.maximum.at(best, r, np.einsum("nd,nd->n", txt[r], ref_img[c]).astype(np.float32))
     return best
@@ -391,7 +406,7 @@ def owner_p_clean(p_clean: NDArray[Any], margin: NDArray[Any], odds: float | Non
 
 
 def copied_caption_share(similarity: NDArray[Any], image_emb: NDArray[Any], text_emb: NDArray[Any],
-                         limit: int = BANK_SIZE, min_fit: float | None = None) -> float:
+                         limit: int = BANK_SIZE, min_fit: float | None = None, image_copy: float = SAME_IMAGE_COSINE) -> float:
     """The share of pairs (of the first ``limit``) whose caption another, different image of
     the sample carries too (caption cosine >= ``SAME_IMAGE_COSINE``, image cosine below it)
     with a higher similarity: a caption copied from a better-fitting image, so most likely
@@ -401,7 +416,8 @@ def copied_caption_share(similarity: NDArray[Any], image_emb: NDArray[Any], text
     the caption of the most alike other photo (85-90% of those pairs are that noise), 0.05 /
     0.108 for the most alike other caption. ``min_fit`` (version 4, ``plausible_fit``): the
     better-fitting pair counts only where its similarity reaches it, so a repeated string that
-    fits none of its photos is not read as a caption copied from a better one."""
+    fits none of its photos is not read as a caption copied from a better one. ``image_copy``:
+    images at least this alike are one image (``Contrast.image_copy_cosine``)."""
     s = np.asarray(similarity, dtype=np.float32)[:limit]
     img, txt = _f16(np.asarray(image_emb)[:limit]), _f16(np.asarray(text_emb)[:limit])
     if len(s) < 2:
@@ -409,7 +425,7 @@ def copied_caption_share(similarity: NDArray[Any], image_emb: NDArray[Any], text
     beaten = np.zeros(len(s), dtype=bool)
     for start in range(0, len(s), _BLOCK):
         rows = slice(start, start + _BLOCK)
-        copy = ((txt[rows] @ txt.T) >= SAME_IMAGE_COSINE) & ((img[rows] @ img.T) < SAME_IMAGE_COSINE)
+        copy = ((txt[rows] @ txt.T) >= SAME_IMAGE_COSINE) & ((img[rows] @ img.T) < image_copy)
         better = s[None, :] > s[rows, None]
         if min_fit is not None:  # version 4: the better pair must fit its caption plausibly (``plausible_fit``)
             better &= s[None, :] >= np.float32(min_fit)
@@ -427,19 +443,29 @@ def owner_cosine_for(model_id: str, checkpoint: str | None) -> float:
     return OWNER_COSINE if model_id == OWNER_MODEL and checkpoint is None else SAME_IMAGE_COSINE
 
 
-def fit_contrast(image_emb: NDArray[Any], text_emb: NDArray[Any], owner_cosine: float = OWNER_COSINE) -> Contrast | None:
+def image_copy_cosine_for(model_id: str, checkpoint: str | None) -> float:
+    """The image cosine at which two images are one (a copy, re-encoded): ``IMAGE_COPY_COSINE_LITE``
+    in the space it was measured in (pairclean-lite with its shipped heads), else
+    ``SAME_IMAGE_COSINE``."""
+    return IMAGE_COPY_COSINE_LITE if model_id == OWNER_MODEL and checkpoint is None else SAME_IMAGE_COSINE
+
+
+def fit_contrast(image_emb: NDArray[Any], text_emb: NDArray[Any], owner_cosine: float = OWNER_COSINE,
+                 image_copy: float = SAME_IMAGE_COSINE) -> Contrast | None:
     """The contrast of a calibration sample ((N, D) ok-pair embeddings in shard order) whose
-    owners say the same at ``owner_cosine`` (``owner_cosine_for``); None when it holds fewer
+    owners say the same at ``owner_cosine`` (``owner_cosine_for``) and whose images are one at
+    ``image_copy`` (``image_copy_cosine_for``); None when it holds fewer
     than ``MIN_BANK`` pairs. Version 4's bounds (floors, least owner fit) only from
     ``MIN_GATE_PAIRS`` pairs on; a smaller sample's contrast is version 3's."""
     if len(image_emb) < MIN_BANK:
         return None
     bank = np.stack([_f16(image_emb[:BANK_SIZE]), _f16(text_emb[:BANK_SIZE])])
-    cap, im = Contrast(bank=bank, mean_caption_rival=0.0, mean_image_rival=0.0).rivals(image_emb, text_emb)
+    cap, im = Contrast(bank=bank, mean_caption_rival=0.0, mean_image_rival=0.0, image_copy_cosine=image_copy).rivals(image_emb, text_emb)
     if not (np.isfinite(cap).any() and np.isfinite(im).any()):
         return None
     mean_cap, mean_im = float(np.nanmean(cap.astype(np.float64))), float(np.nanmean(im.astype(np.float64)))
-    plain = Contrast(bank=bank, mean_caption_rival=mean_cap, mean_image_rival=mean_im, owner_cosine=owner_cosine)
+    plain = Contrast(bank=bank, mean_caption_rival=mean_cap, mean_image_rival=mean_im, owner_cosine=owner_cosine,
+                     image_copy_cosine=image_copy)
     if len(image_emb) < MIN_GATE_PAIRS:
         return plain  # version 3's contrast: too few pairs to place the bounds
     bounds = (deviation_floor(cap, mean_cap), deviation_floor(im, mean_im),
@@ -539,4 +565,5 @@ def from_json(doc: dict[str, Any], bank: NDArray[Any]) -> Contrast:
                     caption_floor=float(doc["caption_floor"]) if floors else None,
                     image_floor=float(doc["image_floor"]) if floors else None,
                     owner_min_fit=float(doc["owner_min_fit"]) if floors else None,
-                    random_fit=float(doc["random_fit"]) if floors and "random_fit" in doc else None)
+                    random_fit=float(doc["random_fit"]) if floors and "random_fit" in doc else None,
+                    image_copy_cosine=float(doc.get("image_copy_cosine", SAME_IMAGE_COSINE)))

@@ -133,8 +133,8 @@ class NoiseReferences:
     near_miss: FloatArray
 
 
-def _nearest_other(emb: NDArray[Any], block: int = 1024) -> tuple[NDArray[np.int64], FloatArray]:
-    """For each row of (N, D) normalised rows: the most alike other row below ``DUPLICATE_COSINE``
+def _nearest_other(emb: NDArray[Any], block: int = 1024, copy: float = DUPLICATE_COSINE) -> tuple[NDArray[np.int64], FloatArray]:
+    """For each row of (N, D) normalised rows: the most alike other row below ``copy``
     (index, cosine); index -1 where there is none."""
     emb = np.asarray(emb, dtype=np.float32)
     n = emb.shape[0]
@@ -144,7 +144,7 @@ def _nearest_other(emb: NDArray[Any], block: int = 1024) -> tuple[NDArray[np.int
         sims = emb[start : start + block] @ emb.T
         rows = np.arange(sims.shape[0])
         sims[rows, rows + start] = -np.inf  # not itself
-        sims[sims >= DUPLICATE_COSINE] = -np.inf  # nor a copy of itself
+        sims[sims >= copy] = -np.inf  # nor a copy of itself
         j = sims.argmax(1)
         idx[start : start + block] = j
         best[start : start + block] = sims[rows, j]
@@ -153,16 +153,18 @@ def _nearest_other(emb: NDArray[Any], block: int = 1024) -> tuple[NDArray[np.int
 
 
 def noise_references(image_emb: NDArray[Any], text_emb: NDArray[Any], random_sims: NDArray[Any], seed: int,
-                     pair_scores: Callable[[NDArray[np.int64], NDArray[np.int64]], NDArray[Any]] | None = None) -> NoiseReferences:
+                     pair_scores: Callable[[NDArray[np.int64], NDArray[np.int64]], NDArray[Any]] | None = None,
+                     image_copy: float = DUPLICATE_COSINE) -> NoiseReferences:
     """The noise references of step 1 from (N, D) ok-pair embeddings (first
     ``MAX_NEIGHBOUR_PAIRS`` searched) and the (M,) random mismatched similarities.
 
     ``pair_scores(i, j)``: the score of image i with the caption of pair j, when the
-    calibration is fitted on another score than the cosine (``contrast``)."""
+    calibration is fitted on another score than the cosine (``contrast``). ``image_copy``:
+    images at least this alike are copies (the estimator's, ``contrast.image_copy_cosine_for``)."""
     img = np.asarray(image_emb, dtype=np.float32)[:MAX_NEIGHBOUR_PAIRS]
     txt = np.asarray(text_emb, dtype=np.float32)[:MAX_NEIGHBOUR_PAIRS]
     parts = []
-    for j, _ in (_nearest_other(img), _nearest_other(txt)):
+    for j, _ in (_nearest_other(img, copy=image_copy), _nearest_other(txt)):
         has = j >= 0
         if pair_scores is not None:
             parts.append(np.asarray(pair_scores(np.nonzero(has)[0], j[has]), dtype=np.float64))

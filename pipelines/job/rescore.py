@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from pairclean import osa, schema
 from pairclean.calibrate.calibration import calibrate, needs_corpus
-from pairclean.calibrate.contrast import fit_contrast, owner_cosine_for, table_columns
+from pairclean.calibrate.contrast import fit_contrast, image_copy_cosine_for, owner_cosine_for, table_columns
 from pairclean.errors import InputError
 from pairclean.calibrate.calibration import Calibration
 from pairclean.spec import JobSpec, spec_digest
@@ -121,7 +121,8 @@ def _rescore_locked(out: OutputDir, old_spec: JobSpec, lock: RunLock, *, beta_re
     if n and (beta_recipe in ("shuffled", "gmm") or spec.embeddings):
         img, txt = _embeddings(out, [r for r, _ in tables], n)
     # As a fresh score: the bank is the calibration sample's images (same pairs, same rounding).
-    fitted = (fit_contrast(img, txt, owner_cosine_for(spec.model, spec.checkpoint))
+    fitted = (fit_contrast(img, txt, owner_cosine_for(spec.model, spec.checkpoint),
+                         image_copy_cosine_for(spec.model, spec.checkpoint))
               if spec.contrast and img is not None and txt is not None else None)
     def fit(word_check: bool) -> Calibration:
         return calibrate(

@@ -31,7 +31,7 @@ from numpy.typing import NDArray
 
 from pairclean import __version__, schema
 from pairclean.calibrate.calibration import calibrate, cached_random_beta, needs_corpus
-from pairclean.calibrate.contrast import Contrast, fit_contrast, owner_cosine_for, table_columns
+from pairclean.calibrate.contrast import Contrast, fit_contrast, image_copy_cosine_for, owner_cosine_for, table_columns
 from pairclean.calibrate.contrast import from_json as contrast_from_json
 from pairclean.errors import InputError
 from pairclean.embed.estimators import Estimator
@@ -116,7 +116,8 @@ def fit_calibration(results: Sequence[ShardResult], spec: JobSpec, random_beta: 
     # Calibrate on float16-rounded embeddings, exactly what the sidecar stores, so that
     # `pairclean rescore` reproduces a fresh score bit for bit.
     img, txt = img.astype(np.float16).astype(np.float32), txt.astype(np.float16).astype(np.float32)
-    contrast = fit_contrast(img, txt, owner_cosine_for(spec.model, spec.checkpoint)) if spec.contrast else None
+    contrast = fit_contrast(img, txt, owner_cosine_for(spec.model, spec.checkpoint),
+                         image_copy_cosine_for(spec.model, spec.checkpoint)) if spec.contrast else None
     try:
         calibration = calibrate(
             beta_recipe=spec.beta_recipe, k=spec.beta_k, seed=spec.seed, weighting=spec.weighting,
