@@ -435,8 +435,15 @@ class OutputDir:
         names: list[str] = []
         committed = self.committed()
         for record in committed.values():
-            # a table the records name but someone replaced with a file of their own is theirs
-            names += [n for n in (record.output, record.emb_output) if n and (not self.store.exists(n) or self.written_by(n))]
+            # a table the records name but someone replaced with a file of their own is theirs:
+            # the new job could not write there either, so nothing is deleted (it deleted the
+            # rest of the job, then failed on that name, leaving the folder half cleared)
+            for name in (record.output, record.emb_output):
+                if name and self.store.exists(name) and not self.written_by(name) and not self._damaged_own(name):
+                    where = self.store.url(name)
+                    raise ForeignOutputError(f"{where} exists and was not written by pairclean; it is left untouched, and "
+                                             "--overwrite deleted nothing: move it away first", uri=where)
+            names += [n for n in (record.output, record.emb_output) if n]
         names += self._stray_outputs(doc.get("spec_sha256"), set(names), self.read_spec())
         names += [f"{schema.COMPLETIONS_DIR}/{n}" for n in self.store.list(schema.COMPLETIONS_DIR)]
         names += [f"{schema.FAILED_DIR}/{n}" for n in self.store.list(schema.FAILED_DIR)]

@@ -669,10 +669,16 @@ def test_overwrite_keeps_a_file_a_user_put_in_a_tables_place(make_shards, tmp_pa
     mine = out / "part-00000.parquet"
     pq.write_table(pa.table({"key": ["my", "own"], "note": ["kept", "please"]}), mine)
     data = mine.read_bytes()
+    before = {p: p.read_bytes() for p in (*out.iterdir(), *Path(f"{out}{schema.SIDE_SUFFIX}").rglob("*")) if p.is_file()}
     capsys.readouterr()
     assert _score([str(s) for s in shards], out, "--overwrite") == 1
     assert mine.read_bytes() == data
-    assert "part-00000.parquet exists and was not written by pairclean; it is left untouched" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "part-00000.parquet exists and was not written by pairclean; it is left untouched" in err
+    # checked before anything went: the rest of the job is as it was (it was deleted, then the run failed)
+    assert "--overwrite deleted nothing" in err
+    after = {p: p.read_bytes() for p in (*out.iterdir(), *Path(f"{out}{schema.SIDE_SUFFIX}").rglob("*")) if p.is_file()}
+    assert {p: b for p, b in after.items() if p.name != "lock.json"} == {p: b for p, b in before.items() if p.name != "lock.json"}
 
 
 def test_review_of_round_6_duplicate_keys_json_surrogates_and_sidecars(dev_images: list, tmp_path: Path,
