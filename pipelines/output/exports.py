@@ -94,6 +94,8 @@ def export(
         raise InputError(f"sizes_of must be 'all' or 'kept', not {sizes_of!r}")
     from pairclean.output.lock import RunLock
 
+    if out.read_spec() is None:  # before the lock, which would make OUT.pairclean/ beside a mistyped path
+        raise InputError(f"{out.uri} is not a pairclean output folder (no {out.store.url(schema.JOB_FILE)})", uri=out.uri)
     lock = RunLock(out.store)  # a score, rescore or refine rewriting the tables meanwhile is refused
     lock.acquire()
     try:

@@ -237,3 +237,18 @@ def test_a_job_read_through_a_link_to_its_folder_is_that_job(scored: Path, tmp_p
     assert not Path(f"{link}{schema.SIDE_SUFFIX}").exists()
     assert (Path(f"{scored}{schema.SIDE_SUFFIX}") / "export" / "sizes.json").is_file()
     assert [r.stem for r in OutputDir(str(link)).iter_committed()] == [r.stem for r in OutputDir(str(scored)).iter_committed()]
+
+
+def test_verbs_on_a_mistyped_folder_leave_nothing_behind(scored: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``export nope`` made ``nope.pairclean/state/`` (its lock), and ``export OUT/x.parquet`` a
+    folder inside the score folder, which the next score then called someone else's files."""
+    from pairclean_workers.cli import main
+
+    table = next(scored.glob("*.parquet"))
+    for target in (tmp_path / "nope", table):
+        for verb in (["export"], ["rescore", "--beta-recipe", "gmm", "--weighting", "paper"], ["refine"], ["pseudo-pair"]):
+            capsys.readouterr()
+            assert main([verb[0], str(target), *verb[1:]]) == 1
+            err = capsys.readouterr().err
+            assert "is not a pairclean output folder" in err or "lies inside the pairclean output" in err
+            assert not Path(f"{target}{schema.SIDE_SUFFIX}").exists() and not (tmp_path / "nope").exists()
