@@ -94,6 +94,25 @@ def _warn_audit_replaced(out: OutputDir, tables: list[tuple[ShardRecord, pa.Tabl
                     "calibration's; run `pairclean audit %s --labels FILE` again to recalibrate", audited, len(tables), out.uri)
 
 
+def _warn_refine_replaced(out: OutputDir, tables: list[tuple[ShardRecord, pa.Table]]) -> None:
+    """Say so when the tables carry ``pairclean refine``'s weights (its record in their
+    metadata): the rewrite writes OSA's, recalibrated, as a fresh score would. The
+    refinement's columns and weights went without a word, and ``inspect`` then said
+    "refined: no"."""
+    methods = set()
+    for _, table in tables:
+        meta = (table.schema.metadata or {}).get(schema.META_KEY)
+        try:
+            refine = json.loads(meta).get("refine") if meta else None
+        except (ValueError, AttributeError):
+            refine = None
+        if isinstance(refine, dict):
+            methods.add(str(refine.get("method", "refine")))
+    if methods:
+        log.warning("the tables hold the weights of `pairclean refine` (%s): the rescore replaces them with OSA's, "
+                    "recalibrated; run `pairclean refine %s` again to refine them", ", ".join(sorted(methods)), out.uri)
+
+
 def _rescore_locked(out: OutputDir, old_spec: JobSpec, lock: RunLock, *, beta_recipe: str, weighting: str, beta_k: int | None,
                     random_beta: Callable[[JobSpec], float] | None, contrast: bool | None) -> Calibration:
     old_judge = _old_judge(out, old_spec)
@@ -104,6 +123,7 @@ def _rescore_locked(out: OutputDir, old_spec: JobSpec, lock: RunLock, *, beta_re
         raise InputError(f"{out.uri} holds no committed shard")
     tables = [(record, out.read_scores(record)) for record in committed]
     _warn_audit_replaced(out, tables)
+    _warn_refine_replaced(out, tables)
     ok_sims = [
         t.column(schema.COL_SIMILARITY).to_numpy()[
             schema.ok_mask(t)

@@ -260,3 +260,14 @@ def test_a_rerun_into_a_refined_job_says_its_new_tables_hold_osas_weights(tmp_pa
     with caplog.at_level(logging.WARNING):
         assert main(run) == 0
     assert "the job's tables were refined, but the 1 this run committed hold OSA's p_clean" in caplog.text
+
+
+def test_a_rescore_of_a_refined_job_says_it_replaces_the_refinement(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The refinement's column and weights went without a word, and inspect said "refined: no"."""
+    make_planted_job(str(tmp_path / "a"), n_shards=2, per_shard=60)
+    assert main(["refine", str(tmp_path / "a"), "--method", "ncr", "--executor", "local", *FAST]) == 0
+    caplog.clear()
+    assert main(["rescore", str(tmp_path / "a"), "--beta-recipe", "shuffled", "--weighting", "paper", "--contrast", "off"]) == 0
+    assert "the tables hold the weights of `pairclean refine` (ncr): the rescore replaces them" in caplog.text
+    assert f"run `pairclean refine {tmp_path / 'a'}` again" in caplog.text
+    assert "ncr_score" not in pq.read_table(tmp_path / "a" / "planted-00000.parquet").schema.names
