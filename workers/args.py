@@ -32,8 +32,15 @@ _Adder = argparse.ArgumentParser | argparse._ArgumentGroup
 
 def add_storage_arg(p: _Adder) -> None:
     """``--storage-option KEY=VALUE`` (repeatable): fsspec options for remote shards and outputs."""
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
                    help="fsspec option for remote shards and outputs, e.g. endpoint_url=http://... (repeatable)")
+
+
+def _key_value(text: str) -> str:
+    """An argparse type: ``KEY=VALUE`` with a key (a usage error, exit 2, otherwise)."""
+    if not text.partition("=")[0] or "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {text!r}")
+    return text
 
 
 def storage_options(pairs: Sequence[str]) -> dict[str, Any]:

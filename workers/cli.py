@@ -100,17 +100,17 @@ def build_parser(extend: Callable[[Any], None] | None = None) -> argparse.Argume
     score.add_argument("--beta-k", type=whole_at_least(2, MAX_BETA_K), default=osa.DEFAULT_K)
     score.add_argument("--weighting", default=osa.DEFAULT_WEIGHTING, choices=osa.WEIGHTINGS)
     add_seed_arg(score, 0, "seed of the calibration (random inputs, K x K samples)")
-    score.add_argument("--batch-size", type=int, default=64)
-    score.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS)
+    score.add_argument("--batch-size", type=whole_at_least(1), default=64)
+    score.add_argument("--max-pixels", type=whole_at_least(1), default=DEFAULT_MAX_PIXELS)
     score.add_argument("--caption-field", type=caption_field_name, default=None, help="take the caption from this json field, or, with a leading dot (.caption), from the member of that extension")
     score.add_argument("--decode-device", default="cpu", help="cpu (PIL, on --cpus-per-actor threads) or cuda (batched nvJPEG on the GPU, CPU fallback for PNG/WebP/corrupt images)")
-    score.add_argument("--calibration-pairs", type=int, default=4096, help="ok pairs that corpus recipes calibrate on")
+    score.add_argument("--calibration-pairs", type=whole_at_least(1), default=4096, help="ok pairs that corpus recipes calibrate on (default 4096)")
     score.add_argument("--contrast", choices=["auto", "on", "off"], default="auto",
                        help="weigh by the similarity less how well the caption fits the corpus's other images "
                             "(docs/methods.md, corpus contrast); auto: on for a new folder, as before when resuming one")
     score.add_argument("--embeddings", action=argparse.BooleanOptionalAction, default=True, help="write the embedding sidecars OUT.pairclean/emb/<shard>.parquet")
     score.add_argument("--overwrite", action="store_true", help="delete what this job wrote into --out earlier (only files its records list) and start over")
-    score.add_argument("--max-failed-fraction", type=fraction, default=0.05, help="a job with at most this fraction of failed shards ends PARTIAL, not FAILED")
+    score.add_argument("--max-failed-fraction", type=fraction, default=0.05, help="a job with at most this fraction of failed shards ends PARTIAL, not FAILED (default 0.05)")
     add_storage_arg(score)
     add_lock_ttl_arg(score)
     score.add_argument("--no-progress", action="store_true")
@@ -604,6 +604,11 @@ def main(argv: Sequence[str] | None = None, extend: Callable[[Any], None] | None
             return handler(args)
     except PaircleanError as exc:
         print(f"error: {printable(str(exc))}", file=sys.stderr)  # one line, whatever a name it quotes holds
+        return EXIT_ERROR
+    except BrokenPipeError:
+        # the reader of stdout went away (`pairclean inspect OUT | head`): as other tools, say
+        # nothing; stdout points at /dev/null so the interpreter's final flush cannot fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_ERROR
     except OSError as exc:
         # A job-level failure of the machine, not a bug (a read-only output, an output that

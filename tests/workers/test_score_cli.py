@@ -244,19 +244,17 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
     assert err.startswith("error: ") and str(tmp_path / "a-file") in err and "Traceback" not in err and err.count("\n") == 1
     assert "is a file, not a folder" in err and (tmp_path / "a-file").read_text() == "x"
     assert not Path(f"{tmp_path / 'a-file'}{schema.SIDE_SUFFIX}").exists()  # refused before anything was scored
-    # Counts that cannot run: one line, nothing written (--calibration-pairs 0 used to report SUCCEEDED).
-    for flag, value in (("--calibration-pairs", "0"), ("--max-pixels", "-5"), ("--batch-size", "0")):
-        assert main(["score", *good, "--out", str(tmp_path / "o4"), *TINY, flag, value]) == 1
-        err = capsys.readouterr().err
-        assert f"{flag} must be a whole number of at least 1" in err and err.count("\n") == 1
-        assert not (tmp_path / "o4").exists()
-    # A fraction outside [0, 1] and a lock that never expires are usage errors (exit 2, one line)
-    for flag, value in (("--max-failed-fraction", "2"), ("--max-failed-fraction", "-1"), ("--lock-ttl", "-5"), ("--lock-ttl", "nan"),
+    # Counts that cannot run (--calibration-pairs 0 used to report SUCCEEDED), a fraction
+    # outside [0, 1], a lock that never expires, a storage option without "=": usage errors
+    # (exit 2, as README says of every usage error; the counts exited 1), one line, nothing written
+    for flag, value in (("--calibration-pairs", "0"), ("--max-pixels", "-5"), ("--batch-size", "0"), ("--storage-option", "foo"),
+                        ("--max-failed-fraction", "2"), ("--max-failed-fraction", "-1"), ("--lock-ttl", "-5"), ("--lock-ttl", "nan"),
                         ("--seed", "-1"), ("--threads", "-2"), ("--num-actors", "0"), ("--max-retries", "-1"),
                         ("--judge-budget", "nan"), ("--shard-timeout", "inf")):
         with pytest.raises(SystemExit) as usage:
             main(["score", *good, "--out", str(tmp_path / "o4"), *TINY, flag, value])
         assert usage.value.code == 2 and f"argument {flag}: expected" in capsys.readouterr().err
+        assert not (tmp_path / "o4").exists()
     # A mistyped --caption-field: one line before anything is scored, and the corrected command runs there
     assert _score(good, tmp_path / "o6", "--caption-field", "captoin") == 1
     err = capsys.readouterr().err
@@ -929,3 +927,19 @@ def test_a_batch_job_serves_the_service_metric_families_while_it_runs(make_shard
     err = capsys.readouterr().err
     assert f"--metrics-port {busy}: cannot listen on 127.0.0.1" in err and "Traceback" not in err
     assert not (tmp_path / "o2").exists()
+
+
+def test_a_reader_that_goes_away_ends_inspect_without_a_word(make_shards, tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pairclean inspect OUT | head`: the pipe's reader closes early; it ended "error: Broken pipe"."""
+    import io
+    import os
+
+    assert _score([str(s) for s in make_shards(n_shards=1, per_shard=4)], tmp_path / "out") == 0
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    stdout = io.TextIOWrapper(os.fdopen(write, "wb", buffering=0), write_through=True)
+    monkeypatch.setattr("sys.stdout", stdout)
+    capfd.readouterr()
+    assert main(["inspect", str(tmp_path / "out")]) == 1
+    assert capfd.readouterr().err == ""
