@@ -272,7 +272,26 @@ def _expand_one(
             path = local_path(uri)
             if not os.path.isfile(path):
                 raise ShardNotFoundError(f"shard not found: {uri!r}", uri=uri)
+        elif scheme in ("http", "https") and _url_path(uri).endswith("/"):
+            raise InputError(f"{uri!r} is an HTTP folder, which cannot be listed: name its shards (a brace range such as "
+                             f"'{uri}{{00000..00127}}.tar', or an @list file)", uri=uri)
+        elif scheme in REMOTE_SCHEMES - {"http", "https"} and not uri.endswith(SHARD_EXTENSIONS):
+            _refuse_remote_folder(uri, scheme, storage_options)  # one request, for names no shard has
         yield uri
+
+
+def _refuse_remote_folder(uri: str, scheme: str, storage_options: Mapping[str, Any]) -> None:
+    """``InputError`` where ``uri`` (an object store's, not named like a shard) is a folder:
+    read as a shard, it failed as an "empty file". Other errors are the read's to report."""
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(uri, **storage_options)
+        is_dir = fs.isdir(path)
+    except Exception:  # noqa: BLE001 - credentials, network: reported where the shard is read, in its words
+        return
+    if is_dir:
+        raise InputError(f"{uri!r} is a folder: end it with '/' to score its shards ({uri}/)", uri=uri)
 
 
 #: What a folder given as input expands to: its WebDataset shards (not recursive).
@@ -430,7 +449,9 @@ def _expand_glob(
             fs, path = fsspec.core.url_to_fs(uri, **storage_options)
         except ImportError as exc:
             raise UnsupportedSchemeError(f"reading {uri!r} needs an extra package: {exc}", uri=uri) from exc
-        found = [f"{scheme}://{p}" for p in sorted(fs.glob(path))]
+        # files only: an object store's "folders" (prefixes) match a ``**`` or ``name*`` too,
+        # and were read as empty shards (or collided with ``name.tar``'s stem)
+        found = [f"{scheme}://{p}" for p, info in sorted(fs.glob(path, detail=True).items()) if info.get("type") != "directory"]
         if folder:
             found = [f for f in found if f.endswith(SHARD_EXTENSIONS) and not PurePosixPath(f).name.startswith(".")]
         budget.take(len(found), uri)

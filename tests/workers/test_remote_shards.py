@@ -117,3 +117,30 @@ def test_s3_names_with_glob_characters_are_read_and_deleted_as_names(make_shards
     assert out._get_many(["probe/x[1].json", "probe/missing[2].json", "probe/x1.json"]) == [b"{}", None, b"{}"]
     out._rm_many(["probe/x[1].json", "probe/xa.json"])
     assert sorted(out.store.list("probe")) == ["x1.json"]
+
+
+def test_object_store_folders_are_never_read_as_shards(make_shards, s3_endpoint: str, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """``s3://b/fold/**`` matched the "folders" fold and fold/sub as shards (each failed as an
+    empty file, the job FAILED); ``s3://b/fold*`` collided fold with fold.tar; a folder named
+    without its trailing "/" failed as an empty file; an HTTP folder "would be named .parquet"."""
+    import s3fs
+
+    from pairclean.errors import InputError
+    from pairclean.uris import expand_shards
+
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint)
+    fs.mkdir("folders")
+    first, second, third = make_shards(n_shards=3, per_shard=2)
+    fs.put(str(first), "folders/fold/a.tar")
+    fs.put(str(second), "folders/fold/sub/b.tar")
+    fs.put(str(third), "folders/fold.tar")
+    opts = {"endpoint_url": s3_endpoint}
+    assert expand_shards(["s3://folders/fold/**"], opts) == ["s3://folders/fold/a.tar", "s3://folders/fold/sub/b.tar"]
+    assert expand_shards(["s3://folders/fold*"], opts) == ["s3://folders/fold.tar"]
+    with pytest.raises(InputError, match=r"is a folder: end it with '/'"):
+        expand_shards(["s3://folders/fold"], opts)
+    with pytest.raises(InputError, match="is an HTTP folder, which cannot be listed"):
+        expand_shards(["https://example.org/shards/"], opts)
+    opt = ["--storage-option", f"endpoint_url={s3_endpoint}"]
+    assert main(["score", "s3://folders/fold/**", "--out", str(tmp_path / "out"), *TINY, *opt]) == 0
