@@ -172,6 +172,13 @@ def test_refusals_are_one_line_before_training(weights: Path, tmp_path: Path) ->
     assert run.returncode != 0 and "does not support --accum-freq" in run.stderr and "Traceback" not in run.stderr
     run = _train(tmp_path / "nowhere", tmp_path / "b")
     assert run.returncode != 0 and "not a folder" in run.stderr and "Traceback" not in run.stderr
+    # a table someone replaced with a Parquet file of their own: one line naming it (a pyarrow traceback)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    pq.write_table(pa.table({"note": ["mine"]}), foreign / "demo-000000.parquet")
+    run = _train(foreign, tmp_path / "c")
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert "demo-000000.parquet is not a readable pairclean table with key, status, weight and noisy" in run.stderr
 
 
 def test_the_launcher_refuses_a_worker_deal_that_never_fills_a_batch() -> None:
