@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import tarfile
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -179,20 +180,28 @@ def test_train_edits_give_a_caption_edits_of_distinct_kinds_and_keep_one_edit_ca
     assert picks == {1, 2, 3} and rng.bit_generator.state != state
 
 
+def _four_photo_features(texts: list[str], owner: list[int], kinds: list[str], source: list[int]) -> Any:
+    """``SplitFeatures`` of four photos and ``texts`` (``_texts_of``'s lists), zero features:
+    for tests of which rows an epoch draws."""
+    from pairclean.lite.judge_data import SplitFeatures
+
+    n = len(texts)
+    return SplitFeatures(regions=np.zeros((4, 1, 1), np.float16), image_emb=np.eye(4, dtype=np.float32),
+                         tokens=np.zeros((n, 1, 1), np.float16), mask=np.ones((n, 1), bool),
+                         text_emb=np.zeros((n, 4), np.float32), image=np.array(owner), kind=np.array(kinds),
+                         source=np.array(source), texts=texts)
+
+
 def test_two_edits_per_positive_show_both_edits_of_a_caption_each_epoch_and_never_one_twice() -> None:
     from types import SimpleNamespace
 
     from pairclean.judge.edits import TRAINING
-    from pairclean.lite.judge_data import SplitFeatures, _texts_of
+    from pairclean.lite.judge_data import _texts_of
     from pairclean.lite.judge_train import _edits_by_source, _epoch_pairs, _other_edit
 
     images = [SimpleNamespace(captions=list(CAPTIONS)) for _ in range(4)]
     texts, owner, kinds, source = _texts_of(images, "train", 0, 5, 2, TRAINING)
-    n = len(texts)
-    feats = SplitFeatures(regions=np.zeros((4, 1, 1), np.float16), image_emb=np.eye(4, dtype=np.float32),
-                          tokens=np.zeros((n, 1, 1), np.float16), mask=np.ones((n, 1), bool),
-                          text_emb=np.zeros((n, 4), np.float32), image=np.array(owner), kind=np.array(kinds),
-                          source=np.array(source), texts=texts)
+    feats = _four_photo_features(texts, owner, kinds, source)
     real = np.nonzero(np.array(kinds) == "")[0]
     edit_of = _edits_by_source(feats.source)
     top = (np.zeros((len(real), 2), np.int64), np.zeros((len(real), 2), np.float32))
@@ -215,7 +224,7 @@ def test_added_negatives_give_each_caption_one_clause_or_negation_beside_its_wor
     from types import SimpleNamespace
 
     from pairclean.judge.additions import ADDED_KINDS
-    from pairclean.lite.judge_data import SplitFeatures, _texts_of
+    from pairclean.lite.judge_data import _texts_of
     from pairclean.lite.judge_train import _edits_by_source, _epoch_pairs
 
     images = [SimpleNamespace(captions=[f"{c} {extra}" for c in CAPTIONS])
@@ -227,11 +236,7 @@ def test_added_negatives_give_each_caption_one_clause_or_negation_beside_its_wor
     assert added and {kinds[i] for i in added} <= set(ADDED_KINDS)
     for i in added:  # an edit of its own source caption, for the source's photo
         assert source[i] >= 0 and owner[i] == owner[source[i]] and texts[i] != texts[source[i]]
-    n = len(texts)
-    feats = SplitFeatures(regions=np.zeros((4, 1, 1), np.float16), image_emb=np.eye(4, dtype=np.float32),
-                          tokens=np.zeros((n, 1, 1), np.float16), mask=np.ones((n, 1), bool),
-                          text_emb=np.zeros((n, 4), np.float32), image=np.array(owner), kind=np.array(kinds),
-                          source=np.array(source), texts=texts)
+    feats = _four_photo_features(texts, owner, kinds, source)
     real = np.nonzero(np.array(kinds) == "")[0]
     edit_of = _edits_by_source(feats.source, feats.kind)
     added_of = _edits_by_source(feats.source, feats.kind, ADDED_KINDS)
