@@ -165,6 +165,7 @@ def shard_samples(out: str | Path, train_data: str, mode: str) -> dict[str, floa
     """Per shard stem of ``train_data``, in order: the samples one pass yields in ``mode``
     (see ``expected_samples``)."""
 
+    from pairclean.sampler import read_table_columns
     from pairclean.uris import shard_stems
 
     counts: dict[str, float] = {}
@@ -172,7 +173,7 @@ def shard_samples(out: str | Path, train_data: str, mode: str) -> dict[str, floa
         path = Path(out) / f"{stem}.parquet"
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: the pairclean job in {out} did not score shard {stem!r} of --train-data")
-        table = _counted_columns(path)
+        table = read_table_columns(path, ["key", "status", "weight", "noisy"])
         status = np.asarray(table.column("status").to_pylist(), dtype=object)
         keys = table.column("key").to_pylist()
         repeated = schema.repeated_keys(keys, status.tolist())
@@ -187,23 +188,6 @@ def shard_samples(out: str | Path, train_data: str, mode: str) -> dict[str, floa
         else:
             counts[stem] = float(np.minimum(1.0, table.column("weight").to_numpy())[~twice].sum())
     return counts
-
-
-def _counted_columns(path: Path) -> Any:
-    """The key, status, weight and noisy columns of a score table; ``InputError`` naming the
-    file where it is not such a table (pyarrow's own error ended the launcher in a traceback)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from pairclean.errors import InputError, first_line
-    from pairclean.storage import open_regular
-
-    try:
-        with open_regular(path) as fh:
-            return pq.read_table(fh, columns=["key", "status", "weight", "noisy"])
-    except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
-        raise InputError(f"{path} is not a readable pairclean table with key, status, weight and noisy ({first_line(exc)})",
-                         uri=str(path)) from None
 
 
 #: Statuses of samples that hold a decodable image and a caption member, which open_clip's

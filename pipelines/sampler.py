@@ -48,9 +48,26 @@ __all__ = [
     "WeightStage",
     "weight_stage",
     "WeightedSampler",
+    "read_table_columns",
 ]
 
 log = logging.getLogger(__name__)
+
+
+def read_table_columns(path: Path, columns: list[str], optional: tuple[str, ...] = ()) -> Any:
+    """``columns`` (and those of ``optional`` the file has) of the score table at ``path``;
+    ``InputError`` naming the file where it is not such a table (pyarrow's own error is a
+    traceback), and a FIFO under its name is refused before any read (it hung the reader)."""
+    import pyarrow as pa
+
+    try:
+        with open_regular(path) as fh:
+            names = pq.read_schema(fh).names if optional else []
+            fh.seek(0)
+            return pq.read_table(fh, columns=columns + [c for c in optional if c in names])
+    except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
+        wanted = ", ".join(columns[:-1]) + f" and {columns[-1]}"
+        raise InputError(f"{path} is not a readable pairclean table with {wanted} ({first_line(exc)})", uri=str(path)) from None
 
 MODES = ("loss", "sample", "keep", "pseudo")
 MISSING_POLICIES = ("error", "skip", "default")
@@ -143,18 +160,8 @@ class WeightStore:
         (which row would win?); and a ``shard`` column, where present, naming this shard (a
         table copied under another shard's name would join the wrong pairs). Also the byte
         size of each key's image member as scored, where the table has it (``image_size``)."""
-        import pyarrow as pa
-
         where = str(path)
-        try:
-            with open_regular(path) as fh:  # a FIFO under the table's name hung the DataLoader worker
-                names = pq.read_schema(fh).names
-                optional = [c for c in ("shard", "status", "image_size") if c in names]
-                fh.seek(0)
-                table = pq.read_table(fh, columns=["key", "weight", "noisy"] + optional)
-        except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
-            first = first_line(exc)
-            raise InputError(f"{where} is not a readable pairclean table with key, weight and noisy ({first})", uri=where) from None
+        table = read_table_columns(path, ["key", "weight", "noisy"], optional=("shard", "status", "image_size"))
         weights = checked_weights(table.column("weight"), where)
         keys = table.column("key").to_pylist()
         noisy = table.column("noisy")

@@ -99,15 +99,8 @@ def _warn_refine_replaced(out: OutputDir, tables: list[tuple[ShardRecord, pa.Tab
     metadata): the rewrite writes OSA's, recalibrated, as a fresh score would. The
     refinement's columns and weights went without a word, and ``inspect`` then said
     "refined: no"."""
-    methods = set()
-    for _, table in tables:
-        meta = (table.schema.metadata or {}).get(schema.META_KEY)
-        try:
-            refine = json.loads(meta).get("refine") if meta else None
-        except (ValueError, AttributeError):
-            refine = None
-        if isinstance(refine, dict):
-            methods.add(str(refine.get("method", "refine")))
+    refined = (json.loads(table.schema.metadata[schema.META_KEY]).get("refine") for _, table in tables)
+    methods = {str(r.get("method", "refine")) for r in refined if isinstance(r, dict)}
     if methods:
         log.warning("the tables hold the weights of `pairclean refine` (%s): the rescore replaces them with OSA's, "
                     "recalibrated; run `pairclean refine %s` again to refine them", ", ".join(sorted(methods)), out.uri)

@@ -783,13 +783,11 @@ class OutputDir:
             return
         # fsspec's list ``rm`` expands globs too: ``x[1].json`` would also delete ``x1.json``
         # (a file pairclean may not have written); such names are deleted one by one.
-        plain = [n for n in names if not _GLOB_CHARS.search(n)]
-        if self.store.local or not plain:
-            plain = []
-        else:
-            self.store.fs.rm([self.store.path(n) for n in plain])  # batched deletes
+        batched = set() if self.store.local else {n for n in names if not _GLOB_CHARS.search(n)}
+        if batched:
+            self.store.fs.rm([self.store.path(n) for n in sorted(batched)])
         for name in names:
-            if name not in plain:
+            if name not in batched:
                 self.store.rm(name)
 
     def record_completion(self, record: ShardRecord) -> None:
