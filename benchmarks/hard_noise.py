@@ -42,7 +42,13 @@ wrong caption of one kind:
   embellished by a person or a captioning model; ``pairclean.judge.additions``: the judge's
   recipe can train on clauses of *train* captions, never these);
 - ``negation``: the own first caption with "not" after its first "is"/"are" (only photos
-  whose first caption has one).
+  whose first caption has one);
+- ``short`` and ``generic``: *clean* pairs whose caption says less, as scraped alt-text often
+  does: the own first caption cut after its first listed noun ("A black dog"), or reduced to
+  that noun ("a dog", "dogs"; nouns of ``pairclean.judge.edits``' lists, only photos whose first
+  caption has one). Nothing is wrong in them: their rows add the mean ``p_clean`` of these
+  changed pairs and the share of them below ``DOUBTFUL`` (a right caption called noisy with
+  confidence).
 
 Each (kind, rate) becomes WebDataset shards scored by the real CLI (``pairclean score
 --executor local``; ``--judge MODE`` is passed through when the CLI has that option: the
@@ -78,6 +84,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -93,7 +100,11 @@ from _embed_dev import embed_dev
 from pairclean.calibrate.calibration import cache_dir as _default_cache
 
 KINDS = ("random", "near-image", "near-text", "edit", "mix", "retrieved", "near-image-unseen", "edit-unseen", "boilerplate",
-         "placeholder", "all-captions", "clause", "negation")
+         "placeholder", "all-captions", "clause", "negation", "short", "generic")
+#: Kinds whose changed captions are still right (they say less): labelled, never noisy.
+CLEAN_CHANGES = ("short", "generic")
+#: A clean pair whose p_clean is below this is called noisy with confidence.
+DOUBTFUL = 0.3
 #: A noisy pair whose p_clean is above this is called clean with confidence (a confident wrong answer).
 CONFIDENT = 0.9
 PER_SHARD = 250
@@ -203,6 +214,9 @@ def make_pairing(kind: str, rate: float, images: list[Any], emb: dict[str, np.nd
 
         able = [i for i, c in enumerate(captions) if negate(c) is not None]
         chosen = rng.choice(able, size=min(len(able), int(round(rate * n))), replace=False)
+    elif kind in CLEAN_CHANGES:  # only images whose first caption names a listed noun
+        able = [i for i, c in enumerate(captions) if _head_noun(c) is not None]
+        chosen = rng.choice(able, size=min(len(able), int(round(rate * n))), replace=False)
     elif kind == "edit-unseen":  # only images with a caption the held-out words apply to
         if edits is None:
             raise SystemExit("the edit-unseen kind needs pairclean.judge.edits with its UNSEEN words")
@@ -251,6 +265,9 @@ def make_pairing(kind: str, rate: float, images: list[Any], emb: dict[str, np.nd
                         else additions.negate(captions[i]))
                 if made is not None:
                     out[i], labels[i] = made, k
+        elif k in CLEAN_CHANGES:
+            for i in idx:
+                out[i], labels[i] = _said_less(captions[i], k), k
         elif k in ("edit", "edit-unseen"):
             if edits is None:
                 raise SystemExit(f"the {k} kind needs pairclean.judge.edits (not in this tree yet); pass --kinds without it and mix")
@@ -262,8 +279,33 @@ def make_pairing(kind: str, rate: float, images: list[Any], emb: dict[str, np.nd
                 made = _first_edit(edits, texts_of(i), pos, rng, vocabulary)
                 if made is not None:
                     out[i], labels[i] = made[0], f"{k}:{made[1]}"
-    noisy = np.array([bool(lab) for lab in labels])
+    noisy = np.array([bool(lab) and lab not in CLEAN_CHANGES for lab in labels])
     return out, noisy, labels
+
+
+def _head_noun(caption: str) -> tuple[int, str, bool] | None:
+    """(word position, lemma, plural) of the first word of ``caption`` that the edit lists know
+    as a noun (``edits.TRAINING + edits.UNSEEN``), or None."""
+    edits = _edit_module()
+    if edits is None:
+        raise SystemExit("the short and generic kinds need pairclean.judge.edits")
+    index = (edits.TRAINING + edits.UNSEEN).noun_index
+    for pos, word in enumerate(caption.split()):
+        noun = index.get(re.sub(r"[^a-z]", "", word.lower()))
+        if noun is not None:
+            return pos, noun.lemma, noun.plural
+    return None
+
+
+def _said_less(caption: str, kind: str) -> str:
+    """``caption`` cut after its first listed noun (``short``) or reduced to it (``generic``)."""
+    found = _head_noun(caption)
+    assert found is not None  # chosen among captions that have one
+    pos, lemma, plural = found
+    if kind == "short":
+        return " ".join(caption.split()[: pos + 1])
+    word = re.sub(r"[^A-Za-z]", "", caption.split()[pos]).lower()
+    return word if plural else ("an " if lemma[0] in "aeiou" else "a ") + word
 
 
 def make_all_captions(images: list[Any], seed: int) -> tuple[list[str], np.ndarray, list[str], np.ndarray]:
@@ -372,6 +414,10 @@ def evaluate(out: Path, labels: dict[str, Any], skip: set[str] | None = None) ->
         "random_mismatch_share": cal.get("noise_rate"),
         "true_noise_rate": float(truth.mean()),
     }
+    changed = pd.Series(labels["kind"], index=labels["keys"]).reindex(df.index).isin(CLEAN_CHANGES).to_numpy()
+    if changed.any():  # right captions that say less: how many are called noisy with confidence
+        row["changed_clean_mean"], row["changed_clean_doubtful"] = _mean(p[changed]), _mean(p[changed] < DOUBTFUL)
+        row["unchanged_clean_mean"] = _mean(p[clean & ~changed])
     if "owner_margin" in df.columns:  # contrast version 3: shares of pairs whose caption has a better owner
         from pairclean.calibrate.contrast import has_owner
 

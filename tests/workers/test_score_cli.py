@@ -417,7 +417,8 @@ def test_the_corpus_contrast_is_on_by_default_recorded_and_rescored_alike(make_s
     # 24 calibration pairs: fewer than MIN_GATE_PAIRS, so version 3's contrast (no bounds)
     assert ("corpus contrast: on (bank-contrast v3: caption rival x1, image rival x0.75; a caption with a better owner "
             "(another image, in the bank or the pair's shard, whose caption is at cosine >= 0.98 and which fits it better; "
-            "owner_margin > 0) keeps x0.1 of its odds; bank of 24") in text
+            "owner_margin > 0) keeps x0.1 of its odds, unless 10 or more other photos carry it and fit it plausibly "
+            "(a shared caption: no owner); bank of 24") in text
     # a version-4 record's line says where the gate acts (a floor of 0 reads 0.000, never -0.000)
     from pairclean.output.report import _contrast_line
 
