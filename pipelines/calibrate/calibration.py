@@ -255,7 +255,7 @@ def calibrate(
                                               image_copy=SAME_IMAGE_COSINE if contrast is None else contrast.image_copy_cosine)
         # under a contrast, copied captions give a floor on the near-miss share (contrast.py)
         floor = (copied_caption_share(similarities, image_emb, text_emb, min_fit=contrast.owner_min_fit,
-                                      image_copy=contrast.image_copy_cosine, repeat=contrast.repeat_carriers)
+                                      image_copy=contrast.image_copy_cosine)
                  if pair_scores is not None and contrast is not None else 0.0)
         curve = p_clean_model.fit_p_clean(sims, refs, seed, min_near_share=floor, profile=not word_check).to_json()
         level = _random_level(similarities, image_emb, text_emb)

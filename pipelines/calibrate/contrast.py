@@ -105,16 +105,6 @@ repeats ("untitled" on eight photos), and under version 3 each copy found an "ow
 photo the string fits least badly, so the copies counted as near-miss captions and the
 owners' odds factor fell on them. End to end: ``docs/hard_noise.md``, the ``boilerplate`` and
 ``placeholder`` kinds of ``benchmarks/hard_noise.py``.
-
-*Shared captions* (``repeat_carriers``, recorded in the contrast; contrasts recorded before
-it have none): a caption that ``REPEAT_CARRIERS`` or more other photos carry too (in the bank,
-or in the pair's shard), each fitting it plausibly, is a caption many photos share ("a dog",
-"A man", as scraped alt-text often is), not one written for a single other photo: it has no
-owner and is no copied caption. Without the rule such captions were called noisy with
-confidence on a clean corpus: each copy had an "owner" in whichever photo fits the short
-caption best, and the copies raised the near-miss share of every pair (Flickr8k dev,
-hard-noise kinds ``generic`` and ``short``: ``docs/hard_noise.md``). A caption borrowed from a
-look-alike photo is carried by its own photo and one or a few borrowers.
 """
 
 from __future__ import annotations
@@ -134,7 +124,7 @@ __all__ = ["RECIPE", "VERSION", "K", "CAPTION_GAMMA", "IMAGE_GAMMA", "BANK_SIZE"
            "copied_caption_share", "bank_sha256", "from_json", "rival_weights", "OWNER_COSINE", "OWNER_ODDS", "owner_p_clean",
            "table_columns", "owner_cosine_for", "OWNER_MODEL", "OWNER_SHARD_ROWS", "has_owner", "FLOOR_Z", "deviation_floor",
            "OWNER_FIT_QUANTILE", "plausible_fit", "IMAGE_COPY_COSINE_LITE", "image_copy_cosine_for",
-           "RANDOM_FIT_QUANTILE", "random_fit", "REPEAT_CARRIERS"]
+           "RANDOM_FIT_QUANTILE", "random_fit"]
 
 RECIPE: Final = "bank-contrast"
 VERSION: Final = 4
@@ -195,18 +185,6 @@ OWNER_MODEL: Final = "pairclean-lite"
 #: costs at most this many caption products however large its shard (WebDataset shards
 #: usually hold up to 10,000 pairs).
 OWNER_SHARD_ROWS: Final = 16384
-#: A caption this many other photos carry too (bank or shard, image cosine below the copy
-#: threshold, caption cosine >= ``owner_cosine``) is a repeat: no owner, no copied caption.
-#: Only carriers whose photo fits the caption at least ``owner_min_fit`` count (version 4), so
-#: boilerplate pasted over photos it fits none of keeps its owners. Measured on the hard-noise
-#: benchmark's corpora (Flickr8k dev, pairclean-lite): 10 or more other carriers held 0.8-1.7%
-#: of the pairs of ``retrieved`` (every photo with its own, its nearest image's and its nearest
-#: text's caption, where look-alike "hub" photos lend their caption to several others) and
-#: none of the other near-miss corpora, but 60-73% of the ``generic`` captions ("a dog") and
-#: 34-54% of the ``short`` ones. At 4 the rule also took 35% of ``retrieved``'s nearest-image
-#: captions (AUC 0.745 -> 0.693); counting every carrier, boilerplate at 20% lost its owners
-#: (AUC 0.982 -> 0.975).
-REPEAT_CARRIERS: Final = 10
 
 FloatArray = NDArray[np.float32]
 #: Rows of pairs scored at a time (memory: 4 x BLOCK x BANK_SIZE float32 = 64 MiB).
@@ -252,9 +230,6 @@ class Contrast:
     #: Images at least this alike are one image (or copies of it): never a rival, an owner
     #: or a copied caption's source (``image_copy_cosine_for``).
     image_copy_cosine: float = SAME_IMAGE_COSINE
-    #: A caption at least this many other photos carry is a repeat: no owner (None: no such
-    #: rule, contrasts recorded before it).
-    repeat_carriers: int | None = None
 
     def rivals(self, image_emb: NDArray[Any], text_emb: NDArray[Any],
                source: NDArray[np.int64] | None = None) -> tuple[FloatArray, FloatArray]:
@@ -327,8 +302,7 @@ class Contrast:
         (caption cosine >= ``owner_cosine``), searched among the bank's rows and among the
         first ``OWNER_SHARD_ROWS`` of the N given pairs themselves (a shard's, so corpora
         larger than the bank still find the owners their shards hold). NaN where there is
-        no owner, where the caption is a repeat (``repeat_carriers``), where the similarity is
-        NaN, and for a version 1-2 contrast. Positive: the
+        no owner, where the similarity is NaN, and for a version 1-2 contrast. Positive: the
         caption has a better owner. ``ok`` (N,):
         the pairs searched and searched for (default: finite similarities); a table passes
         its ``ok`` statuses, which its sidecar has embeddings of, so a rescore finds what the
@@ -339,11 +313,8 @@ class Contrast:
         img, txt = _f16(image_emb), _f16(text_emb)
         ok = np.isfinite(s) & (True if ok is None else np.asarray(ok, dtype=bool))
         shard = np.nonzero(ok)[0][:OWNER_SHARD_ROWS]
-        fit = np.maximum(  # NaN propagates: a caption repeated in either place has no owner
-            _best_owner_fit(img, txt, self.bank[0], self.bank[1], self.owner_cosine, self.image_copy_cosine,
-                            self.repeat_carriers, self.owner_min_fit),
-            _best_owner_fit(img, txt, img[shard], txt[shard], self.owner_cosine, self.image_copy_cosine,
-                            self.repeat_carriers, self.owner_min_fit))
+        fit = np.maximum(_best_owner_fit(img, txt, self.bank[0], self.bank[1], self.owner_cosine, self.image_copy_cosine),
+                         _best_owner_fit(img, txt, img[shard], txt[shard], self.owner_cosine, self.image_copy_cosine))
         if self.owner_min_fit is not None:  # version 4: a repeat that fits no photo well is no owner
             fit = np.where(fit >= np.float32(self.owner_min_fit), fit, -np.inf).astype(np.float32)
         out: FloatArray = np.where(ok & np.isfinite(fit), fit - s, np.nan).astype(np.float32)
@@ -361,8 +332,7 @@ class Contrast:
                 "image_gamma": self.image_gamma,
                 "mean_caption_rival": self.mean_caption_rival, "mean_image_rival": self.mean_image_rival,
                 "bank_rows": int(self.bank.shape[1]), "bank_sha256": bank_sha256(self.bank), **owner,
-                **({} if self.image_copy_cosine == SAME_IMAGE_COSINE else {"image_copy_cosine": self.image_copy_cosine}),
-                **({} if self.repeat_carriers is None or not owner else {"repeat_carriers": self.repeat_carriers})}
+                **({} if self.image_copy_cosine == SAME_IMAGE_COSINE else {"image_copy_cosine": self.image_copy_cosine})}
 
 
 def _gated(deviation: NDArray[Any], floor: float, similarity: FloatArray, rival: FloatArray,
@@ -385,13 +355,10 @@ def _gated(deviation: NDArray[Any], floor: float, similarity: FloatArray, rival:
 
 
 def _best_owner_fit(img: FloatArray, txt: FloatArray, ref_img: FloatArray, ref_txt: FloatArray, cosine: float,
-                    image_copy: float = SAME_IMAGE_COSINE, repeat: int | None = None, min_fit: float | None = None) -> FloatArray:
+                    image_copy: float = SAME_IMAGE_COSINE) -> FloatArray:
     """(N,) for each pair (rows of ``img``, ``txt``) the largest cosine of its caption with a
     reference image whose caption says the same (cosine >= ``cosine``) and that is not its
-    own image (image cosine below ``image_copy``); -inf where there is none, NaN where
-    ``repeat`` or more such references carry it and fit it at least ``min_fit`` (a caption
-    many photos share: no owner; boilerplate repeated over photos it fits none of is no such
-    caption).
+    own image (image cosine below ``image_copy``); -inf where there is none.
 
     One caption product per block; the image products only for the few caption matches
     (about 1 in 10,000 reference rows for pairclean-lite at 0.85), so a 10,000-pair shard
@@ -405,12 +372,7 @@ def _best_owner_fit(img: FloatArray, txt: FloatArray, ref_img: FloatArray, ref_t
         r = r + start
         other = np.einsum("nd,nd->n", img[r], ref_img[c]) < image_copy
         r, c = r[other], c[other]
-        fit = np.einsum("nd,nd->n", txt[r], ref_img[c]).astype(np.float32)
-        np.maximum.at(best, r, fit)
-        if repeat is not None:
-            plausible = r if min_fit is None else r[fit >= np.float32(min_fit)]
-            carriers = np.bincount(plausible - start, minlength=min(block, len(txt) - start))
-            best[start + np.nonzero(carriers >= repeat)[0]] = np.nan
+        np.maximum.at(best, r, np.einsum("nd,nd->n", txt[r], ref_img[c]).astype(np.float32))
     return best
 
 
@@ -445,8 +407,7 @@ def owner_p_clean(p_clean: NDArray[Any], margin: NDArray[Any], odds: float | Non
 
 
 def copied_caption_share(similarity: NDArray[Any], image_emb: NDArray[Any], text_emb: NDArray[Any],
-                         limit: int = BANK_SIZE, min_fit: float | None = None, image_copy: float = SAME_IMAGE_COSINE,
-                         repeat: int | None = None) -> float:
+                         limit: int = BANK_SIZE, min_fit: float | None = None, image_copy: float = SAME_IMAGE_COSINE) -> float:
     """The share of pairs (of the first ``limit``) whose caption another, different image of
     the sample carries too (caption cosine >= ``SAME_IMAGE_COSINE``, image cosine below it)
     with a higher similarity: a caption copied from a better-fitting image, so most likely
@@ -457,9 +418,7 @@ def copied_caption_share(similarity: NDArray[Any], image_emb: NDArray[Any], text
     0.108 for the most alike other caption. ``min_fit`` (version 4, ``plausible_fit``): the
     better-fitting pair counts only where its similarity reaches it, so a repeated string that
     fits none of its photos is not read as a caption copied from a better one. ``image_copy``:
-    images at least this alike are one image (``Contrast.image_copy_cosine``). ``repeat``: a
-    caption that this many other images carry, each fitting it at least ``min_fit``, is a
-    shared caption, not a copy (``Contrast.repeat_carriers``)."""
+    images at least this alike are one image (``Contrast.image_copy_cosine``)."""
     s = np.asarray(similarity, dtype=np.float32)[:limit]
     img, txt = _f16(np.asarray(image_emb)[:limit]), _f16(np.asarray(text_emb)[:limit])
     if len(s) < 2:
@@ -472,9 +431,6 @@ def copied_caption_share(similarity: NDArray[Any], image_emb: NDArray[Any], text
         if min_fit is not None:  # version 4: the better pair must fit its caption plausibly (``plausible_fit``)
             better &= s[None, :] >= np.float32(min_fit)
         beaten[rows] = (copy & better).any(1)
-        if repeat is not None:  # a caption many photos carry (and fit) was not copied from one of them
-            shared = copy if min_fit is None else copy & (s[None, :] >= np.float32(min_fit))
-            beaten[rows] &= shared.sum(1) < repeat
     return float(beaten[np.isfinite(s)].mean()) if np.isfinite(s).any() else 0.0
 
 
@@ -510,7 +466,7 @@ def fit_contrast(image_emb: NDArray[Any], text_emb: NDArray[Any], owner_cosine: 
         return None
     mean_cap, mean_im = float(np.nanmean(cap.astype(np.float64))), float(np.nanmean(im.astype(np.float64)))
     plain = Contrast(bank=bank, mean_caption_rival=mean_cap, mean_image_rival=mean_im, owner_cosine=owner_cosine,
-                     image_copy_cosine=image_copy, repeat_carriers=REPEAT_CARRIERS)
+                     image_copy_cosine=image_copy)
     if len(image_emb) < MIN_GATE_PAIRS:
         return plain  # version 3's contrast: too few pairs to place the bounds
     bounds = (deviation_floor(cap, mean_cap), deviation_floor(im, mean_im),
@@ -611,14 +567,4 @@ def from_json(doc: dict[str, Any], bank: NDArray[Any]) -> Contrast:
                     image_floor=float(doc["image_floor"]) if floors else None,
                     owner_min_fit=float(doc["owner_min_fit"]) if floors else None,
                     random_fit=float(doc["random_fit"]) if floors and "random_fit" in doc else None,
-                    image_copy_cosine=float(doc.get("image_copy_cosine", SAME_IMAGE_COSINE)),
-                    repeat_carriers=_repeat_carriers(doc.get("repeat_carriers")) if owner else None)
-
-
-def _repeat_carriers(value: Any) -> int | None:
-    """A recorded ``repeat_carriers`` (absent: None); ValueError unless a positive integer."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"the contrast's repeat_carriers must be a positive integer, not {value!r}")
-    return value
+                    image_copy_cosine=float(doc.get("image_copy_cosine", SAME_IMAGE_COSINE)))

@@ -332,6 +332,10 @@ class OutputDir:
         self._check_not_nested()
         if self.store.is_file():
             raise ForeignOutputError(f"output {self.uri} is a file, not a folder; choose a folder", uri=self.uri)
+        if not self.legacy and Store(self.side_uri, self.store.storage_options).is_file():
+            # pairclean keeps its state in that folder: a user's file there ended in "Not a directory: .../lock.json"
+            raise ForeignOutputError(f"{self.side_uri} is a file pairclean did not write, where the output's state folder "
+                                     "goes; move it, or choose another output folder", uri=self.uri)
         if self.store.exists(schema.JOB_FILE):
             return
         entries = self.store.list()
@@ -589,12 +593,12 @@ class OutputDir:
     def written_by(self, name: str, digest: str | None = None) -> bool:
         """Whether ``name`` is a Parquet file pairclean wrote (for the job ``digest`` when given)."""
         meta = self.store.parquet_metadata(name)
-        if not meta or schema.META_KEY not in meta:
+        # a JSON object under pairclean's key: anyone's Parquet file may carry the key (a
+        # hostile one with bytes that are no JSON raised a traceback from every check of a name)
+        doc = schema.json_object((meta or {}).get(schema.META_KEY))
+        if doc is None:
             return False
-        if digest is None:
-            return True
-        with_job = json.loads(meta[schema.META_KEY]).get("job")
-        return bool(with_job == digest)
+        return digest is None or doc.get("job") == digest
 
     # -- calibration ----------------------------------------------------------------------
     def read_calibration(self) -> Calibration | None:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -75,7 +74,7 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
     if spec is None and not out.committed():  # a missing path, a file, a folder of something else
         raise InputError(f"{out.uri} is not a pairclean output folder (no {out.store.url(schema.JOB_FILE)})", uri=out.uri)
     table = out.read_all_scores()
-    meta = json.loads(table.schema.metadata[schema.META_KEY])
+    meta = _job_meta(out)
     status = np.asarray(table.column(schema.COL_STATUS).to_pylist())
     ok = schema.ok_mask(status)
     sims = table.column(schema.COL_SIMILARITY).to_numpy()[ok]
@@ -128,6 +127,22 @@ def audit_map(table_doc: dict[str, Any] | None) -> dict[str, Any] | None:
     if isinstance(doc, dict) and isinstance(doc.get("knots"), dict) and isinstance(doc.get("labels"), int):
         return doc
     return None
+
+
+#: What every score table's metadata names (``output_metadata``), which the summary prints.
+_SUMMARY_KEYS: Final = ("beta", "weighting", "model")
+
+
+def _job_meta(out: OutputDir) -> dict[str, Any]:
+    """The pairclean metadata of the first committed table that carries it whole: a table
+    another tool re-saved in place (pandas drops the key) ended ``inspect`` in a KeyError
+    traceback. ``InputError`` when no table carries it."""
+    for record in out.iter_committed():
+        doc = out.table_doc(record)
+        if doc is not None and all(isinstance(doc.get(k), dict) for k in _SUMMARY_KEYS):
+            return doc
+    raise InputError(f"no table of {out.uri} carries pairclean's metadata (rewritten by another tool?): put back the "
+                     "tables pairclean wrote, or score the job again into a new folder", uri=out.uri)
 
 
 def noisy_rule_of(meta: dict[str, Any]) -> str:
@@ -272,8 +287,6 @@ def _contrast_line(doc: dict[str, Any]) -> str:
     owner = (f"; a caption with a better owner (another image, in the bank or the pair's shard, whose caption is at cosine "
              f">= {doc['owner_cosine']:g} and which fits it better; owner_margin > 0) keeps x{doc['owner_odds']:g} of its odds"
              if "owner_odds" in doc else "")
-    if owner and isinstance(doc.get("repeat_carriers"), int):
-        owner += f", unless {doc['repeat_carriers']} or more other photos carry it and fit it plausibly (a shared caption: no owner)"
     gate = (f"; a caption rival more than {abs(float(doc['caption_floor'])):.3f} (an image rival more than "
             f"{abs(float(doc['image_floor'])):.3f}) below its mean lifts a pair only as far as the pair beats it"
             if isinstance(doc.get("caption_floor"), (int, float)) and isinstance(doc.get("image_floor"), (int, float)) else "")

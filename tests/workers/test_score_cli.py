@@ -244,6 +244,14 @@ def test_bad_input_gives_clear_errors_and_exit_codes(make_shards, tmp_path: Path
     assert err.startswith("error: ") and str(tmp_path / "a-file") in err and "Traceback" not in err and err.count("\n") == 1
     assert "is a file, not a folder" in err and (tmp_path / "a-file").read_text() == "x"
     assert not Path(f"{tmp_path / 'a-file'}{schema.SIDE_SUFFIX}").exists()  # refused before anything was scored
+    # A user's file where the state folder goes (OUT.pairclean): named, kept, nothing written
+    # (it ended in "Not a directory: .../lock.json")
+    side = Path(f"{tmp_path / 'o4'}{schema.SIDE_SUFFIX}")
+    side.write_text("mine")
+    assert _score(good, tmp_path / "o4") == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and f"{side} is a file pairclean did not write" in err
+    assert side.read_text() == "mine" and not (tmp_path / "o4").exists()
     # Counts that cannot run (--calibration-pairs 0 used to report SUCCEEDED), a fraction
     # outside [0, 1], a lock that never expires, a storage option without "=": usage errors
     # (exit 2, as README says of every usage error; the counts exited 1), one line, nothing written
@@ -417,8 +425,7 @@ def test_the_corpus_contrast_is_on_by_default_recorded_and_rescored_alike(make_s
     # 24 calibration pairs: fewer than MIN_GATE_PAIRS, so version 3's contrast (no bounds)
     assert ("corpus contrast: on (bank-contrast v3: caption rival x1, image rival x0.75; a caption with a better owner "
             "(another image, in the bank or the pair's shard, whose caption is at cosine >= 0.98 and which fits it better; "
-            "owner_margin > 0) keeps x0.1 of its odds, unless 10 or more other photos carry it and fit it plausibly "
-            "(a shared caption: no owner); bank of 24") in text
+            "owner_margin > 0) keeps x0.1 of its odds; bank of 24") in text
     # a version-4 record's line says where the gate acts (a floor of 0 reads 0.000, never -0.000)
     from pairclean.output.report import _contrast_line
 
@@ -678,6 +685,15 @@ def test_overwrite_keeps_a_file_a_user_put_in_a_tables_place(make_shards, tmp_pa
     assert "--overwrite deleted nothing" in err
     after = {p: p.read_bytes() for p in (*out.iterdir(), *Path(f"{out}{schema.SIDE_SUFFIX}").rglob("*")) if p.is_file()}
     assert {p: b for p, b in after.items() if p.name != "lock.json"} == {p: b for p, b in before.items() if p.name != "lock.json"}
+    # a file under pairclean's metadata key that holds no JSON object is not pairclean's either
+    # (each check of the name raised a JSON traceback)
+    for garbage, flags, code in ((b"{not json", ("--overwrite",), 1), (b"[1, 2]", ("--overwrite",), 1),
+                                 (b"{not json", (), 3)):  # --overwrite refuses; a rerun fails that shard alone
+        pq.write_table(pa.table({"key": ["my"]}).replace_schema_metadata({schema.META_KEY: garbage}), mine)
+        assert _score([str(s) for s in shards], out, *flags) == code
+        err = capsys.readouterr().err
+        assert "part-00000.parquet exists and was not written by pairclean" in err and "Traceback" not in err
+        assert pq.read_schema(mine).metadata[schema.META_KEY] == garbage
 
 
 def test_review_of_round_6_duplicate_keys_json_surrogates_and_sidecars(dev_images: list, tmp_path: Path,
@@ -928,3 +944,22 @@ def test_a_batch_job_serves_the_service_metric_families_while_it_runs(make_shard
     err = capsys.readouterr().err
     assert f"--metrics-port {busy}: cannot listen on 127.0.0.1" in err and "Traceback" not in err
     assert not (tmp_path / "o2").exists()
+
+
+def test_inspect_names_tables_another_tool_rewrote(make_shards, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A table re-saved in place by pandas (which drops pairclean's metadata key) ended
+    ``inspect`` in a KeyError traceback. With another table whole, the summary reads that
+    one's record; with none, one line saying what happened."""
+    import pandas as pd
+
+    shards = make_shards(n_shards=2, per_shard=6)
+    out = tmp_path / "out"
+    assert _score([str(s) for s in shards], out) == 0
+    pd.read_parquet(out / "part-00000.parquet").to_parquet(out / "part-00000.parquet", index=False)
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    assert capsys.readouterr().out.startswith("shards: 2/2 committed, pairs: 12")
+    pd.read_parquet(out / "part-00001.parquet").to_parquet(out / "part-00001.parquet", index=False)
+    assert main(["inspect", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: no table of ") and "carries pairclean's metadata" in err and err.count("\n") == 1
