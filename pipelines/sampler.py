@@ -54,20 +54,28 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def read_table_columns(path: Path, columns: list[str], optional: tuple[str, ...] = ()) -> Any:
-    """``columns`` (and those of ``optional`` the file has) of the score table at ``path``;
-    ``InputError`` naming the file where it is not such a table (pyarrow's own error is a
-    traceback), and a FIFO under its name is refused before any read (it hung the reader)."""
+def read_table_columns(path: Path, columns: list[str], optional: tuple[str, ...] = (), data: bytes | None = None) -> Any:
+    """``columns`` (and those of ``optional`` the file has) of the score table at ``path``
+    (or of its bytes ``data``, read already); ``InputError`` naming the file where it is not
+    such a table (pyarrow's own error is a traceback), and a FIFO under its name is refused
+    before any read (it hung the reader)."""
+    import io
+
     import pyarrow as pa
 
     try:
-        with open_regular(path) as fh:
+        with (open_regular(path) if data is None else io.BytesIO(data)) as fh:
             names = pq.read_schema(fh).names if optional else []
             fh.seek(0)
             return pq.read_table(fh, columns=columns + [c for c in optional if c in names])
     except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
         wanted = ", ".join(columns[:-1]) + f" and {columns[-1]}"
         raise InputError(f"{path} is not a readable pairclean table with {wanted} ({first_line(exc)})", uri=str(path)) from None
+
+
+#: One shard's rows as ``WeightStore`` holds them: (weight, noisy) by key, and the byte sizes
+#: of each key's image and caption members as scored (where the table records them).
+_Rows = tuple[dict[str, tuple[float, bool]], dict[str, int], dict[str, int]]
 
 MODES = ("loss", "sample", "keep", "pseudo")
 MISSING_POLICIES = ("error", "skip", "default")
@@ -80,8 +88,12 @@ PSEUDO_KEY = "__pairclean_pseudo__"
 class WeightStore:
     """Weights and noisy flags of one job's output folder, loaded lazily per shard.
 
-    ``get(url, key)`` -> ``(weight, noisy)`` or None when the shard or key has no row
-    (a shard with no output file counts as missing, not as an error).
+    ``get(url, key)`` -> ``(weight, noisy)`` or None when the shard or key has no row.
+    Only the tables of the job's committed shards are read, each checked against its
+    completion record (the SHA-256 pairclean wrote): a shard with no committed table (not
+    scored, scoring failed, not yet recorded by a run still going or killed) counts as
+    missing, not as an error; a committed table changed since (edited, re-saved by another
+    tool) is an ``InputError``.
     """
 
     def __init__(self, output_dir: str | os.PathLike[str], max_cached_shards: int = 64) -> None:
@@ -95,9 +107,12 @@ class WeightStore:
                              "give the --out of `pairclean score`", uri=str(self.root))
         self._refuse_interrupted_rewrite()
         self.max_cached = max_cached_shards
-        self._cache: dict[str, tuple[dict[str, tuple[float, bool]], dict[str, int]]] = {}
+        self._cache: dict[str, _Rows] = {}
+        self._committed: dict[str, Any] | None = None
+        self._caption_ext = _caption_ext(self.root)
         self._warned: set[str] = set()
         self._warned_keys: set[str] = set()
+        self._warned_decoded = False
 
     def _refuse_interrupted_rewrite(self) -> None:
         """``InputError`` while a rescore, refine or audit rewrites the tables, or after one
@@ -107,15 +122,32 @@ class WeightStore:
                              "interrupted while rewriting the tables (some hold its weights, some the earlier ones): let it "
                              "finish, or run it again, before training", uri=str(self.root))
 
-    def _load(self, stem: str) -> tuple[dict[str, tuple[float, bool]], dict[str, int]]:
+    def _records(self) -> dict[str, Any]:
+        """The job's committed shards by stem (``OutputDir.committed``), read once per store
+        and per DataLoader worker (the stage is copied without them). Why: a table in OUT is
+        not a shard's weights until its run recorded it; a quarantined shard's old table, or
+        one a killed run wrote and never recorded, was served as if it were."""
+        if self._committed is None:
+            from pairclean.output.folder import OutputDir
+
+            self._committed = OutputDir(str(self.root)).committed()
+        return self._committed
+
+    def served(self, stem: str) -> bool:
+        """Whether shard ``stem`` has a committed table here (its samples are joined to it)."""
+        return stem in self._records() and (self.root / f"{stem}.parquet").exists()
+
+    def _load(self, stem: str) -> _Rows:
         if stem in self._cache:
             return self._cache[stem]
         # Again at each shard's first read, not only when the stage was built: DataLoader
         # workers copy the stage every epoch, and a rescore may have begun rewriting since.
         self._refuse_interrupted_rewrite()
         path = self.root / f"{stem}.parquet"
-        rows = self._read(path, stem) if path.exists() else ({}, {})
-        if not path.exists():
+        if self.served(stem):
+            rows = self._read(path, stem, self._records()[stem])
+        else:
+            rows = ({}, {}, {})
             self._say_missing(stem)
         if len(self._cache) >= self.max_cached:
             self._cache.pop(next(iter(self._cache)))  # shards stream in order: drop the oldest
@@ -123,8 +155,9 @@ class WeightStore:
         return rows
 
     def why_missing(self, stem: str) -> str:
-        """Why shard ``stem`` has no table here: its scoring failed (with the error recorded),
-        or the job never scored a shard of that name."""
+        """Why shard ``stem`` has no committed table here: its scoring failed (with the error
+        recorded), its table is not recorded (a run still going, or stopped before it
+        recorded the shard), or the job never scored a shard of that name."""
         failed = Path(local_side_path(self.root, f"{FAILED_DIR}/{stem}.json"))
         if failed.is_file():
             try:
@@ -132,6 +165,9 @@ class WeightStore:
             except (ValueError, OSError, AttributeError, IndexError):
                 error = "see its failure record"
             return f"its scoring failed ({error}); score it again, or leave the shard out of training"
+        if (self.root / f"{stem}.parquet").exists():
+            return ("its table is not recorded as committed: the job is still running, or a run was stopped before it "
+                    "recorded the shard; run the job's `pairclean score` again to finish it")
         return "the job scored no shard of that name (another folder's, or renamed since?)"
 
     def say_unknown_key(self, stem: str, key: str, missing: str) -> None:
@@ -142,7 +178,7 @@ class WeightStore:
         if stem in self._warned_keys:
             return
         self._warned_keys.add(stem)  # looked at once per shard, warned or not (a table-less shard has its own warning)
-        if (self.root / f"{stem}.parquet").exists():
+        if self.served(stem):
             log.warning("shard %r: key %r (and maybe more) has no row in %s; such samples follow missing=%r: "
                         "the shard changed since it was scored, or its table lost rows (score it again)",
                         stem, key, self.root / f"{stem}.parquet", missing)
@@ -154,14 +190,27 @@ class WeightStore:
             log.warning("no pairclean table for shard %r in %s: %s", stem, self.root, self.why_missing(stem))
 
     @staticmethod
-    def _read(path: Path, stem: str) -> tuple[dict[str, tuple[float, bool]], dict[str, int]]:
-        """One shard's weights by key, checked (``InputError`` naming the file): readable
+    def _read(path: Path, stem: str, record: Any) -> _Rows:
+        """One shard's weights by key, checked (``InputError`` naming the file): the bytes its
+        completion ``record`` names (a table edited or re-saved since was served as the
+        job's weights; export and WeightStage disagreed with what a rerun then did); readable
         Parquet with key, weight and noisy; weights per ``checked_weights``; no key twice
         (which row would win?); and a ``shard`` column, where present, naming this shard (a
         table copied under another shard's name would join the wrong pairs). Also the byte
-        size of each key's image member as scored, where the table has it (``image_size``)."""
+        sizes of each key's image and caption members as scored, where the table has them."""
         where = str(path)
-        table = read_table_columns(path, ["key", "weight", "noisy"], optional=("shard", "status", "image_size"))
+        try:
+            with open_regular(path) as fh:  # a FIFO under the table's name is refused, never read (it hung the reader)
+                data = fh.read()
+        except OSError as exc:
+            raise InputError(f"{where} is not a readable pairclean table ({first_line(exc)})", uri=where) from None
+        if len(data) != record.bytes or hashlib.sha256(data).hexdigest() != record.sha256:
+            raise InputError(f"{where} changed since pairclean wrote it ({record.bytes} bytes then, {len(data)} now; edited "
+                             "or saved again by another tool?): these are not the job's weights; put back the table "
+                             "pairclean wrote, or move it away and run the job's `pairclean score` again, which scores "
+                             "that shard again", uri=where)
+        table = read_table_columns(path, ["key", "weight", "noisy"], optional=("shard", "status", "image_size", "caption_size"),
+                                   data=data)
         weights = checked_weights(table.column("weight"), where)
         keys = table.column("key").to_pylist()
         noisy = table.column("noisy")
@@ -180,10 +229,7 @@ class WeightStore:
         # A key the shard holds twice names two samples the trainer cannot tell apart:
         # neither is weighted up (weight 0, noisy).
         rows.update({k: (0.0, True) for k in repeated})
-        sizes: dict[str, int] = {}
-        if "image_size" in table.column_names:
-            sizes = {k: int(n) for k, n in zip(keys, table.column("image_size").to_pylist()) if n is not None and k not in repeated}
-        return rows, sizes
+        return rows, _sizes(table, "image_size", keys, repeated), _sizes(table, "caption_size", keys, repeated)
 
     def get(self, url: str, key: str) -> tuple[float, bool] | None:
         """``(weight, noisy)`` of ``key`` in ``url``'s shard, or None. The key as the table
@@ -195,31 +241,80 @@ class WeightStore:
         """The byte size of the image member scored for ``key`` of ``url``'s shard (None: not recorded)."""
         return self._load(shard_stem(url))[1].get(utf8_text(key)[0])
 
+    def caption_size(self, url: str, key: str) -> int | None:
+        """The byte size of the member the caption of ``key`` of ``url``'s shard was read from (None: not recorded)."""
+        return self._load(shard_stem(url))[2].get(utf8_text(key)[0])
+
     def check_image(self, sample: dict[str, Any], url: str, key: str) -> None:
-        """``InputError`` when ``sample``'s undecoded image member (``jpg``, ``png``, ...) has
+        """``InputError`` when ``sample``'s undecoded image member (``jpg``, ``png``, ...), or
+        the member its caption was read from (``txt``, or the job's ``--caption-field``), has
         another byte size than the one scored for its key: these weights belong to another
         shard of the same name (img2dataset names every folder's shards 00000.tar, ... and
-        their keys 000000000, ...), or the shard changed since it was scored. Decoded
-        images (the stage placed after ``decode``) are not checked."""
+        their keys 000000000, ...), or the shard changed since it was scored (captions
+        rewritten in place kept the weights of the old ones). Decoded members (the stage
+        placed after ``decode``) are not checked; the first such sample says so once."""
+        where = self.root / (shard_stem(url) + ".parquet")
         expected = self.image_size(url, key)
-        if expected is None:
-            return
-        for ext in IMAGE_EXTS:
+        for ext in IMAGE_EXTS if expected is not None else ():
             value = sample.get(ext)
             if isinstance(value, (bytes, bytearray, memoryview)):
                 if len(value) != expected:
                     raise InputError(
                         f"sample {key!r} of {url!r}: its {ext} member has {len(value)} bytes, the image scored for this key "
-                        f"in {self.root / (shard_stem(url) + '.parquet')} had {expected}: these are the weights of another "
+                        f"in {where} had {expected}: these are the weights of another "
                         "shard of the same name, or the shard changed since it was scored (score it again)", uri=url)
-                return
+                break
+            if value is not None:
+                self._say_decoded(ext)
+                break
+        expected = self.caption_size(url, key)
+        value = sample.get(self._caption_ext) if self._caption_ext is not None and expected is not None else None
+        if isinstance(value, (bytes, bytearray, memoryview)) and len(value) != expected:
+            raise InputError(
+                f"sample {key!r} of {url!r}: its {self._caption_ext} member has {len(value)} bytes, the caption scored for "
+                f"this key in {where} had {expected}: the shard's captions changed since it was scored (these weights judge "
+                "the old ones: score it again), or these are the weights of another shard of the same name", uri=url)
+
+    def _say_decoded(self, ext: str) -> None:
+        """Warn once that samples arrive decoded: their members cannot be checked against the
+        scored sizes (another folder's shard of the same name would take these weights)."""
+        if not self._warned_decoded:
+            self._warned_decoded = True
+            log.warning("WeightStage sees decoded samples (%s is not bytes): it cannot check that each sample is the one "
+                        "scored (another folder's shard of the same name, or a shard changed since, would take these "
+                        "weights); place it before decode for that check", ext)
 
     def __getstate__(self) -> dict[str, Any]:
         # Workers get the configuration, not the parent's cache: pickles stay small under
         # spawn/forkserver and each worker loads only the shards it reads.
         state = self.__dict__.copy()
-        state["_cache"] = {}
+        state["_cache"], state["_committed"] = {}, None
         return state
+
+
+def _sizes(table: Any, column: str, keys: list[str], repeated: Iterable[str]) -> dict[str, int]:
+    """Each key's member size in ``column`` of ``table`` (keys held twice and nulls left out;
+    none where the table has no such column)."""
+    if column not in table.column_names:
+        return {}
+    twice = set(repeated)
+    return {k: int(n) for k, n in zip(keys, table.column(column).to_pylist()) if n is not None and k not in twice}
+
+
+def _caption_ext(root: Path) -> str | None:
+    """The member a job's captions were read from, by the ``caption_field`` of its job record:
+    ``txt`` (the default), the member a leading dot names (``.caption``), or ``json`` (a
+    field of the json member); None where the record cannot be read (no caption check)."""
+    from pairclean.schema import caption_member
+
+    try:
+        doc = json.loads(Path(local_side_path(root, JOB_FILE)).read_text())
+        field = doc["spec"].get("caption_field")
+        if field is not None and not isinstance(field, str):
+            return None
+        return "txt" if field is None else caption_member(field) or "json"
+    except (ValueError, OSError, KeyError, TypeError, AttributeError, InputError):
+        return None
 
 
 def _output_folder(uri: str) -> str:
@@ -257,8 +352,10 @@ class WeightStage:
     Contract: ``stage(samples)`` yields the samples it keeps, each with
     ``sample[weight_key]`` = its Parquet row's ``weight`` (float). Place it anywhere in a
     ``wds.DataPipeline`` (or ``.compose(stage)``) where samples are still dicts with
-    ``__key__`` and ``__url__``: before or after ``decode``, before ``rename(keep=False)``
-    and ``to_tuple``; then name ``WEIGHT_KEY`` in those (``wds.to_tuple("jpg", "txt",
+    ``__key__`` and ``__url__``: before or after ``decode`` (before it, each sample's image
+    and caption bytes are checked against the sizes scored for its key; after it they cannot
+    be, and the first decoded sample says so), before ``rename(keep=False)`` and
+    ``to_tuple``; then name ``WEIGHT_KEY`` in those (``wds.to_tuple("jpg", "txt",
     WEIGHT_KEY)``). The stem of ``__url__`` comes from ``pairclean.uris.shard_stem``, so
     ``pipe:`` commands, query strings and every scheme join to the same Parquet file.
 
@@ -351,7 +448,7 @@ class WeightStage:
         else:
             if self.missing == "error":
                 stem = shard_stem(url)
-                why = self.store.why_missing(stem) if not (self.store.root / f"{stem}.parquet").exists() else "the shard's table has no such key"
+                why = "the shard's table has no such key" if self.store.served(stem) else self.store.why_missing(stem)
                 raise KeyError(f"no pairclean weight for key {key!r} of shard {url!r} (stem {stem!r}) in {self.store.root}: {why}")
             self.store.say_unknown_key(shard_stem(url), key, self.missing)
             if self.missing == "skip":

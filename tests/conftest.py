@@ -159,6 +159,35 @@ def tiny_judge() -> Callable[..., Path]:
     return make
 
 
+def commit_tables(folder: Path) -> Path:
+    """Record every ``*.parquet`` in ``folder`` as a committed shard of its job, as a run's
+    completion records do, for tests that write score tables by hand: the trainer-side
+    readers serve only committed tables, each checked against its record's SHA-256."""
+    import hashlib
+    from dataclasses import replace
+
+    import pyarrow.parquet as pq
+
+    from pairclean.output.folder import OutputDir, ShardRecord
+
+    out = OutputDir(str(folder))
+    known = out.committed()
+    for table in sorted(folder.glob("*.parquet")):
+        data = table.read_bytes()
+        now = {"rows": pq.read_metadata(table).num_rows, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        record = known.get(table.stem)  # a table a test rewrote keeps its record, with the new bytes (as a rescore's)
+        out.record_completion(replace(record, **now) if record is not None else
+                              ShardRecord(shard=f"/data/{table.stem}.tar", stem=table.stem, size=None, output=table.name,
+                                          statuses={}, **now))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def committed() -> Callable[[Path], Path]:
+    """``commit_tables``, as a fixture (test modules do not import each other)."""
+    return commit_tables
+
+
 @pytest.fixture
 def img2dataset_folder(tmp_path: Path) -> Path:
     """``write_img2dataset_folder(tmp_path / "img2dataset")``."""

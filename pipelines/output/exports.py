@@ -32,7 +32,7 @@ from numpy.typing import NDArray
 
 from pairclean import schema
 from pairclean.errors import InputError, first_line, printable
-from pairclean.output.folder import OutputDir, enclosing_output, is_output
+from pairclean.output.folder import OutputDir, ShardRecord, enclosing_output, is_output
 from pairclean.storage import Store, open_regular
 from pairclean.uris import LOCAL_SCHEMES, LOCAL_WRITE_ROOTS_ENV, check_local_root, local_path, scheme_of, shard_stem
 
@@ -105,6 +105,18 @@ def export(
         lock.release()
 
 
+def _check_as_written(out: OutputDir, record: ShardRecord, listed: dict[str, dict[str, int]]) -> None:
+    """``InputError`` where ``record``'s table is not the size pairclean wrote: a table edited
+    in place (weights changed with pandas or pyarrow) was exported as the job's weights, while
+    a rerun called it "not written by pairclean" and left it."""
+    size = out.changed_size(record, listed)
+    if size is not None:
+        where = out.store.url(record.output)
+        raise InputError(f"{where} changed since pairclean wrote it ({record.bytes} bytes then, {size} now; edited or saved "
+                         "again by another tool?): its weights are not the job's and are not exported; put back the table "
+                         "pairclean wrote, or move it away and score the job again, which scores that shard again", uri=where)
+
+
 def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], sizes_beside_shards: bool,
                    skip_bad_uids: bool, refresh: bool = False) -> ExportReport:
     """The export (``export``'s contract). ``refresh``: the options come from the job's own
@@ -122,7 +134,9 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
     datacomp = False  # whether any row (kept or not) carries a DataComp uid: the job has a keep list, maybe empty
     shard_folders: list[str] = []
     remote_shards = 0
+    listed: dict[str, dict[str, int]] = {}
     for record in out.iter_committed():
+        _check_as_written(out, record, listed)
         table = out.read_scores(record)
         name = PurePosixPath(record.shard).name
         ok = schema.ok_mask(table)

@@ -522,9 +522,8 @@ class OutputDir:
                                  "put back the table pairclean wrote, or score the job again into a new folder", uri=where)
             # ... and one changed in place with pyarrow (which keeps the metadata): a column a
             # user added was dropped without a word, as the rewrite builds its own columns.
-            folder, _, base = record.output.rpartition("/")
-            size = listed.setdefault(folder, self.store.sizes(folder)).get(base)
-            if not resuming and size is not None and size != record.bytes:
+            size = self.changed_size(record, listed)
+            if not resuming and size is not None:
                 raise InputError(f"{where} changed since pairclean wrote it ({record.bytes} bytes then, {size} now: a column "
                                  f"added, rows edited?): a `pairclean {verb}` would rebuild it from its own columns and lose "
                                  "the change; keep your copy elsewhere and put back the table pairclean wrote (or score the "
@@ -589,6 +588,14 @@ class OutputDir:
         """The pairclean metadata document of a committed shard's table (footer only), or
         None where it cannot be read."""
         return schema.json_object((self.store.parquet_metadata(record.output) or {}).get(schema.META_KEY))
+
+    def changed_size(self, record: ShardRecord, listed: dict[str, dict[str, int]]) -> int | None:
+        """The byte size of ``record``'s table where it is not the size pairclean wrote (the
+        table changed since: edited, saved again by another tool), else None (also where it is
+        gone). ``listed``: folder listings by folder, filled as needed (one listing a folder)."""
+        folder, _, base = record.output.rpartition("/")
+        size = listed.setdefault(folder, self.store.sizes(folder)).get(base)
+        return size if size is not None and size != record.bytes else None
 
     def written_by(self, name: str, digest: str | None = None) -> bool:
         """Whether ``name`` is a Parquet file pairclean wrote (for the job ``digest`` when given)."""
@@ -953,7 +960,9 @@ class OutputDir:
         extra = bool(columns) and schema.COL_SHARD not in (columns or [])
         table = self._read_table(record.output, [*columns, schema.COL_SHARD] if columns and extra else columns or None, _SCORE_COLUMNS)
         where = self.store.url(record.output)
-        fix = "score the job again with the same arguments to replace it" if self.store.local else "score the shard again"
+        # move it away first: a rerun never replaces a table another tool saved (it is not pairclean's)
+        fix = ("move it away and score the job again with the same arguments, which scores that shard again"
+               if self.store.local else "score the shard again")
         if table.num_rows != record.rows:
             raise InputError(f"{where} holds {table.num_rows} rows, and the record of shard {record.shard!r} {record.rows}: "
                              f"the table was changed after pairclean wrote it ({fix})", uri=where)

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -144,7 +145,8 @@ def _losses(run: subprocess.CompletedProcess[str]) -> list[float]:
 
 
 @pytest.mark.slow
-def test_open_clip_train_runs_unedited_with_the_weights_in_each_mode(weights: Path, tmp_path: Path) -> None:
+def test_open_clip_train_runs_unedited_with_the_weights_in_each_mode(weights: Path, tmp_path: Path,
+                                                                     committed: Callable[[Path], Path]) -> None:
     table = pq.read_table(weights / "demo-000000.parquet")
     kept = sum(1 for r in table.to_pylist() if r["status"] == "ok" and not r["noisy"])
     for mode in ("weight", "keep", "sample"):
@@ -157,14 +159,20 @@ def test_open_clip_train_runs_unedited_with_the_weights_in_each_mode(weights: Pa
         if mode == "keep":
             assert f"--train-num-samples {kept} (keep mode" in run.stderr
     # The loss is the weighted one: with every weight 0, every step's loss is exactly 0.
+    # (recorded as the job's, as a rewrite by pairclean is: an edited table is refused)
+    original = (weights / "demo-000000.parquet").read_bytes()
     zeroed = table.set_column(table.schema.get_field_index("weight"), "weight", pa.array(np.zeros(table.num_rows, np.float32)))
     pq.write_table(zeroed, weights / "demo-000000.parquet")
     try:
+        run = _train(weights, tmp_path / "edited")
+        assert run.returncode != 0 and "demo-000000.parquet changed since pairclean wrote it" in run.stderr
+        committed(weights)
         run = _train(weights, tmp_path / "zero")
         assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
         assert _losses(run) and all(v == 0.0 for v in _losses(run))
     finally:
-        pq.write_table(table, weights / "demo-000000.parquet")
+        (weights / "demo-000000.parquet").write_bytes(original)
+        committed(weights)
 
 
 def test_refusals_are_one_line_before_training(weights: Path, tmp_path: Path) -> None:

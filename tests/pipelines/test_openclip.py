@@ -17,6 +17,7 @@ import io
 import multiprocessing
 import pickle
 from argparse import Namespace
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +42,9 @@ def _version(v: str) -> tuple[int, ...]:
 
 
 @pytest.fixture(scope="module")
-def weighted(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], Path, dict[tuple[str, str], tuple[float, bool]]]:
-    """Four real shards (32 px JPEGs, captions) and their score tables, distinct weights."""
+def weighted(tmp_path_factory: pytest.TempPathFactory,
+             committed: Callable[[Path], Path]) -> tuple[list[str], Path, dict[tuple[str, str], tuple[float, bool]]]:
+    """Four real shards (32 px JPEGs, captions) and their score tables, distinct weights, committed."""
     root = tmp_path_factory.mktemp("oc")
     out = root / "out"
     out.mkdir()
@@ -69,7 +71,7 @@ def weighted(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], Path,
             out / f"{shard_stem(str(path))}.parquet",
         )
         rows.update({(shard_stem(str(path)), k): (float(w), bool(w < 0.3)) for k, w in zip(keys, weights)})
-    return urls, out, rows
+    return urls, committed(out), rows
 
 
 def _check(got: list[tuple[str, str, float]], rows: dict) -> None:

@@ -375,6 +375,66 @@ def test_weights_of_another_shard_of_the_same_name_are_refused_not_joined(scored
     assert len(pipeline(other, wds.decode("pil"), weight_stage(out, "loss"))) == 10
 
 
+def _copy_job(out: Path, to: Path) -> Path:
+    """A copy of the job ``out`` (its tables and its side folder) at ``to``."""
+    shutil.copytree(out, to)
+    shutil.copytree(f"{out}{schema.SIDE_SUFFIX}", f"{to}{schema.SIDE_SUFFIX}")
+    return to
+
+
+def test_captions_rewritten_in_place_are_refused_before_decode(scored, tmp_path: Path, dev_images: list,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Re-captioning shards while keeping their images and keys is common: the old weights
+    (which judged the old captions) were served to the new ones; only the image's size was
+    compared. After decode nothing can be compared: said once."""
+    wds = pytest.importorskip("webdataset")
+    from pairclean.errors import InputError
+    from pairclean.lite.evaldata import write_shard
+
+    out, shards = scored
+    recaptioned = write_shard(tmp_path / "recaptioned" / shards[0].name, [
+        {"__key__": f"k0-{i:03d}", "jpg": dev_images[i].path.read_bytes(), "txt": dev_images[50 + i].captions[0],
+         "json": {"uid": f"{i:032x}"}} for i in range(10)])
+
+    def pipeline(*stages: object) -> list:
+        return list(wds.DataPipeline(wds.SimpleShardList([str(recaptioned)]), wds.tarfile_to_samples(), *stages))
+
+    with pytest.raises(InputError, match="its txt member has .* bytes, the caption scored for this key .* had"):
+        pipeline(weight_stage(out, "loss"))
+    assert len(pipeline(wds.decode("pil"), weight_stage(out, "loss"))) == 10
+    assert caplog.text.count("WeightStage sees decoded samples") == 1
+
+
+def test_only_committed_tables_are_served_and_each_as_pairclean_wrote_it(scored, tmp_path: Path) -> None:
+    """A table edited in place was served (and exported) as the job's weights while a rerun
+    called it someone else's; a table no run recorded (a killed run's, a failed rerun's) was
+    served as if it were committed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pairclean.errors import InputError
+    from pairclean.output.exports import export
+    from pairclean.output.folder import OutputDir
+
+    out, shards = scored
+    edited = _copy_job(out, tmp_path / "edited")
+    table = pq.read_table(edited / "sh-00000.parquet")
+    flipped = pa.array(1 - table.column("weight").to_numpy(), pa.float32())
+    pq.write_table(table.set_column(table.schema.get_field_index("weight"), "weight", flipped), edited / "sh-00000.parquet")
+    with pytest.raises(InputError, match="sh-00000.parquet changed since pairclean wrote it"):
+        list(WeightStage(edited, "loss")(_samples(shards)[:1]))
+    assert len(list(WeightStage(edited, "loss")(_samples(shards)[10:]))) == 10  # the other shard is as written
+    with pytest.raises(InputError, match="sh-00000.parquet changed since pairclean wrote it .* not exported"):
+        export(OutputDir(str(edited)))
+    unrecorded = _copy_job(out, tmp_path / "unrecorded")
+    side = Path(f"{unrecorded}{schema.SIDE_SUFFIX}")
+    for folder in (side / "state" / "manifest", side / "state" / "completions"):
+        shutil.rmtree(folder, ignore_errors=True)  # as a run killed before it recorded anything left it
+    with pytest.raises(KeyError, match="its table is not recorded as committed"):
+        list(WeightStage(unrecorded, "loss")(_samples(shards)[:1]))
+    assert [s[schema_weight_key()] for s in WeightStage(unrecorded, "loss", missing="default", default=0.25)(_samples(shards))] == [0.25] * 20
+
+
 def test_export_sizes_where_open_clip_looks_and_never_over_foreign_files(scored, tmp_path: Path, capsys) -> None:
     """open_clip reads sizes.json from the first shard's folder: written there only when asked."""
     import pyarrow.parquet as pq

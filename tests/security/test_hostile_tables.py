@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -163,14 +164,17 @@ def _output_folder(folder: Path) -> Path:
     return folder
 
 
-def _weights_table(folder: Path, weights: list[float | None], keys: list[str] | None = None, shard: str | None = None) -> Path:
+def _weights_table(folder: Path, weights: list[float | None], keys: list[str] | None = None, shard: str | None = None,
+                   commit: Callable[[Path], Path] | None = None) -> Path:
+    """A hand-made score table ``s-000.parquet`` in a job's folder, recorded as committed by
+    ``commit`` (the ``committed`` fixture) when given."""
     _output_folder(folder)
     keys = keys or [f"k{i}" for i in range(len(weights))]
     columns = {"key": keys, "weight": pa.array(weights, type=pa.float32()), "noisy": [False] * len(keys)}
     if shard is not None:
         columns["shard"] = [shard] * len(keys)
     pq.write_table(pa.table(columns), folder / "s-000.parquet")
-    return folder
+    return folder if commit is None else commit(folder)
 
 
 @pytest.mark.parametrize("weights,keys,shard,message", [
@@ -183,16 +187,16 @@ def _weights_table(folder: Path, weights: list[float | None], keys: list[str] | 
     ([0.5, 0.7], None, "/data/s-999.tar", "belong to shard"),
 ])
 def test_weight_stage_refuses_damaged_tables(tmp_path: Path, weights: list[float | None], keys: list[str] | None,
-                                             shard: str | None, message: str) -> None:
+                                             shard: str | None, message: str, committed: Callable[[Path], Path]) -> None:
     from pairclean.sampler import WeightStage
 
-    stage = WeightStage(_weights_table(tmp_path / "w", weights, keys, shard), "sample")
+    stage = WeightStage(_weights_table(tmp_path / "w", weights, keys, shard, committed), "sample")
     with pytest.raises(InputError, match="s-000.parquet") as info:
         list(stage([{"__key__": "k0", "__url__": "/data/s-000.tar"}]))
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
-def test_a_key_the_shard_held_twice_is_weighted_zero_not_a_broken_table(tmp_path: Path) -> None:
+def test_a_key_the_shard_held_twice_is_weighted_zero_not_a_broken_table(tmp_path: Path, committed: Callable[[Path], Path]) -> None:
     """A shard with a repeated ``__key__`` scores as an ``ok`` row and a ``duplicate_key``
     row under that key; the trainer meets both samples and cannot tell them apart."""
     from pairclean.sampler import WEIGHT_KEY, WeightStage
@@ -200,15 +204,16 @@ def test_a_key_the_shard_held_twice_is_weighted_zero_not_a_broken_table(tmp_path
     folder = _output_folder(tmp_path / "w")
     pq.write_table(pa.table({"key": ["k0", "k1", "k0"], "weight": pa.array([0.9, 0.8, 0.0], type=pa.float32()),
                              "noisy": [False, False, True], "status": ["ok", "ok", "duplicate_key"]}), folder / "s-000.parquet")
+    committed(folder)
     samples = [{"__key__": k, "__url__": "/data/s-000.tar"} for k in ("k0", "k1", "k0")]
     assert [s[WEIGHT_KEY] for s in WeightStage(folder, "loss")(samples)] == [0.0, pytest.approx(0.8), 0.0]
     assert [s["__key__"] for s in WeightStage(folder, "keep")(samples)] == ["k1"]
 
 
-def test_weight_stage_accepts_its_own_shard_and_clamps_rounding(tmp_path: Path) -> None:
+def test_weight_stage_accepts_its_own_shard_and_clamps_rounding(tmp_path: Path, committed: Callable[[Path], Path]) -> None:
     from pairclean.sampler import WEIGHT_KEY, WeightStage
 
-    stage = WeightStage(_weights_table(tmp_path / "w", [1.0000001, 0.25], shard="s3://b/s-000.tar"))
+    stage = WeightStage(_weights_table(tmp_path / "w", [1.0000001, 0.25], shard="s3://b/s-000.tar", commit=committed))
     got = [s[WEIGHT_KEY] for s in stage([{"__key__": "k0", "__url__": "/x/s-000.tar"}, {"__key__": "k1", "__url__": "/x/s-000.tar"}])]
     assert got == [1.0, 0.25]
 
@@ -238,6 +243,7 @@ def test_the_api_process_never_loads_torch(tmp_path: Path) -> None:
     assert cli.DEFAULT_MODEL == DEFAULT_MODEL  # the parser's spelled-out default is the library's
     code = f"""
 import sys
+from collections.abc import Callable
 from pairclean_service.app import create_app
 from pairclean_service.cli import add_service_parsers
 from pairclean_service.settings import ServiceSettings
