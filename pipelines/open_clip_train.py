@@ -165,15 +165,18 @@ def shard_samples(out: str | Path, train_data: str, mode: str) -> dict[str, floa
     """Per shard stem of ``train_data``, in order: the samples one pass yields in ``mode``
     (see ``expected_samples``)."""
 
-    from pairclean.sampler import read_table_columns
+    from pairclean.sampler import WeightStore, read_table_columns
     from pairclean.uris import shard_stems
 
+    store = WeightStore(out)  # the tables WeightStage serves: committed ones, as pairclean wrote them
     counts: dict[str, float] = {}
     for stem in shard_stems(train_data):
         path = Path(out) / f"{stem}.parquet"
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: the pairclean job in {out} did not score shard {stem!r} of --train-data")
-        table = read_table_columns(path, ["key", "status", "weight", "noisy"])
+        if not store.served(stem):
+            raise FileNotFoundError(f"{path}: no committed table for shard {stem!r} of --train-data: {store.why_missing(stem)}")
+        table = read_table_columns(path, ["key", "status", "weight", "noisy"], data=store.table_bytes(stem))
         status = np.asarray(table.column("status").to_pylist(), dtype=object)
         keys = table.column("key").to_pylist()
         repeated = schema.repeated_keys(keys, status.tolist())

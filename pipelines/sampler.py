@@ -145,7 +145,7 @@ class WeightStore:
         self._refuse_interrupted_rewrite()
         path = self.root / f"{stem}.parquet"
         if self.served(stem):
-            rows = self._read(path, stem, self._records()[stem])
+            rows = self._read(path, stem, self.table_bytes(stem))
         else:
             rows = ({}, {}, {})
             self._say_missing(stem)
@@ -189,19 +189,16 @@ class WeightStore:
             self._warned.add(stem)
             log.warning("no pairclean table for shard %r in %s: %s", stem, self.root, self.why_missing(stem))
 
-    @staticmethod
-    def _read(path: Path, stem: str, record: Any) -> _Rows:
-        """One shard's weights by key, checked (``InputError`` naming the file): the bytes its
-        completion ``record`` names (a table edited or re-saved since was served as the
-        job's weights; export and WeightStage disagreed with what a rerun then did); readable
-        Parquet with key, weight and noisy; weights per ``checked_weights``; no key twice
-        (which row would win?); and a ``shard`` column, where present, naming this shard (a
-        table copied under another shard's name would join the wrong pairs). Also the byte
-        sizes of each key's image and caption members as scored, where the table has them."""
+    def table_bytes(self, stem: str) -> bytes:
+        """The bytes of committed shard ``stem``'s table (``served``), as its completion record
+        names them (SHA-256 and size); ``InputError`` naming the file otherwise: a table edited
+        or saved again since was served as the job's weights, while a rerun called it someone
+        else's and left it."""
+        record, path = self._records()[stem], self.root / f"{stem}.parquet"
         where = str(path)
         try:
             with open_regular(path) as fh:  # a FIFO under the table's name is refused, never read (it hung the reader)
-                data = fh.read()
+                data: bytes = fh.read()
         except OSError as exc:
             raise InputError(f"{where} is not a readable pairclean table ({first_line(exc)})", uri=where) from None
         if len(data) != record.bytes or hashlib.sha256(data).hexdigest() != record.sha256:
@@ -209,6 +206,17 @@ class WeightStore:
                              "or saved again by another tool?): these are not the job's weights; put back the table "
                              "pairclean wrote, or move it away and run the job's `pairclean score` again, which scores "
                              "that shard again", uri=where)
+        return data
+
+    @staticmethod
+    def _read(path: Path, stem: str, data: bytes) -> _Rows:
+        """One shard's weights by key from its table's checked bytes ``data``
+        (``table_bytes``), checked (``InputError`` naming the file): readable Parquet with
+        key, weight and noisy; weights per ``checked_weights``; no key twice (which row would
+        win?); and a ``shard`` column, where present, naming this shard (a table copied under
+        another shard's name would join the wrong pairs). Also the byte sizes of each key's
+        image and caption members as scored, where the table has them."""
+        where = str(path)
         table = read_table_columns(path, ["key", "weight", "noisy"], optional=("shard", "status", "image_size", "caption_size"),
                                    data=data)
         weights = checked_weights(table.column("weight"), where)

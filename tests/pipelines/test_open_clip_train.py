@@ -181,12 +181,21 @@ def test_refusals_are_one_line_before_training(weights: Path, tmp_path: Path) ->
     run = _train(tmp_path / "nowhere", tmp_path / "b")
     assert run.returncode != 0 and "not a folder" in run.stderr and "Traceback" not in run.stderr
     # a table someone replaced with a Parquet file of their own: one line naming it (a pyarrow traceback)
+    import shutil
+
     foreign = tmp_path / "foreign"
-    foreign.mkdir()
+    shutil.copytree(weights, foreign)
+    shutil.copytree(f"{weights}.pairclean", f"{foreign}.pairclean")
     pq.write_table(pa.table({"note": ["mine"]}), foreign / "demo-000000.parquet")
     run = _train(foreign, tmp_path / "c")
     assert run.returncode != 0 and "Traceback" not in run.stderr
-    assert "demo-000000.parquet is not a readable pairclean table with key, status, weight and noisy" in run.stderr
+    assert "demo-000000.parquet changed since pairclean wrote it" in run.stderr
+    # ... and a folder of tables without a job's record beside it is no job's output
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(weights / "demo-000000.parquet", bare)
+    run = _train(bare, tmp_path / "d")
+    assert run.returncode != 0 and "Traceback" not in run.stderr and "is not a pairclean output folder" in run.stderr
 
 
 def test_the_launcher_refuses_a_worker_deal_that_never_fills_a_batch() -> None:
@@ -236,3 +245,10 @@ def test_the_launchers_counts_are_what_the_stage_yields(tmp_path: Path) -> None:
                                     wds.select(lambda s: "txt" in s and "jpg" in s),  # open_clip's filter
                                     WeightStage(str(out), mode=stage_mode))
         assert shard_samples(out, str(shard), mode)["00000"] == sum(1 for _ in pipeline), mode
+    # a table no run recorded (a killed run's) is not counted, as the stage does not serve it
+    import shutil
+
+    for folder in ("manifest", "completions"):
+        shutil.rmtree(f"{out}.pairclean/state/{folder}", ignore_errors=True)
+    with pytest.raises(FileNotFoundError, match="no committed table for shard '00000' .* not recorded as committed"):
+        shard_samples(out, str(shard), "keep")
