@@ -136,7 +136,6 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
     remote_shards = 0
     listed: dict[str, dict[str, int]] = {}
     for record in out.iter_committed():
-        _check_as_written(out, record, listed)
         table = out.read_scores(record)
         name = PurePosixPath(record.shard).name
         ok = schema.ok_mask(table)
@@ -149,6 +148,7 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
         report.kept += int(clean.sum())
         # Checked as the trainer's WeightStage checks them: NaN would make the JSON invalid.
         sums[name] = float(schema.checked_weights(table.column(schema.COL_WEIGHT), out.store.url(record.output))[~twice].sum())
+        _check_as_written(out, record, listed)  # after the checks of what it holds, which say more where they fail
         folder = _shard_folder(record.shard)
         if folder is not None and folder not in shard_folders:
             shard_folders.append(folder)

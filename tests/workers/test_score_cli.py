@@ -808,7 +808,10 @@ def test_a_rewrite_refuses_a_table_another_tool_wrote_before_rewriting_anything(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "part-00001.parquet has no pairclean metadata" in err
     assert (out / "part-00000.parquet").read_bytes() == first  # nothing rewritten
-    assert main(["export", str(out)]) == 0  # and no rewrite left marked
+    # no rewrite left marked (every verb refused the folder): export names the table, not a rewrite
+    assert main(["export", str(out)]) == 1 and not schema.local_side_path(out, schema.REWRITE_FILE).exists()
+    err = capsys.readouterr().err
+    assert "part-00001.parquet changed since pairclean wrote it" in err and "not exported" in err and "rewriting" not in err
     # A column added with pyarrow (which keeps pairclean's metadata): the rewrite built the
     # table from its own columns and the user's column was gone, without a word.
     pq.write_table(table.append_column("my_label", pa.array(["x"] * table.num_rows)), out / "part-00001.parquet")
