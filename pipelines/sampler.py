@@ -109,7 +109,8 @@ class WeightStore:
         self.max_cached = max_cached_shards
         self._cache: dict[str, _Rows] = {}
         self._committed: dict[str, Any] | None = None
-        self._caption_ext = _caption_ext(self.root)
+        self._spec_stems: set[str] | None = None  # read where a shard is missing (``why_missing``)
+        self._caption_ext = _caption_ext(_job_spec(self.root))
         self._warned: set[str] = set()
         self._warned_keys: set[str] = set()
         self._warned_decoded = False
@@ -122,20 +123,25 @@ class WeightStore:
                              "interrupted while rewriting the tables (some hold its weights, some the earlier ones): let it "
                              "finish, or run it again, before training", uri=str(self.root))
 
-    def _records(self) -> dict[str, Any]:
+    def _records(self, again: bool = False) -> dict[str, Any]:
         """The job's committed shards by stem (``OutputDir.committed``), read once per store
-        and per DataLoader worker (the stage is copied without them). Why: a table in OUT is
+        and per DataLoader worker (the stage is copied without them), and ``again`` where
+        what they say no longer fits (``served``, ``table_bytes``). Why: a table in OUT is
         not a shard's weights until its run recorded it; a quarantined shard's old table, or
         one a killed run wrote and never recorded, was served as if it were."""
-        if self._committed is None:
+        if self._committed is None or again:
             from pairclean.output.folder import OutputDir
 
             self._committed = OutputDir(str(self.root)).committed()
         return self._committed
 
     def served(self, stem: str) -> bool:
-        """Whether shard ``stem`` has a committed table here (its samples are joined to it)."""
-        return stem in self._records() and (self.root / f"{stem}.parquet").exists()
+        """Whether shard ``stem`` has a committed table here (its samples are joined to it).
+        A table the records read earlier do not name sends for them again: a store that lives
+        through training (persistent workers) meets shards a live job committed since."""
+        if not (self.root / f"{stem}.parquet").exists():
+            return False
+        return stem in self._records() or stem in self._records(again=True)
 
     def _load(self, stem: str) -> _Rows:
         if stem in self._cache:
@@ -168,6 +174,12 @@ class WeightStore:
         if (self.root / f"{stem}.parquet").exists():
             return ("its table is not recorded as committed: the job is still running, or a run was stopped before it "
                     "recorded the shard; run the job's `pairclean score` again to finish it")
+        if self._spec_stems is None:
+            shards = _job_spec(self.root).get("shards")
+            self._spec_stems = {shard_stem(str(u)) for u in shards} if isinstance(shards, list) else set()
+        if stem in self._spec_stems:
+            return ("the job has not scored it yet (it is still running, or a run was stopped before it reached the "
+                    "shard); run the job's `pairclean score` again to finish it")
         return "the job scored no shard of that name (another folder's, or renamed since?)"
 
     def say_unknown_key(self, stem: str, key: str, missing: str) -> None:
@@ -194,14 +206,20 @@ class WeightStore:
         names them (SHA-256 and size); ``InputError`` naming the file otherwise: a table edited
         or saved again since was served as the job's weights, while a rerun called it someone
         else's and left it."""
-        record, path = self._records()[stem], self.root / f"{stem}.parquet"
+        path = self.root / f"{stem}.parquet"
         where = str(path)
         try:
             with open_regular(path) as fh:  # a FIFO under the table's name is refused, never read (it hung the reader)
                 data: bytes = fh.read()
         except OSError as exc:
             raise InputError(f"{where} is not a readable pairclean table ({first_line(exc)})", uri=where) from None
-        if len(data) != record.bytes or hashlib.sha256(data).hexdigest() != record.sha256:
+        digest = hashlib.sha256(data).hexdigest()
+        record = self._records()[stem]
+        if (len(data), digest) != (record.bytes, record.sha256):
+            # the records read earlier may predate a rescore, refine or audit that finished since
+            # (a store that lives through training): read them again before calling it an edit
+            record = self._records(again=True).get(stem, record)
+        if (len(data), digest) != (record.bytes, record.sha256):
             raise InputError(f"{where} changed since pairclean wrote it ({record.bytes} bytes then, {len(data)} now; edited "
                              "or saved again by another tool?): these are not the job's weights; put back the table "
                              "pairclean wrote, or move it away and run the job's `pairclean score` again, which scores "
@@ -296,7 +314,7 @@ class WeightStore:
         # Workers get the configuration, not the parent's cache: pickles stay small under
         # spawn/forkserver and each worker loads only the shards it reads.
         state = self.__dict__.copy()
-        state["_cache"], state["_committed"] = {}, None
+        state["_cache"], state["_committed"], state["_spec_stems"] = {}, None, None
         return state
 
 
@@ -309,19 +327,27 @@ def _sizes(table: Any, column: str, keys: list[str], repeated: Iterable[str]) ->
     return {k: int(n) for k, n in zip(keys, table.column(column).to_pylist()) if n is not None and k not in twice}
 
 
-def _caption_ext(root: Path) -> str | None:
-    """The member a job's captions were read from, by the ``caption_field`` of its job record:
+def _job_spec(root: Path) -> dict[str, Any]:
+    """The spec in the job record of the output folder ``root`` ({} where it cannot be read)."""
+    try:
+        spec = json.loads(Path(local_side_path(root, JOB_FILE)).read_text()).get("spec")
+    except (ValueError, OSError, AttributeError):
+        return {}
+    return spec if isinstance(spec, dict) else {}
+
+
+def _caption_ext(spec: dict[str, Any]) -> str | None:
+    """The member a job's captions were read from, by the ``caption_field`` of its ``spec``:
     ``txt`` (the default), the member a leading dot names (``.caption``), or ``json`` (a
-    field of the json member); None where the record cannot be read (no caption check)."""
+    field of the json member); None where it cannot be told (no caption check)."""
     from pairclean.schema import caption_member
 
+    field = spec.get("caption_field")
+    if not spec or (field is not None and not isinstance(field, str)):
+        return None
     try:
-        doc = json.loads(Path(local_side_path(root, JOB_FILE)).read_text())
-        field = doc["spec"].get("caption_field")
-        if field is not None and not isinstance(field, str):
-            return None
         return "txt" if field is None else caption_member(field) or "json"
-    except (ValueError, OSError, KeyError, TypeError, AttributeError, InputError):
+    except InputError:
         return None
 
 

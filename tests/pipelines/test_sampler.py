@@ -435,6 +435,37 @@ def test_only_committed_tables_are_served_and_each_as_pairclean_wrote_it(scored,
     assert [s[schema_weight_key()] for s in WeightStage(unrecorded, "loss", missing="default", default=0.25)(_samples(shards))] == [0.25] * 20
 
 
+def test_a_store_that_lives_through_a_rescore_serves_the_new_tables(scored, tmp_path: Path) -> None:
+    """Persistent workers keep one store for the whole run: a shard read again after a
+    rescore finished was compared with the records read before it and called edited."""
+    import pyarrow.parquet as pq
+
+    from pairclean_workers.cli import main
+
+    out, shards = scored
+    job = _copy_job(out, tmp_path / "job")
+    stage = WeightStage(job, "loss", max_cached_shards=1)
+    assert len(list(stage(_samples(shards)))) == 20  # shard 1 evicts shard 0
+    assert main(["rescore", str(job), "--beta-recipe", "gmm", "--weighting", "paper"]) == 0
+    table = {r["key"]: r["weight"] for r in pq.read_table(job / "sh-00000.parquet").to_pylist()}
+    got = {s["__key__"]: s[schema_weight_key()] for s in stage(_samples(shards)[:10])}
+    assert got == pytest.approx(table)
+
+
+def test_a_shard_the_job_has_not_reached_is_said_so(scored, tmp_path: Path) -> None:
+    """A live job's shards not scored yet were "no shard of that name (another folder's?)"."""
+    out, shards = scored
+    job = _copy_job(out, tmp_path / "job")
+    side = Path(f"{job}{schema.SIDE_SUFFIX}")
+    for folder in (side / "state" / "manifest", side / "state" / "completions"):
+        shutil.rmtree(folder, ignore_errors=True)
+    (job / "sh-00001.parquet").unlink()
+    with pytest.raises(KeyError, match="the job has not scored it yet"):
+        list(WeightStage(job, "loss")(_samples(shards)[10:11]))
+    with pytest.raises(KeyError, match="scored no shard of that name"):
+        list(WeightStage(job, "loss")([{"__key__": "k0-000", "__url__": "/elsewhere/sh-00009.tar"}]))
+
+
 def test_export_sizes_where_open_clip_looks_and_never_over_foreign_files(scored, tmp_path: Path, capsys) -> None:
     """open_clip reads sizes.json from the first shard's folder: written there only when asked."""
     import pyarrow.parquet as pq
