@@ -35,7 +35,8 @@ import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
 from pairclean.errors import InputError, first_line
-from pairclean.schema import FAILED_DIR, IMAGE_EXTS, JOB_FILE, REWRITE_FILE, checked_weights, local_side_path, repeated_keys, utf8_text
+from pairclean.schema import (FAILED_DIR, IMAGE_EXTS, JOB_FILE, REWRITE_FILE, checked_weights, json_object, local_side_path,
+                              repeated_keys, utf8_text)
 from pairclean.storage import open_regular
 from pairclean.uris import local_path, shard_stem
 
@@ -330,9 +331,10 @@ def _sizes(table: Any, column: str, keys: list[str], repeated: Iterable[str]) ->
 def _job_spec(root: Path) -> dict[str, Any]:
     """The spec in the job record of the output folder ``root`` ({} where it cannot be read)."""
     try:
-        spec = json.loads(Path(local_side_path(root, JOB_FILE)).read_text()).get("spec")
-    except (ValueError, OSError, AttributeError):
+        doc = json_object(Path(local_side_path(root, JOB_FILE)).read_bytes())  # a damaged record reads as none
+    except OSError:
         return {}
+    spec = (doc or {}).get("spec")
     return spec if isinstance(spec, dict) else {}
 
 
