@@ -105,16 +105,17 @@ def export(
         lock.release()
 
 
-def _check_as_written(out: OutputDir, record: ShardRecord, listed: dict[str, dict[str, int]]) -> None:
-    """``InputError`` where ``record``'s table is not the size pairclean wrote: a table edited
-    in place (weights changed with pandas or pyarrow) was exported as the job's weights, while
-    a rerun called it "not written by pairclean" and left it."""
-    size = out.changed_size(record, listed)
-    if size is not None:
+def _check_as_written(out: OutputDir, record: ShardRecord, data: bytes) -> None:
+    """``InputError`` where ``data``, ``record``'s table as read, is not what pairclean wrote
+    (the record's size and SHA-256): a table edited in place (weights changed with pandas or
+    pyarrow, even to the same size) was exported as the job's weights, while a rerun called
+    it "not written by pairclean" and left it."""
+    if (len(data), hashlib.sha256(data).hexdigest()) != (record.bytes, record.sha256):
         where = out.store.url(record.output)
-        raise InputError(f"{where} changed since pairclean wrote it ({record.bytes} bytes then, {size} now; edited or saved "
-                         "again by another tool?): its weights are not the job's and are not exported; put back the table "
-                         "pairclean wrote, or move it away and score the job again, which scores that shard again", uri=where)
+        now = "the same size, other bytes" if len(data) == record.bytes else f"{record.bytes} bytes then, {len(data)} now"
+        raise InputError(f"{where} changed since pairclean wrote it ({now}; edited or saved again by another tool?): its "
+                         "weights are not the job's and are not exported; put back the table pairclean wrote, or move it "
+                         "away and score the job again, which scores that shard again", uri=where)
 
 
 def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], sizes_beside_shards: bool,
@@ -134,9 +135,10 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
     datacomp = False  # whether any row (kept or not) carries a DataComp uid: the job has a keep list, maybe empty
     shard_folders: list[str] = []
     remote_shards = 0
-    listed: dict[str, dict[str, int]] = {}
     for record in out.iter_committed():
-        table = out.read_scores(record)
+        # read once: the table's values and its SHA-256 come from the same bytes
+        data = out.store.get(record.output, max_bytes=None)
+        table = out.read_scores(record, data=data)
         name = PurePosixPath(record.shard).name
         ok = schema.ok_mask(table)
         # A key the shard holds twice names two samples a trainer cannot tell apart: its first
@@ -148,7 +150,8 @@ def _export_locked(out: OutputDir, sizes_of: str, sizes_dirs: Sequence[str], siz
         report.kept += int(clean.sum())
         # Checked as the trainer's WeightStage checks them: NaN would make the JSON invalid.
         sums[name] = float(schema.checked_weights(table.column(schema.COL_WEIGHT), out.store.url(record.output))[~twice].sum())
-        _check_as_written(out, record, listed)  # after the checks of what it holds, which say more where they fail
+        if data is not None:  # (None: gone, which read_scores has said)
+            _check_as_written(out, record, data)  # after the checks of what it holds, which say more where they fail
         folder = _shard_folder(record.shard)
         if folder is not None and folder not in shard_folders:
             shard_folders.append(folder)

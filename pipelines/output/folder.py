@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 from numpy.typing import NDArray
 from pairclean import __version__, schema
 from pairclean.calibrate.calibration import Calibration
@@ -739,8 +740,6 @@ class OutputDir:
         return {**compacted, **self._pending}
 
     def _read_manifest(self) -> dict[str, ShardRecord]:
-        import pyarrow.parquet as pq
-
         segments = sorted(n for n in self.store.list(schema.MANIFEST_DIR) if n.endswith(".parquet"))
         if self._compacted is not None and segments == self._segments:
             return self._compacted  # nothing new since the last look
@@ -948,17 +947,19 @@ class OutputDir:
             if stem in entries:
                 yield entries[stem]
 
-    def read_scores(self, record: ShardRecord, columns: list[str] | None = None) -> pa.Table:
+    def read_scores(self, record: ShardRecord, columns: list[str] | None = None, data: bytes | None = None) -> pa.Table:
         """The score table of a committed shard; ``InputError`` naming the file when it is
         not readable Parquet, lacks a column a score table has, or is not the table its
         record describes: another number of rows (rows deleted by hand), rows of another
         shard (a table copied under this one's name), a key twice that is not a
         ``duplicate_key`` row. Such tables were read as they were: ``export`` counted a
-        shard's rows twice, ``rescore`` died on mismatched arrays."""
+        shard's rows twice, ``rescore`` died on mismatched arrays. ``data``: the table's bytes,
+        already read (``export`` checks their SHA-256 against the record), else read here."""
         # the shard column is always read for the check below: a reader of a few columns
         # (pseudo-pair's key, status, noisy) took a copied table's rows as this shard's
         extra = bool(columns) and schema.COL_SHARD not in (columns or [])
-        table = self._read_table(record.output, [*columns, schema.COL_SHARD] if columns and extra else columns or None, _SCORE_COLUMNS)
+        table = self._read_table(record.output, [*columns, schema.COL_SHARD] if columns and extra else columns or None, _SCORE_COLUMNS,
+                                 data)
         where = self.store.url(record.output)
         # move it away first: a rerun never replaces a table another tool saved (it is not pairclean's)
         fix = ("move it away and score the job again with the same arguments, which scores that shard again"
@@ -1002,12 +1003,13 @@ class OutputDir:
                                  "(not a pairclean sidecar)", uri=where)
         return table
 
-    def _read_table(self, name: str, columns: list[str] | None, required: tuple[str, ...]) -> pa.Table:
-        """Read a Parquet file of the folder; a damaged or foreign one is one ``InputError``
-        line naming it (never pyarrow's traceback)."""
+    def _read_table(self, name: str, columns: list[str] | None, required: tuple[str, ...], data: bytes | None = None) -> pa.Table:
+        """Read a Parquet file of the folder (from ``data``, its bytes, where given); a damaged
+        or foreign one is one ``InputError`` line naming it (never pyarrow's traceback)."""
         where = self.store.url(name)
         try:
-            table = self.store.read_parquet(name, columns=columns)
+            table = (self.store.read_parquet(name, columns=columns) if data is None
+                     else pq.read_table(pa.BufferReader(data), columns=columns))
         except FileNotFoundError:
             raise InputError(f"{where} is missing (the folder's records name it)", uri=where) from None
         except (pa.ArrowException, OSError, ValueError, KeyError) as exc:

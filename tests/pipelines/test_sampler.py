@@ -426,6 +426,18 @@ def test_only_committed_tables_are_served_and_each_as_pairclean_wrote_it(scored,
     assert len(list(WeightStage(edited, "loss")(_samples(shards)[10:]))) == 10  # the other shard is as written
     with pytest.raises(InputError, match="sh-00000.parquet changed since pairclean wrote it .* not exported"):
         export(OutputDir(str(edited)))
+    # an edit that keeps the file's size (one weight byte changed) is refused by both alike
+    same = _copy_job(out, tmp_path / "same-size")
+    path = same / "sh-00000.parquet"
+    data = bytearray(path.read_bytes())
+    at = data.find(np.float32(table.column("weight")[0].as_py()).tobytes())
+    assert at > 0
+    data[at] ^= 0x01  # the lowest bit of the first weight: same size, other bytes
+    path.write_bytes(bytes(data))
+    with pytest.raises(InputError, match=r"sh-00000.parquet changed since pairclean wrote it \(the same size, other bytes;"):
+        export(OutputDir(str(same)))
+    with pytest.raises(InputError, match="sh-00000.parquet changed since pairclean wrote it"):
+        list(WeightStage(same, "loss")(_samples(shards)[:1]))
     unrecorded = _copy_job(out, tmp_path / "unrecorded")
     side = Path(f"{unrecorded}{schema.SIDE_SUFFIX}")
     for folder in (side / "state" / "manifest", side / "state" / "completions"):
