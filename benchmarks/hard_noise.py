@@ -49,6 +49,14 @@ wrong caption of one kind:
   caption has one). Nothing is wrong in them: their rows add the mean ``p_clean`` of these
   changed pairs and the share of them below ``DOUBTFUL`` (a right caption called noisy with
   confidence).
+- ``pasted``: one photo's first caption pasted onto its ``PASTE_COPIES`` most alike other photos
+  (image embeddings), source after source until the rate is reached: a caption carried by a
+  dozen look-alikes, wrong on all but its own photo (a scraper's template, a reposted
+  caption), which a rule that spares captions many photos share must not call clean.
+- ``generic-random``: random swaps at the rate, and ``GENERIC_SHARE`` of the other pairs with
+  their right caption reduced to its noun as in ``generic``: whether sparing shared captions
+  makes the corpus look cleaner than it is to the swapped pairs (rows as ``generic``'s, plus
+  the swaps' figures).
 
 Each (kind, rate) becomes WebDataset shards scored by the real CLI (``pairclean score
 --executor local``; ``--judge MODE`` is passed through when the CLI has that option: the
@@ -100,9 +108,13 @@ from _embed_dev import embed_dev
 from pairclean.calibrate.calibration import cache_dir as _default_cache
 
 KINDS = ("random", "near-image", "near-text", "edit", "mix", "retrieved", "near-image-unseen", "edit-unseen", "boilerplate",
-         "placeholder", "all-captions", "clause", "negation", "short", "generic")
+         "placeholder", "all-captions", "clause", "negation", "short", "generic", "pasted", "generic-random")
 #: Kinds whose changed captions are still right (they say less): labelled, never noisy.
 CLEAN_CHANGES = ("short", "generic")
+#: ``pasted``: how many look-alike photos each source photo's caption is pasted onto.
+PASTE_COPIES = 12
+#: ``generic-random``: the share of the pairs not swapped whose caption is reduced to its noun.
+GENERIC_SHARE = 0.3
 #: A clean pair whose p_clean is below this is called noisy with confidence.
 DOUBTFUL = 0.3
 #: A noisy pair whose p_clean is above this is called clean with confidence (a confident wrong answer).
@@ -224,11 +236,18 @@ def make_pairing(kind: str, rate: float, images: list[Any], emb: dict[str, np.nd
         chosen = rng.choice(able, size=min(len(able), int(round(rate * n))), replace=False)
     else:
         chosen = rng.choice(n, size=int(round(rate * n)), replace=False)
+    if kind == "pasted":
+        return _pasted(images, emb, int(round(rate * n)), rng)
+    if kind == "generic-random":
+        rest = [i for i in range(n) if i not in set(chosen.tolist()) and _head_noun(captions[i]) is not None]
+        reduced = rng.choice(rest, size=min(len(rest), int(round(GENERIC_SHARE * (n - len(chosen))))), replace=False)
+        for i in reduced:
+            captions[i], labels[i] = _said_less(captions[i], "generic"), "generic"
     if kind == "mix":
         parts = np.array_split(chosen, 4)
         plan = dict(zip(("random", "near-image", "near-text", "edit"), parts))
     else:
-        plan = {kind: chosen}
+        plan = {"random" if kind == "generic-random" else kind: chosen}
     near_img = _nearest(emb["img"])
     near_txt_img, near_txt_cap = _near_text(emb["txt"])
     out = list(captions)
@@ -281,6 +300,28 @@ def make_pairing(kind: str, rate: float, images: list[Any], emb: dict[str, np.nd
                     out[i], labels[i] = made[0], f"{k}:{made[1]}"
     noisy = np.array([bool(lab) and lab not in CLEAN_CHANGES for lab in labels])
     return out, noisy, labels
+
+
+def _pasted(images: list[Any], emb: dict[str, np.ndarray], count: int,
+            rng: np.random.Generator) -> tuple[list[str], np.ndarray, list[str]]:
+    """The ``pasted`` corpus: sources in random order, each one's first caption on its
+    ``PASTE_COPIES`` most alike photos not used yet (never another source), ``count`` in all."""
+    captions = [img.captions[0] for img in images]
+    labels = [""] * len(images)
+    used: set[int] = set()
+    done = 0
+    for src in rng.permutation(len(images)):
+        if done >= count:
+            break
+        if int(src) in used:
+            continue
+        used.add(int(src))
+        ranked = np.argsort(-(emb["img"] @ emb["img"][src]))
+        for dst in [int(j) for j in ranked if int(j) not in used][: min(PASTE_COPIES, count - done)]:
+            captions[dst], labels[dst] = images[src].captions[0], "pasted"
+            used.add(dst)
+            done += 1
+    return captions, np.array([bool(lab) for lab in labels]), labels
 
 
 def _head_noun(caption: str) -> tuple[int, str, bool] | None:
