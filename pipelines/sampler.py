@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
 from pairclean.errors import InputError, first_line
-from pairclean.schema import (FAILED_DIR, IMAGE_EXTS, JOB_FILE, REWRITE_FILE, checked_weights, json_object, local_side_path,
+from pairclean.schema import (FAILED_DIR, IMAGE_EXTS, JOB_FILE, REWRITE_FILE, changed_since, checked_weights, json_object, local_side_path,
                               repeated_keys, utf8_text)
 from pairclean.storage import open_regular
 from pairclean.uris import local_path, shard_stem
@@ -221,7 +221,7 @@ class WeightStore:
             # (a store that lives through training): read them again before calling it an edit
             record = self._records(again=True).get(stem, record)
         if (len(data), digest) != (record.bytes, record.sha256):
-            raise InputError(f"{where} changed since pairclean wrote it ({record.bytes} bytes then, {len(data)} now; edited "
+            raise InputError(f"{changed_since(where, record.bytes, len(data))}; edited "
                              "or saved again by another tool?): these are not the job's weights; put back the table "
                              "pairclean wrote, or move it away and run the job's `pairclean score` again, which scores "
                              "that shard again", uri=where)

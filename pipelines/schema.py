@@ -92,6 +92,7 @@ __all__ = [
     "local_side_path",
     "utf8_text",
     "json_object",
+    "changed_since",
     "repeated_keys",
 ]
 
@@ -260,6 +261,14 @@ def side_name(name: str) -> str | None:
     if folder is None:
         return None
     return f"{folder}{sep}{rest}"
+
+
+def changed_since(where: str, written: int, now: int) -> str:
+    """The one wording of "this table is not the bytes pairclean wrote" (``export``, the
+    trainer's ``WeightStore``, the rewrite verbs; each adds what follows and what to do):
+    ``where`` changed since, with the sizes then and ``now`` (or that the size is the same)."""
+    sizes = "the same size, other bytes" if now == written else f"{written} bytes then, {now} now"
+    return f"{where} changed since pairclean wrote it ({sizes}"
 
 
 def json_object(data: bytes | str | None) -> dict[str, Any] | None:

@@ -112,8 +112,7 @@ def _check_as_written(out: OutputDir, record: ShardRecord, data: bytes) -> None:
     it "not written by pairclean" and left it."""
     if (len(data), hashlib.sha256(data).hexdigest()) != (record.bytes, record.sha256):
         where = out.store.url(record.output)
-        now = "the same size, other bytes" if len(data) == record.bytes else f"{record.bytes} bytes then, {len(data)} now"
-        raise InputError(f"{where} changed since pairclean wrote it ({now}; edited or saved again by another tool?): its "
+        raise InputError(f"{schema.changed_since(where, record.bytes, len(data))}; edited or saved again by another tool?): its "
                          "weights are not the job's and are not exported; put back the table pairclean wrote, or move it "
                          "away and score the job again, which scores that shard again", uri=where)
 

@@ -525,7 +525,7 @@ class OutputDir:
             # user added was dropped without a word, as the rewrite builds its own columns.
             size = self.changed_size(record, listed)
             if not resuming and size is not None:
-                raise InputError(f"{where} changed since pairclean wrote it ({record.bytes} bytes then, {size} now: a column "
+                raise InputError(f"{schema.changed_since(where, record.bytes, size)}: a column "
                                  f"added, rows edited?): a `pairclean {verb}` would rebuild it from its own columns and lose "
                                  "the change; keep your copy elsewhere and put back the table pairclean wrote (or score the "
                                  "job again)", uri=where)
