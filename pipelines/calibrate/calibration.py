@@ -199,7 +199,6 @@ def calibrate(
     random_beta: RandomBeta,
     contrast: Contrast | None = None,
     word_check: bool = False,
-    caption_words: NDArray[np.int16] | None = None,
 ) -> Calibration:
     """Resolve beta and the weighting parameters from ok-pair arrays.
 
@@ -215,8 +214,6 @@ def calibrate(
 
     ``word_check``: a judge's word check will multiply ``p_clean``, so its near-miss share is
     what copied captions show, not the similarity profile's guess (``fit_p_clean(profile=False)``).
-    ``caption_words``: (N,) each pair's content-word count (None: unknown), for the contrast's
-    shared-caption rule (``Contrast.short``).
     """
     sims = np.asarray(similarities, dtype=np.float32)
     fallback: dict[str, str] = {}
@@ -258,8 +255,7 @@ def calibrate(
                                               image_copy=SAME_IMAGE_COSINE if contrast is None else contrast.image_copy_cosine)
         # under a contrast, copied captions give a floor on the near-miss share (contrast.py)
         floor = (copied_caption_share(similarities, image_emb, text_emb, min_fit=contrast.owner_min_fit,
-                                      image_copy=contrast.image_copy_cosine, repeat=contrast.repeat_carriers,
-                                      short=contrast.short(caption_words, len(similarities)))
+                                      image_copy=contrast.image_copy_cosine)
                  if pair_scores is not None and contrast is not None else 0.0)
         curve = p_clean_model.fit_p_clean(sims, refs, seed, min_near_share=floor, profile=not word_check).to_json()
         level = _random_level(similarities, image_emb, text_emb)
@@ -273,8 +269,7 @@ def calibrate(
             # other corpora that gate cost near-misses (``docs/hard_noise.md``, contrast version 4).
             return calibrate(beta_recipe=beta_recipe, k=k, seed=seed, weighting=weighting, batch_size=batch_size,
                              similarities=similarities, image_emb=image_emb, text_emb=text_emb, random_beta=random_beta,
-                             contrast=replace(contrast, random_fit=level["threshold"]), word_check=word_check,
-                             caption_words=caption_words)
+                             contrast=replace(contrast, random_fit=level["threshold"]), word_check=word_check)
     return Calibration(
         beta=float(beta),
         recipe=beta_recipe,

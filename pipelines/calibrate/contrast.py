@@ -105,22 +105,6 @@ repeats ("untitled" on eight photos), and under version 3 each copy found an "ow
 photo the string fits least badly, so the copies counted as near-miss captions and the
 owners' odds factor fell on them. End to end: ``docs/hard_noise.md``, the ``boilerplate`` and
 ``placeholder`` kinds of ``benchmarks/hard_noise.py``.
-
-*Shared captions* (``repeat_carriers`` and ``repeat_max_words``, recorded in the contrast;
-contrasts recorded before them have none): a short caption (at most ``SHARED_CAPTION_WORDS``
-content words, ``pairclean.read.words.content_word_count``, counted when the pair was embedded
-and kept in its sidecar) that ``REPEAT_CARRIERS`` or more other photos carry too (in the bank,
-or in the pair's shard), each fitting it plausibly, is a caption many photos share ("a dog",
-"A man", as scraped alt-text often is), not one written for a single other photo: it has no
-owner and is no copied caption. Without the rule such captions were called noisy with
-confidence on a clean corpus: each copy had an "owner" in whichever photo fits the short
-caption best, and the copies raised the near-miss share of every pair (Flickr8k dev,
-hard-noise kinds ``generic`` and ``short``: ``docs/hard_noise.md``). Why short only: a
-caption that says much and is pasted onto a dozen look-alike photos is wrong on all but its
-own (the hard-noise kind ``pasted``); counted as shared, those copies were called clean with
-confidence. A caption of two content words or fewer says too little to be wrong in that
-way on photos it plausibly fits. Pairs whose count is unknown (a sidecar written before it)
-are never short.
 """
 
 from __future__ import annotations
@@ -140,8 +124,7 @@ __all__ = ["RECIPE", "VERSION", "K", "CAPTION_GAMMA", "IMAGE_GAMMA", "BANK_SIZE"
            "copied_caption_share", "bank_sha256", "from_json", "rival_weights", "OWNER_COSINE", "OWNER_ODDS", "owner_p_clean",
            "table_columns", "owner_cosine_for", "OWNER_MODEL", "OWNER_SHARD_ROWS", "has_owner", "FLOOR_Z", "deviation_floor",
            "OWNER_FIT_QUANTILE", "plausible_fit", "IMAGE_COPY_COSINE_LITE", "image_copy_cosine_for",
-           "RANDOM_FIT_QUANTILE", "random_fit", "REPEAT_CARRIERS", "SHARED_CAPTION_WORDS",
-           "short_captions"]
+           "RANDOM_FIT_QUANTILE", "random_fit"]
 
 RECIPE: Final = "bank-contrast"
 VERSION: Final = 4
@@ -202,24 +185,6 @@ OWNER_MODEL: Final = "pairclean-lite"
 #: costs at most this many caption products however large its shard (WebDataset shards
 #: usually hold up to 10,000 pairs).
 OWNER_SHARD_ROWS: Final = 16384
-#: A caption this many other photos carry too (bank or shard, image cosine below the copy
-#: threshold, caption cosine >= ``owner_cosine``) is a repeat: no owner, no copied caption.
-#: Only carriers whose photo fits the caption at least ``owner_min_fit`` count (version 4), so
-#: boilerplate pasted over photos it fits none of keeps its owners. Measured on the hard-noise
-#: benchmark's corpora (Flickr8k dev, pairclean-lite): 10 or more other carriers held 0.8-1.7%
-#: of the pairs of ``retrieved`` (every photo with its own, its nearest image's and its nearest
-#: text's caption, where look-alike "hub" photos lend their caption to several others) and
-#: none of the other near-miss corpora, but 60-73% of the ``generic`` captions ("a dog") and
-#: 34-54% of the ``short`` ones. At 4 the rule also took 35% of ``retrieved``'s nearest-image
-#: captions (AUC 0.745 -> 0.693); counting every carrier, boilerplate at 20% lost its owners
-#: (AUC 0.982 -> 0.975).
-REPEAT_CARRIERS: Final = 10
-#: Only a caption of at most this many content words can be a shared caption: 0.8% of
-#: Flickr8k dev's first captions have 2 or fewer; a pasted caption of one photo that says
-#: more keeps its owner (module docstring). At 3 (4.4% of them), a source captioned "The
-#: children are playing in the water" lost the owner of its 12 pasted copies (hard-noise
-#: ``pasted`` at 20%: AUC 0.948 -> 0.933, 0.5% of the copies above 0.9).
-SHARED_CAPTION_WORDS: Final = 2
 
 FloatArray = NDArray[np.float32]
 #: Rows of pairs scored at a time (memory: 4 x BLOCK x BANK_SIZE float32 = 64 MiB).
@@ -265,11 +230,6 @@ class Contrast:
     #: Images at least this alike are one image (or copies of it): never a rival, an owner
     #: or a copied caption's source (``image_copy_cosine_for``).
     image_copy_cosine: float = SAME_IMAGE_COSINE
-    #: A caption at least this many other photos carry is a repeat: no owner (None: no such
-    #: rule, contrasts recorded before it).
-    repeat_carriers: int | None = None
-    #: Only captions of at most this many content words are repeats (set with ``repeat_carriers``).
-    repeat_max_words: int | None = None
 
     def rivals(self, image_emb: NDArray[Any], text_emb: NDArray[Any],
                source: NDArray[np.int64] | None = None) -> tuple[FloatArray, FloatArray]:
@@ -335,16 +295,14 @@ class Contrast:
         return out
 
     def owner_margin(self, similarity: NDArray[Any], image_emb: NDArray[Any], text_emb: NDArray[Any],
-                     ok: NDArray[np.bool_] | None = None, words: NDArray[Any] | None = None) -> FloatArray:
+                     ok: NDArray[np.bool_] | None = None) -> FloatArray:
         """(N,) how much better the caption's best *owner* fits it than the pair's own image:
         the largest ``cos(caption, owner image) - similarity`` over owners, the pairs of
         another image (image cosine below ``SAME_IMAGE_COSINE``) whose caption says the same
         (caption cosine >= ``owner_cosine``), searched among the bank's rows and among the
         first ``OWNER_SHARD_ROWS`` of the N given pairs themselves (a shard's, so corpora
         larger than the bank still find the owners their shards hold). NaN where there is
-        no owner, where the caption is a short one that many photos share (``repeat_carriers``,
-        ``words``: (N,) content-word counts, None where unknown), where the similarity is
-        NaN, and for a version 1-2 contrast. Positive: the
+        no owner, where the similarity is NaN, and for a version 1-2 contrast. Positive: the
         caption has a better owner. ``ok`` (N,):
         the pairs searched and searched for (default: finite similarities); a table passes
         its ``ok`` statuses, which its sidecar has embeddings of, so a rescore finds what the
@@ -355,23 +313,12 @@ class Contrast:
         img, txt = _f16(image_emb), _f16(text_emb)
         ok = np.isfinite(s) & (True if ok is None else np.asarray(ok, dtype=bool))
         shard = np.nonzero(ok)[0][:OWNER_SHARD_ROWS]
-        short = self.short(words, len(s))
-        fit = np.maximum(  # NaN propagates: a caption repeated in either place has no owner
-            _best_owner_fit(img, txt, self.bank[0], self.bank[1], self.owner_cosine, self.image_copy_cosine,
-                            self.repeat_carriers, self.owner_min_fit, short),
-            _best_owner_fit(img, txt, img[shard], txt[shard], self.owner_cosine, self.image_copy_cosine,
-                            self.repeat_carriers, self.owner_min_fit, short))
+        fit = np.maximum(_best_owner_fit(img, txt, self.bank[0], self.bank[1], self.owner_cosine, self.image_copy_cosine),
+                         _best_owner_fit(img, txt, img[shard], txt[shard], self.owner_cosine, self.image_copy_cosine))
         if self.owner_min_fit is not None:  # version 4: a repeat that fits no photo well is no owner
             fit = np.where(fit >= np.float32(self.owner_min_fit), fit, -np.inf).astype(np.float32)
         out: FloatArray = np.where(ok & np.isfinite(fit), fit - s, np.nan).astype(np.float32)
         return out
-
-    def short(self, words: NDArray[Any] | None, n: int) -> NDArray[np.bool_] | None:
-        """(n,) which pairs' captions are short enough to be shared ones (``short_captions``),
-        or None where the rule is off (no ``repeat_carriers``) or no count is known."""
-        if self.repeat_carriers is None or self.repeat_max_words is None or words is None:
-            return None
-        return short_captions(words, self.repeat_max_words, n)
 
     def to_json(self) -> dict[str, Any]:
         """The parameters and the bank's checksum (the bank itself is a file of its own)."""
@@ -385,9 +332,7 @@ class Contrast:
                 "image_gamma": self.image_gamma,
                 "mean_caption_rival": self.mean_caption_rival, "mean_image_rival": self.mean_image_rival,
                 "bank_rows": int(self.bank.shape[1]), "bank_sha256": bank_sha256(self.bank), **owner,
-                **({} if self.image_copy_cosine == SAME_IMAGE_COSINE else {"image_copy_cosine": self.image_copy_cosine}),
-                **({} if self.repeat_carriers is None or self.repeat_max_words is None or not owner
-                   else {"repeat_carriers": self.repeat_carriers, "repeat_max_words": self.repeat_max_words})}
+                **({} if self.image_copy_cosine == SAME_IMAGE_COSINE else {"image_copy_cosine": self.image_copy_cosine})}
 
 
 def _gated(deviation: NDArray[Any], floor: float, similarity: FloatArray, rival: FloatArray,
@@ -410,14 +355,10 @@ def _gated(deviation: NDArray[Any], floor: float, similarity: FloatArray, rival:
 
 
 def _best_owner_fit(img: FloatArray, txt: FloatArray, ref_img: FloatArray, ref_txt: FloatArray, cosine: float,
-                    image_copy: float = SAME_IMAGE_COSINE, repeat: int | None = None, min_fit: float | None = None,
-                    short: NDArray[np.bool_] | None = None) -> FloatArray:
+                    image_copy: float = SAME_IMAGE_COSINE) -> FloatArray:
     """(N,) for each pair (rows of ``img``, ``txt``) the largest cosine of its caption with a
     reference image whose caption says the same (cosine >= ``cosine``) and that is not its
-    own image (image cosine below ``image_copy``); -inf where there is none, NaN where
-    ``repeat`` or more such references carry it and fit it at least ``min_fit`` and the pair's
-    caption is ``short`` (N,) (a caption many photos share: no owner; boilerplate repeated over
-    photos it fits none of is no such caption; None: no caption is short).
+    own image (image cosine below ``image_copy``); -inf where there is none.
 
     One caption product per block; the image products only for the few caption matches
     (about 1 in 10,000 reference rows for pairclean-lite at 0.85), so a 10,000-pair shard
@@ -431,27 +372,19 @@ def _best_owner_fit(img: FloatArray, txt: FloatArray, ref_img: FloatArray, ref_t
         r = r + start
         other = np.einsum("nd,nd->n", img[r], ref_img[c]) < image_copy
         r, c = r[other], c[other]
-        fit = np.einsum("nd,nd->n", txt[r], ref_img[c]).astype(np.float32)
-        np.maximum.at(best, r, fit)
-        if repeat is not None and short is not None:
-            plausible = r if min_fit is None else r[fit >= np.float32(min_fit)]
-            carriers = np.bincount(plausible - start, minlength=min(block, len(txt) - start))
-            shared = start + np.nonzero(carriers >= repeat)[0]
-            best[shared[short[shared]]] = np.nan
+        np.maximum.at(best, r, np.einsum("nd,nd->n", txt[r], ref_img[c]).astype(np.float32))
     return best
 
 
 def table_columns(contrast: Contrast | None, similarity: NDArray[Any], image_emb: NDArray[Any],
-                  text_emb: NDArray[Any], ok: NDArray[np.bool_],
-                  words: NDArray[Any] | None = None) -> tuple[FloatArray | None, FloatArray | None]:
+                  text_emb: NDArray[Any], ok: NDArray[np.bool_]) -> tuple[FloatArray | None, FloatArray | None]:
     """``scores_table``'s contrast arguments ``(adjusted, owner_margin)`` for a table's (N,)
-    similarities, (N, D) embeddings, (N,) ``ok`` statuses and (N,) caption content-word counts
-    (``words``, None where unknown): each (N,), the margin only under a version-3 contrast;
-    both None without a contrast."""
+    similarities, (N, D) embeddings and (N,) ``ok`` statuses: each (N,), the margin only
+    under a version-3 contrast; both None without a contrast."""
     if contrast is None:
         return None, None
     adjusted = contrast.adjust(similarity, image_emb, text_emb)
-    owner = contrast.owner_margin(similarity, image_emb, text_emb, ok, words) if contrast.owner_cosine is not None else None
+    owner = contrast.owner_margin(similarity, image_emb, text_emb, ok) if contrast.owner_cosine is not None else None
     return adjusted, owner
 
 
@@ -474,8 +407,7 @@ def owner_p_clean(p_clean: NDArray[Any], margin: NDArray[Any], odds: float | Non
 
 
 def copied_caption_share(similarity: NDArray[Any], image_emb: NDArray[Any], text_emb: NDArray[Any],
-                         limit: int = BANK_SIZE, min_fit: float | None = None, image_copy: float = SAME_IMAGE_COSINE,
-                         repeat: int | None = None, short: NDArray[np.bool_] | None = None) -> float:
+                         limit: int = BANK_SIZE, min_fit: float | None = None, image_copy: float = SAME_IMAGE_COSINE) -> float:
     """The share of pairs (of the first ``limit``) whose caption another, different image of
     the sample carries too (caption cosine >= ``SAME_IMAGE_COSINE``, image cosine below it)
     with a higher similarity: a caption copied from a better-fitting image, so most likely
@@ -486,10 +418,7 @@ def copied_caption_share(similarity: NDArray[Any], image_emb: NDArray[Any], text
     0.108 for the most alike other caption. ``min_fit`` (version 4, ``plausible_fit``): the
     better-fitting pair counts only where its similarity reaches it, so a repeated string that
     fits none of its photos is not read as a caption copied from a better one. ``image_copy``:
-    images at least this alike are one image (``Contrast.image_copy_cosine``). ``repeat``: a
-    ``short`` caption ((N,) bool, ``Contrast.short``; None: none is) that this many other
-    images carry, each fitting it at least ``min_fit``, is a shared caption, not a copy
-    (``Contrast.repeat_carriers``)."""
+    images at least this alike are one image (``Contrast.image_copy_cosine``)."""
     s = np.asarray(similarity, dtype=np.float32)[:limit]
     img, txt = _f16(np.asarray(image_emb)[:limit]), _f16(np.asarray(text_emb)[:limit])
     if len(s) < 2:
@@ -502,9 +431,6 @@ def copied_caption_share(similarity: NDArray[Any], image_emb: NDArray[Any], text
         if min_fit is not None:  # version 4: the better pair must fit its caption plausibly (``plausible_fit``)
             better &= s[None, :] >= np.float32(min_fit)
         beaten[rows] = (copy & better).any(1)
-        if repeat is not None and short is not None:  # a short caption many photos carry (and fit) was not copied
-            shared = copy if min_fit is None else copy & (s[None, :] >= np.float32(min_fit))
-            beaten[rows] &= (shared.sum(1) < repeat) | ~short[:limit][rows]
     return float(beaten[np.isfinite(s)].mean()) if np.isfinite(s).any() else 0.0
 
 
@@ -540,7 +466,7 @@ def fit_contrast(image_emb: NDArray[Any], text_emb: NDArray[Any], owner_cosine: 
         return None
     mean_cap, mean_im = float(np.nanmean(cap.astype(np.float64))), float(np.nanmean(im.astype(np.float64)))
     plain = Contrast(bank=bank, mean_caption_rival=mean_cap, mean_image_rival=mean_im, owner_cosine=owner_cosine,
-                     image_copy_cosine=image_copy, repeat_carriers=REPEAT_CARRIERS, repeat_max_words=SHARED_CAPTION_WORDS)
+                     image_copy_cosine=image_copy)
     if len(image_emb) < MIN_GATE_PAIRS:
         return plain  # version 3's contrast: too few pairs to place the bounds
     bounds = (deviation_floor(cap, mean_cap), deviation_floor(im, mean_im),
@@ -641,26 +567,4 @@ def from_json(doc: dict[str, Any], bank: NDArray[Any]) -> Contrast:
                     image_floor=float(doc["image_floor"]) if floors else None,
                     owner_min_fit=float(doc["owner_min_fit"]) if floors else None,
                     random_fit=float(doc["random_fit"]) if floors and "random_fit" in doc else None,
-                    image_copy_cosine=float(doc.get("image_copy_cosine", SAME_IMAGE_COSINE)),
-                    repeat_carriers=_positive_int(doc, "repeat_carriers") if owner else None,
-                    repeat_max_words=_positive_int(doc, "repeat_max_words") if owner else None)
-
-
-def _positive_int(doc: dict[str, Any], name: str) -> int | None:
-    """A recorded ``repeat_carriers`` or ``repeat_max_words`` (absent: None); ValueError unless
-    a positive integer."""
-    value = doc.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"the contrast's {name} must be a positive integer, not {value!r}")
-    return value
-
-
-def short_captions(words: NDArray[Any], max_words: int, n: int) -> NDArray[np.bool_] | None:
-    """(n,) which of ``words`` (content-word counts, -1 where unknown or not ok) are at most
-    ``max_words`` (and not negative); None where ``words`` holds another number of pairs."""
-    counts = np.asarray(words)
-    if counts.shape != (n,):
-        return None
-    return (counts >= 0) & (counts <= max_words)
+                    image_copy_cosine=float(doc.get("image_copy_cosine", SAME_IMAGE_COSINE)))

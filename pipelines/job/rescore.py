@@ -26,31 +26,25 @@ from pairclean.output.exports import refresh_exports
 from pairclean.output.lock import RunLock
 from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.job.work import as_recorded, has_word_check, judged_p_clean, osa_p_clean, refit_fine_prior, with_judge_record
-from pairclean.output.tables import float_column, output_metadata, read_caption_words, read_embeddings, scores_table
+from pairclean.output.tables import float_column, output_metadata, read_embeddings, scores_table
 
 __all__ = ["rescore"]
 
 log = logging.getLogger(__name__)
 
 
-def _embeddings(out: OutputDir, records: list[ShardRecord], limit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """The ok rows' embeddings of ``records`` in order and their captions' content-word
-    counts (None where a sidecar predates them), the first ``limit`` (sidecars read until
-    there are that many)."""
-    img_parts, txt_parts, word_parts, rows = [], [], [], 0
+def _embeddings(out: OutputDir, records: list[ShardRecord], limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ok rows' embeddings of ``records`` in order, the first ``limit`` (sidecars read
+    until there are that many)."""
+    img_parts, txt_parts, rows = [], [], 0
     for record in records:
         if rows >= limit:
             break
-        side = out.read_embeddings_table(record)
-        img, txt = read_embeddings(side)
+        img, txt = read_embeddings(out.read_embeddings_table(record))
         img_parts.append(img)
         txt_parts.append(txt)
-        words = read_caption_words(side, side.num_rows)
-        word_parts.append(None if words is None or int((words >= 0).sum()) != len(img) else words[words >= 0])
         rows += len(img)
-    known = [w for w in word_parts if w is not None]
-    words_ok = np.concatenate(known)[:limit] if len(known) == len(word_parts) else None
-    return np.concatenate(img_parts)[:limit], np.concatenate(txt_parts)[:limit], words_ok
+    return np.concatenate(img_parts)[:limit], np.concatenate(txt_parts)[:limit]
 
 
 def rescore(
@@ -133,12 +127,12 @@ def _rescore_locked(out: OutputDir, old_spec: JobSpec, lock: RunLock, *, beta_re
     # p_clean is the same hard s > beta a fresh job of these options writes).
     n = spec.calibration_pairs if needs_corpus(beta_recipe, weighting) else 0
     sims = np.concatenate(ok_sims)[:n].astype(np.float32)
-    img = txt = words = None
+    img = txt = None
     if spec.contrast and not spec.embeddings:
         raise InputError(f"{out.uri} has no embedding sidecars: the corpus contrast needs them "
                          "(score with --embeddings, or rescore with --contrast off)")
     if n and (beta_recipe in ("shuffled", "gmm") or spec.embeddings):
-        img, txt, words = _embeddings(out, [r for r, _ in tables], n)
+        img, txt = _embeddings(out, [r for r, _ in tables], n)
     # As a fresh score: the bank is the calibration sample's images (same pairs, same rounding).
     fitted = (fit_contrast(img, txt, owner_cosine_for(spec.model, spec.checkpoint),
                          image_copy_cosine_for(spec.model, spec.checkpoint))
@@ -148,7 +142,7 @@ def _rescore_locked(out: OutputDir, old_spec: JobSpec, lock: RunLock, *, beta_re
             beta_recipe=beta_recipe, k=spec.beta_k, seed=spec.seed, weighting=weighting,
             batch_size=spec.batch_size, similarities=sims, image_emb=img, text_emb=txt,
             random_beta=(lambda: random_beta(spec)) if random_beta else _no_model, contrast=fitted,
-            word_check=word_check, caption_words=words,
+            word_check=word_check,
         )
 
     calibration = fit(old_judge is not None and has_word_check(old_judge))
@@ -169,12 +163,10 @@ def _rescore_locked(out: OutputDir, old_spec: JobSpec, lock: RunLock, *, beta_re
     records = []
     for record, table in tables:
         lock.check()  # a run that lost its lock must not write on
-        columns: tuple[Any, Any] = (None, None)
-        if fitted is not None:
-            img_all, txt_all, words_all = _shard_embeddings(out, record, table)
-            columns = table_columns(fitted, table.column(schema.COL_SIMILARITY).to_numpy(), img_all, txt_all,
-                                    schema.ok_mask(table), words_all)
-        records.append(_rewrite(out, record, table, calibration, digest, columns))
+        records.append(_rewrite(out, record, table, calibration, digest,
+                                (None, None) if fitted is None else table_columns(
+                                    fitted, table.column(schema.COL_SIMILARITY).to_numpy(), *_shard_embeddings(out, record, table),
+                                    schema.ok_mask(table))))
     lock.check()  # nor record what it wrote: the tables may be another run's by now
     out.replace_records(records)
     doc = out.read_job_doc() or {}
@@ -224,18 +216,16 @@ def _judge_scores(table: pa.Table) -> np.ndarray:
     return llr
 
 
-def _shard_embeddings(out: OutputDir, record: ShardRecord, table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(image, text) (N, D) of every row of ``table`` from its sidecar (zeros where not ok),
-    and the (N,) content-word counts of its captions (None: the sidecar predates them)."""
-    side = out.read_embeddings_table(record)
-    img, txt = read_embeddings(side)
+def _shard_embeddings(out: OutputDir, record: ShardRecord, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """(image, text) (N, D) of every row of ``table`` from its sidecar (zeros where not ok)."""
+    img, txt = read_embeddings(out.read_embeddings_table(record))
     ok = schema.ok_mask(table)
     if int(ok.sum()) != len(img):
         raise InputError(f"{out.uri}: the sidecar of {record.stem} holds {len(img)} embeddings for {int(ok.sum())} ok rows")
     full_img = np.zeros((len(ok), img.shape[1]), np.float32)
     full_txt = np.zeros((len(ok), txt.shape[1]), np.float32)
     full_img[ok], full_txt[ok] = img, txt
-    return full_img, full_txt, read_caption_words(side, len(ok))
+    return full_img, full_txt
 
 
 def _judge_columns(table: pa.Table, calibration: Calibration, adjusted: np.ndarray | None) -> dict[str, Any]:

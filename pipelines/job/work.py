@@ -113,7 +113,6 @@ def fit_calibration(results: Sequence[ShardResult], spec: JobSpec, random_beta: 
     sims = np.concatenate([np.zeros(0, np.float32)] + [r.similarity[m] for r, m in zip(results, masks)])[:n]
     img = np.concatenate([np.zeros((0, dim), np.float32)] + [r.image_emb[m] for r, m in zip(results, masks)])[:n]
     txt = np.concatenate([np.zeros((0, dim), np.float32)] + [r.text_emb[m] for r, m in zip(results, masks)])[:n]
-    words = calibration_words(results, n)
     # Calibrate on float16-rounded embeddings, exactly what the sidecar stores, so that
     # `pairclean rescore` reproduces a fresh score bit for bit.
     img, txt = img.astype(np.float16).astype(np.float32), txt.astype(np.float16).astype(np.float32)
@@ -123,20 +122,11 @@ def fit_calibration(results: Sequence[ShardResult], spec: JobSpec, random_beta: 
         calibration = calibrate(
             beta_recipe=spec.beta_recipe, k=spec.beta_k, seed=spec.seed, weighting=spec.weighting,
             batch_size=spec.batch_size, similarities=sims, image_emb=img, text_emb=txt, random_beta=random_beta,
-            contrast=contrast, word_check=word_check, caption_words=words,
+            contrast=contrast, word_check=word_check,
         )
         return calibration, as_recorded(calibration, contrast)
     except ValueError as exc:
         raise InputError(f"cannot calibrate beta recipe {spec.beta_recipe!r} on this job: {exc}") from exc
-
-
-def calibration_words(results: Sequence[ShardResult], n: int) -> NDArray[np.int16] | None:
-    """The content-word counts of the first ``n`` ok pairs of ``results`` (as ``fit_calibration``
-    takes them), or None where a result does not know them."""
-    if any(r.caption_words is None for r in results):
-        return None
-    parts = [np.zeros(0, np.int16)] + [r.caption_words[r.ok_mask] for r in results if r.caption_words is not None]
-    return np.concatenate(parts)[:n]
 
 
 def _contrast_key(doc: dict[str, Any]) -> str:
@@ -493,7 +483,7 @@ class ShardWork:
         extra_meta: dict[str, Any] = {"shard": result.uri, "recipe": _recipe(self.spec), "job": self.digest}
         second_stage = extra_scores = None
         adjusted, owner = table_columns(self.contrast_of(calibration), result.similarity, result.image_emb, result.text_emb,
-                                        result.ok_mask, result.caption_words)
+                                        result.ok_mask)
         if result.judge_llr is not None and "judge" in calibration.extra:
             second_stage, extra_scores = judged_columns(result, calibration, adjusted)
             extra_meta["judge"] = calibration.extra["judge"]
@@ -513,8 +503,7 @@ class ShardWork:
             emb_meta = {schema.META_KEY: json.dumps(
                 {"pairclean_version": __version__, "model": self.model_info, "job": self.digest}, sort_keys=True
             ).encode()}
-            table = embeddings_table(result.keys, result.image_emb, result.text_emb, result.ok_mask, emb_meta,
-                                     result.caption_words)
+            table = embeddings_table(result.keys, result.image_emb, result.text_emb, result.ok_mask, emb_meta)
             emb_name = self.out.emb_name(stem)
             emb_bytes = self.out.write_table(emb_name, table, job=self.digest).bytes
         # The score table last: once it exists, its sidecar does too.

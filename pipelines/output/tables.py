@@ -15,7 +15,7 @@ from pairclean import __version__, osa, schema
 from pairclean.calibrate.calibration import Calibration
 from pairclean.calibrate.contrast import has_owner, owner_p_clean
 
-__all__ = ["scores_table", "embeddings_table", "read_embeddings", "read_caption_words", "output_metadata", "float_column"]
+__all__ = ["scores_table", "embeddings_table", "read_embeddings", "output_metadata", "float_column"]
 
 
 def _p_clean_doc(calibration: Calibration) -> dict[str, Any]:
@@ -172,11 +172,8 @@ def scores_table(
     return pa.table(columns, schema=table_schema)
 
 
-def embeddings_table(keys: list[str], image_emb: NDArray[np.float32], text_emb: NDArray[np.float32], ok: NDArray[np.bool_],
-                     metadata: dict[bytes, bytes], caption_words: NDArray[np.int16] | None = None) -> pa.Table:
+def embeddings_table(keys: list[str], image_emb: NDArray[np.float32], text_emb: NDArray[np.float32], ok: NDArray[np.bool_], metadata: dict[bytes, bytes]) -> pa.Table:
     """The float16 embedding sidecar; rows that are not ok hold zero vectors.
-    ``caption_words`` (N,): each caption's content-word count (``ShardResult.caption_words``),
-    stored with -1 where not ok; None: no such column.
 
     Zeros, not nulls: pyarrow 18-24 refuses to write a fixed-size list with a null entry
     ("Lists with non-zero length null components are not supported": the sidecar of a
@@ -191,21 +188,10 @@ def embeddings_table(keys: list[str], image_emb: NDArray[np.float32], text_emb: 
         values = np.where(keep, emb, 0.0).astype(np.float16)
         return pa.FixedSizeListArray.from_arrays(pa.array(values.ravel(), type=pa.float16()), dim)
 
-    columns = {schema.COL_KEY: keys, schema.COL_IMAGE_EMB: column(image_emb), schema.COL_TEXT_EMB: column(text_emb)}
-    if caption_words is not None:
-        columns[schema.COL_CAPTION_WORDS] = pa.array(np.where(keep[:, 0], caption_words, -1).astype(np.int16))
-    return pa.table(columns, schema=schema.embeddings_schema(dim, caption_words is not None).with_metadata(metadata))
-
-
-def read_caption_words(table: pa.Table, rows: int) -> NDArray[np.int16] | None:
-    """(``rows``,) the sidecar ``table``'s content-word counts (-1 where not ok), or None where
-    it has none (written before them) or holds another number of rows (not this table's)."""
-    if schema.COL_CAPTION_WORDS not in table.column_names or table.num_rows != rows:
-        return None
-    column = table.column(schema.COL_CAPTION_WORDS)
-    if not pa.types.is_integer(column.type) or column.null_count:
-        return None
-    return np.asarray(column.to_numpy(zero_copy_only=False), dtype=np.int16)
+    return pa.table(
+        {schema.COL_KEY: keys, schema.COL_IMAGE_EMB: column(image_emb), schema.COL_TEXT_EMB: column(text_emb)},
+        schema=schema.embeddings_schema(dim).with_metadata(metadata),
+    )
 
 
 def read_embeddings(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:

@@ -238,8 +238,7 @@ def test_a_version_2_contrast_has_no_owner_and_reads_back_unchanged() -> None:
     img, txt, _ = _corpus()
     c = cm.fit_contrast(img, txt)
     assert c is not None
-    v2 = {k: v for k, v in c.to_json().items() if k not in ("owner_cosine", "owner_odds", "caption_floor", "image_floor", "owner_min_fit", "repeat_carriers",
-                                                          "repeat_max_words")} | {"version": 2}
+    v2 = {k: v for k, v in c.to_json().items() if k not in ("owner_cosine", "owner_odds", "caption_floor", "image_floor", "owner_min_fit")} | {"version": 2}
     old = cm.from_json(v2, c.bank)
     assert old.owner_cosine is None and old.owner_odds is None and old.to_json() == v2
     sims = (img * txt).sum(1)
@@ -435,103 +434,3 @@ def test_a_junk_heavy_corpus_is_calibrated_again_with_every_random_level_pair_ga
     # p_clean fell from 0.76 to 0.10 on average: docs/hard_noise.md)
     assert float(p[:400].mean()) <= float(p_first[:400].mean()) + 1e-6 and float(p[:400].mean()) < 0.3
     assert float(p[400:].mean()) > 0.5
-
-
-def _with_generic_caption(carriers: int, seed: int = 7) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A clean corpus whose first ``carriers`` photos (alike: one kind of scene) all carry one
-    caption that fits each of them ("a dog" on dog photos). Returns img, txt, sims."""
-    img, txt, _ = _corpus(n=400, near=0.0)
-    rng = np.random.default_rng(seed)
-    base = rng.normal(size=32)
-    img[:carriers] = _unit(base + 0.6 * rng.normal(size=(carriers, 32)))
-    txt[:carriers] = _unit(base)[None, :]
-    return img, txt, (img * txt).sum(1)
-
-
-def _words(n: int, shared: int, count: int) -> np.ndarray:
-    """Content-word counts of ``n`` captions: ``count`` for the first ``shared``, 8 (a full
-    caption) for the rest."""
-    words = np.full(n, 8, np.int16)
-    words[:shared] = count
-    return words
-
-
-def test_a_short_caption_many_photos_carry_is_a_repeat_with_no_owner_and_no_copy() -> None:
-    """A short caption on a dozen alike photos (more than ``REPEAT_CARRIERS``) was written for none of them in particular:
-    the photo it fits best is no "owner" of the others' copies, and the copies are no
-    near-miss captions (before the rule, both made such clean pairs noisy with confidence)."""
-    carriers = cm.REPEAT_CARRIERS + 2
-    img, txt, sims = _with_generic_caption(carriers)
-    words = _words(400, carriers, 1)
-    c = cm.fit_contrast(img, txt)
-    assert c is not None and c.repeat_carriers == cm.REPEAT_CARRIERS and c.repeat_max_words == cm.SHARED_CAPTION_WORDS
-    assert sims[:carriers].min() > c.owner_min_fit  # it fits each photo plausibly: only the repeat rule spares them
-    assert not cm.has_owner(c.owner_margin(sims, img, txt, words=words))[:carriers].any()
-    assert cm.has_owner(replace(c, repeat_carriers=None).owner_margin(sims, img, txt, words=words))[:carriers].sum() >= cm.REPEAT_CARRIERS
-    short = c.short(words, 400)
-    assert cm.copied_caption_share(sims, img, txt, min_fit=c.owner_min_fit, repeat=c.repeat_carriers, short=short) == 0.0
-    assert cm.copied_caption_share(sims, img, txt, min_fit=c.owner_min_fit) >= cm.REPEAT_CARRIERS / 400
-    # counts unknown (a sidecar written before them): no caption is short, every owner stays
-    assert cm.has_owner(c.owner_margin(sims, img, txt))[:carriers].sum() >= cm.REPEAT_CARRIERS
-    # recorded with the contrast; a contrast recorded before the rule reads back without it
-    back = cm.from_json(c.to_json(), c.bank)
-    assert (back.repeat_carriers, back.repeat_max_words) == (cm.REPEAT_CARRIERS, cm.SHARED_CAPTION_WORDS)
-    old = {k: v for k, v in c.to_json().items() if k not in ("repeat_carriers", "repeat_max_words")}
-    assert cm.from_json(old, c.bank).repeat_carriers is None and cm.from_json(old, c.bank).short(words, 400) is None
-    for name in ("repeat_carriers", "repeat_max_words"):
-        for bad in (0, -1, 2.5, "4", True):
-            with pytest.raises(ValueError, match=name):
-                cm.from_json({**c.to_json(), name: bad}, c.bank)
-
-
-def test_a_long_caption_pasted_onto_many_look_alikes_keeps_its_owner() -> None:
-    """One photo's full caption pasted onto a dozen look-alike photos it fits plausibly (the
-    hard-noise kind ``pasted``) is wrong on all but its own: however many photos carry it, a
-    caption of more than ``SHARED_CAPTION_WORDS`` content words keeps its owner, and its
-    copies count as copied captions (counted as shared, they were called clean with confidence)."""
-    carriers = cm.REPEAT_CARRIERS + 2
-    img, txt, sims = _with_generic_caption(carriers)
-    c = cm.fit_contrast(img, txt)
-    assert c is not None
-    for count in (cm.SHARED_CAPTION_WORDS + 1, 8):
-        words = _words(400, carriers, count)
-        owned = cm.has_owner(c.owner_margin(sims, img, txt, words=words))[:carriers]
-        assert owned.sum() == carriers - 1  # all but the best-fitting photo
-        assert cm.copied_caption_share(sims, img, txt, min_fit=c.owner_min_fit, repeat=c.repeat_carriers,
-                                       short=c.short(words, 400)) >= (carriers - 1) / 400
-    # -1 (a row that is not ok) is never short
-    assert c.short(np.full(400, -1, np.int16), 400) is not None and not c.short(np.full(400, -1, np.int16), 400).any()
-
-
-def test_a_short_caption_borrowed_by_fewer_photos_than_a_repeat_keeps_its_owner() -> None:
-    """A caption written for one photo and carried by a few look-alikes (a near-miss from a
-    hub photo) is no repeat: the photo that fits it best still owns it, in the bank and in
-    the shard alike."""
-    img, txt, sims = _with_generic_caption(cm.REPEAT_CARRIERS)  # the photo itself and 9 others: below the rule
-    words = _words(400, cm.REPEAT_CARRIERS + 1, 1)
-    c = cm.fit_contrast(img, txt)
-    assert c is not None
-    owned = cm.has_owner(c.owner_margin(sims, img, txt, words=words))[: cm.REPEAT_CARRIERS]
-    assert owned.sum() == cm.REPEAT_CARRIERS - 1  # all but the best-fitting photo
-    assert cm.copied_caption_share(sims, img, txt, min_fit=c.owner_min_fit, repeat=c.repeat_carriers, short=c.short(words, 400)) > 0
-    img, txt, sims = _with_generic_caption(cm.REPEAT_CARRIERS + 1)  # one more carrier: a repeat
-    c = cm.fit_contrast(img, txt)
-    assert c is not None and not cm.has_owner(c.owner_margin(sims, img, txt, words=words))[: cm.REPEAT_CARRIERS + 1].any()
-
-
-def test_a_short_caption_copied_onto_many_photos_it_does_not_fit_keeps_its_owner() -> None:
-    """Only carriers that fit the caption plausibly make it a shared caption: one photo's
-    caption pasted onto a dozen unrelated photos (spam, a scraper's off-by-one) is still
-    owned by that photo, and the copies still count as copied captions."""
-    img, txt, _ = _corpus(n=400, near=0.0)
-    pasted = np.arange(2, 2 * cm.REPEAT_CARRIERS + 6, 2)  # not photo 0's look-alike (photo 1)
-    txt[pasted] = txt[0]  # photo 0's own caption on unrelated photos
-    sims = (img * txt).sum(1)
-    words = np.full(400, 8, np.int16)
-    words[pasted], words[0] = 1, 1
-    c = cm.fit_contrast(img, txt)
-    assert c is not None and c.owner_min_fit is not None and sims[pasted].max() < c.owner_min_fit < sims[0]
-    owned = cm.has_owner(c.owner_margin(sims, img, txt, words=words))
-    assert len(pasted) > cm.REPEAT_CARRIERS and owned[pasted].all() and not owned[0]
-    assert cm.copied_caption_share(sims, img, txt, min_fit=c.owner_min_fit, repeat=c.repeat_carriers,
-                                   short=c.short(words, 400)) >= len(pasted) / 400
