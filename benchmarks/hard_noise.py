@@ -469,6 +469,12 @@ def evaluate(out: Path, labels: dict[str, Any], skip: set[str] | None = None) ->
         row["judged_share"] = float(judged.mean())
         if judged.any() and 0 < clean[judged].mean() < 1:  # the judge's AUC on the pairs it judged
             row["auc_judge_on_judged"] = roc_auc_score(clean[judged], df["judge_score"].to_numpy()[judged])
+    kinds = pd.Series(labels["kind"], index=labels["keys"]).reindex(df.index).fillna("").str.split(":").str[0].to_numpy()
+    present = sorted({k for k in kinds if k and k not in CLEAN_CHANGES})
+    if len(present) > 1:  # a mixed corpus (mix, generic-random): ECE with each kind's pairs left out
+        # near-text labels are the noisiest (about a third of those captions describe the photo):
+        # what the mix's ECE owes to each kind
+        row["ece_without"] = {k: round(ece(p[kinds != k], clean[kinds != k].astype(float)), 4) for k in present}
     fit = (frozen.extra.get("judge") or {}).get("fine_mixture_fit") if frozen is not None else None
     if fit:  # the near-miss mixture's deviance gain and whether it set the word check (posterior.fit_mixture)
         row["mixture_gain"], row["mixture_used"] = float(fit["gain"]), bool(fit["used"])
