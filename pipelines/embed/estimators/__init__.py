@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
 
-from pairclean.errors import InputError, ModelLoadError
+from pairclean.errors import InputError, ModelLoadError, first_line
 from pairclean.embed.estimators.base import BF16_MIN_COSINE, PRECISIONS, Estimator, ModelInfo, file_sha256, quiet_open_clip
 from pairclean.embed.cpu_settings import keep_heap_memory
 from pairclean.embed.estimators.engines import ENGINES, onnx_image_runner
@@ -158,15 +158,16 @@ def _build_open_clip(spec: EstimatorSpec) -> Estimator:
             "or --pretrained TAG (random weights give meaningless scores)"
         )
     pretrained = spec.checkpoint or spec.pretrained
+    offline = bool(spec.pretrained) and not _hub_reachable()
     try:
         # Seeded so that the random-weight test model is the same in every process.
         torch.manual_seed(0)
-        with quiet_open_clip():
+        with quiet_open_clip(), _hub_offline(offline):
             model, _, preprocess = open_clip.create_model_and_transforms(
                 spec.model, pretrained=pretrained, device=spec.device
             )
     except Exception as exc:
-        raise _load_error(spec, exc) from exc
+        raise _load_error(spec, exc, offline) from exc
     tokenizer = open_clip.get_tokenizer(spec.model)
     sha = file_sha256(spec.checkpoint) if spec.checkpoint else None
     pp = open_clip.get_model_preprocess_cfg(model)
@@ -193,11 +194,61 @@ def _embed_dim(model: Any) -> int:
         return int(model.encode_text(torch.zeros((1, 8), dtype=torch.long, device=device)).shape[-1])
 
 
-def _load_error(spec: EstimatorSpec, exc: Exception) -> ModelLoadError:
+#: Seconds to wait for a TCP connection to the model hub before taking it as unreachable.
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+def _hub_reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """Whether the model hub (``huggingface_hub``'s endpoint, ``HF_ENDPOINT``) answers a TCP
+    connection within ``timeout`` seconds. Why a probe of our own: offline, the hub client
+    retries each file with back-off (52 s measured before the error) where one refused or
+    unresolvable connection says enough. True where it cannot tell (a proxy is configured:
+    only the client knows how to reach the hub through it); False in offline mode."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    if constants.is_offline_mode():
+        return False
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urlsplit(str(getattr(constants, "ENDPOINT", "https://huggingface.co")))
+    try:
+        with socket.create_connection((url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)),
+                                      timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+class _hub_offline:  # noqa: N801 - used as a context manager
+    """Within the block (when ``on``), the hub client reads only its local cache: a tag
+    downloaded before still loads, any other fails at once instead of retrying."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+
+    def __enter__(self) -> None:
+        from huggingface_hub import constants
+
+        self._before = constants.HF_HUB_OFFLINE
+        if self.on:
+            constants.HF_HUB_OFFLINE = True  # read at call time (constants.is_offline_mode)
+
+    def __exit__(self, *exc: object) -> None:
+        from huggingface_hub import constants
+
+        constants.HF_HUB_OFFLINE = self._before
+
+
+def _load_error(spec: EstimatorSpec, exc: Exception, offline: bool = False) -> ModelLoadError:
     if spec.pretrained:
+        cause = ("the model hub cannot be reached and the tag is not in the local cache"
+                 if offline and "download" in str(exc).lower() else f"{type(exc).__name__}: {first_line(exc)}")
         return ModelLoadError(
             f"could not load pretrained weights {spec.pretrained!r} for {spec.model!r} "
-            f"({type(exc).__name__}: {exc}). Without network access, download the checkpoint "
+            f"({cause}). Without network access, download the checkpoint "
             "elsewhere and pass it with --checkpoint /path/to/open_clip_model.safetensors"
         )
     return ModelLoadError(f"could not build {spec.model!r} from {spec.checkpoint!r}: {exc}")

@@ -186,9 +186,11 @@ class Estimator:
 
 class _DropExpectedWarnings(logging.Filter):
     """open_clip warns through the root logger when towers are loaded separately from a
-    full checkpoint, which is exactly what pairclean-lite and the random test model do."""
+    full checkpoint, which is exactly what pairclean-lite and the random test model do; it
+    also logs a failed download there, which the loader's own error says in one line."""
 
-    EXPECTED = ("initialized partially", "No pretrained weights loaded", "Model initialized randomly")
+    EXPECTED = ("initialized partially", "No pretrained weights loaded", "Model initialized randomly",
+                "Failed to download weights")
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(text in record.getMessage() for text in self.EXPECTED)

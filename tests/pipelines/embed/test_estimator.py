@@ -49,10 +49,58 @@ def test_local_checkpoint_loads_and_is_identified_by_sha256(tiny, tmp_path: Path
     assert not np.allclose(est.encode_texts(["a cat"]), tiny.encode_texts(["a cat"]))
 
 
-def test_named_pretrained_tag_fails_fast_offline_with_a_hint(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelLoadError, match="--checkpoint"):
+def _closed_port() -> int:
+    """A local TCP port nothing listens on (a connection to it is refused at once)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_named_pretrained_tag_fails_fast_where_the_hub_cannot_be_reached(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Offline, the hub client retried each file with back-off: 52 s before the error (and two
+    log lines of its own before ours). One refused connection now says enough; the process's
+    offline setting is left as it was."""
+    import time
+
+    from huggingface_hub import constants
+
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # nothing cached
+    started = time.monotonic()
+    with pytest.raises(ModelLoadError, match="the model hub cannot be reached and the tag is not in the local cache.*--checkpoint"):
         load_estimator(EstimatorSpec("ViT-B-32", pretrained="laion2b_s34b_b79k", precision="fp32", device="cpu"))
+    assert time.monotonic() - started < 20
+    assert constants.HF_HUB_OFFLINE is False
+    # in offline mode no connection is tried at all
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelLoadError, match="cannot be reached"):
+        load_estimator(EstimatorSpec("ViT-B-32", pretrained="laion2b_s34b_b79k", precision="fp32", device="cpu"))
+
+
+def test_the_hub_probe_says_reachable_where_a_server_listens_or_a_proxy_decides(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from huggingface_hub import constants
+
+    from pairclean.embed.estimators import _hub_reachable
+
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+        assert _hub_reachable(timeout=2)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    assert not _hub_reachable(timeout=2)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")  # only the client knows the way through it
+    assert _hub_reachable(timeout=2)
 
 
 def test_bad_estimator_options_are_clear_errors() -> None:
