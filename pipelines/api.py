@@ -245,7 +245,8 @@ def score_pairs(
                 "folder or a saved calibration), or allow_small_calibration=True"
             )
         calibration = calibrate_on([result], spec, random_beta_fn(est, beta_k, seed), int(est.info.embed_dim))
-    adjusted, owner = table_columns(contrast, result.similarity, result.image_emb, result.text_emb, result.ok_mask)
+    adjusted, owner = table_columns(contrast, result.similarity, result.image_emb, result.text_emb, result.ok_mask,
+                                    result.caption_words)
     second_stage, extra_scores = judged_columns(result, calibration, adjusted) if judge is not None else (None, None)
     table = scores_table("in-memory", result.keys, result.idx, result.status, result.error, result.similarity, calibration, {},
                          second_stage=second_stage, extra_scores=extra_scores, adjusted=adjusted, owner_margin=owner)

@@ -57,6 +57,7 @@ __all__ = [
     "MEMBER_COLUMNS",
     "COL_IMAGE_EMB",
     "COL_TEXT_EMB",
+    "COL_CAPTION_WORDS",
     "META_KEY",
     "scores_schema",
     "embeddings_schema",
@@ -171,6 +172,9 @@ COL_CAPTION_SIZE: Final = "caption_size"
 MEMBER_COLUMNS: Final = (COL_IMAGE_OFFSET, COL_IMAGE_SIZE, COL_CAPTION_OFFSET, COL_CAPTION_SIZE)
 COL_IMAGE_EMB: Final = "image_emb"
 COL_TEXT_EMB: Final = "text_emb"
+#: The sidecar's count of content words of each pair's caption (int16, -1 where not ok;
+#: sidecars written before it have none).
+COL_CAPTION_WORDS: Final = "caption_words"
 
 #: The single Parquet key-value metadata key; its value is a JSON object (see
 #: ``pairclean.output.folder.score_metadata``) so that readers need one ``json.loads``.
@@ -352,18 +356,19 @@ def scores_schema(with_uid: bool, with_url: bool, extra_scores: tuple[str, ...] 
     return pa.schema(fields)
 
 
-def embeddings_schema(dim: int) -> pa.Schema:
+def embeddings_schema(dim: int, with_words: bool = False) -> pa.Schema:
     """The schema of the sidecar ``OUT/_emb/<stem>.parquet``: float16 L2-normalised embeddings.
 
     Rows whose status is not ``ok`` carry zero vectors (earlier sidecars: nulls, which
-    pyarrow 18-25 cannot round-trip; ``output.tables.embeddings_table``).
+    pyarrow 18-25 cannot round-trip; ``output.tables.embeddings_table``). ``with_words``:
+    ``caption_words`` last (each caption's content-word count, -1 where not ok).
     """
     return pa.schema(
         [
             pa.field(COL_KEY, pa.string(), nullable=False),
             pa.field(COL_IMAGE_EMB, pa.list_(pa.float16(), dim)),
             pa.field(COL_TEXT_EMB, pa.list_(pa.float16(), dim)),
-        ]
+        ] + ([pa.field(COL_CAPTION_WORDS, pa.int16(), nullable=False)] if with_words else [])
     )
 
 

@@ -36,6 +36,7 @@ from pairclean.read.decode import (
     tensor_preprocess_of,
 )
 from pairclean.read.shards import Deadline, PairSample, ReadOptions, ReadStats, iter_pairs
+from pairclean.read.words import content_word_count
 
 __all__ = [
     "ScoreOptions",
@@ -111,6 +112,10 @@ class ShardResult:
     read_bytes: int | None = None
     #: The local shard's modification time as opened (``ReadStats.mtime_ns``), else None.
     read_mtime_ns: int | None = None
+    #: How many content words each pair's caption has (N,) int16
+    #: (``pairclean.read.words.content_word_count``), -1 where the row is not ok; the corpus
+    #: contrast's shared-caption rule reads it. None: not known (a sidecar written before it).
+    caption_words: NDArray[np.int16] | None = None
 
     @property
     def ok_mask(self) -> NDArray[np.bool_]:
@@ -379,6 +384,7 @@ def score_shard(uri: str, estimator: Estimator, options: ScoreOptions | None = N
     img_parts: list[NDArray[np.float32]] = []
     txt_parts: list[NDArray[np.float32]] = []
     llr_parts: list[NDArray[np.float32]] = []
+    word_parts: list[NDArray[np.int16]] = []
     read_decode = embed = 0.0
     stats = ReadStats()
     for batch in _prepared_batches(uri, estimator, opts, samples, stats, deadline):
@@ -406,6 +412,10 @@ def score_shard(uri: str, estimator: Estimator, options: ScoreOptions | None = N
         # a pair the judge failed on is not ok: no similarity, no embeddings (as other statuses)
         failed = [pos for pos in batch.ok_positions if batch.statuses[pos] != schema.STATUS_OK]
         sim[failed], img[failed], txt[failed] = np.nan, 0.0, 0.0
+        words = np.full(n, -1, dtype=np.int16)
+        words[batch.ok_positions] = [min(content_word_count(t), np.iinfo(np.int16).max) for t in batch.texts]
+        words[failed] = -1
+        word_parts.append(words)
         embed += time.perf_counter() - t0
         sims.append(sim)
         img_parts.append(img)
@@ -435,6 +445,7 @@ def score_shard(uri: str, estimator: Estimator, options: ScoreOptions | None = N
         judge_llr=(np.concatenate(llr_parts) if llr_parts else np.zeros(0, np.float32)) if judge is not None else None,
         read_bytes=stats.bytes,
         read_mtime_ns=stats.mtime_ns,
+        caption_words=np.concatenate(word_parts) if word_parts else np.zeros(0, np.int16),
     )
 
 

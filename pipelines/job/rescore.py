@@ -26,7 +26,7 @@ from pairclean.output.exports import refresh_exports
 from pairclean.output.lock import RunLock
 from pairclean.output.folder import OutputDir, ShardRecord
 from pairclean.job.work import as_recorded, has_word_check, judged_p_clean, osa_p_clean, refit_fine_prior, with_judge_record
-from pairclean.output.tables import float_column, output_metadata, read_embeddings, scores_table
+from pairclean.output.tables import float_column, output_metadata, read_caption_words, read_embeddings, scores_table
 
 __all__ = ["rescore"]
 
@@ -163,10 +163,12 @@ def _rescore_locked(out: OutputDir, old_spec: JobSpec, lock: RunLock, *, beta_re
     records = []
     for record, table in tables:
         lock.check()  # a run that lost its lock must not write on
-        records.append(_rewrite(out, record, table, calibration, digest,
-                                (None, None) if fitted is None else table_columns(
-                                    fitted, table.column(schema.COL_SIMILARITY).to_numpy(), *_shard_embeddings(out, record, table),
-                                    schema.ok_mask(table))))
+        columns: tuple[Any, Any] = (None, None)
+        if fitted is not None:
+            img_all, txt_all, words_all = _shard_embeddings(out, record, table)
+            columns = table_columns(fitted, table.column(schema.COL_SIMILARITY).to_numpy(), img_all, txt_all,
+                                    schema.ok_mask(table), words_all)
+        records.append(_rewrite(out, record, table, calibration, digest, columns))
     lock.check()  # nor record what it wrote: the tables may be another run's by now
     out.replace_records(records)
     doc = out.read_job_doc() or {}
@@ -216,16 +218,18 @@ def _judge_scores(table: pa.Table) -> np.ndarray:
     return llr
 
 
-def _shard_embeddings(out: OutputDir, record: ShardRecord, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
-    """(image, text) (N, D) of every row of ``table`` from its sidecar (zeros where not ok)."""
-    img, txt = read_embeddings(out.read_embeddings_table(record))
+def _shard_embeddings(out: OutputDir, record: ShardRecord, table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(image, text) (N, D) of every row of ``table`` from its sidecar (zeros where not ok),
+    and the (N,) content-word counts of its captions (None: the sidecar predates them)."""
+    side = out.read_embeddings_table(record)
+    img, txt = read_embeddings(side)
     ok = schema.ok_mask(table)
     if int(ok.sum()) != len(img):
         raise InputError(f"{out.uri}: the sidecar of {record.stem} holds {len(img)} embeddings for {int(ok.sum())} ok rows")
     full_img = np.zeros((len(ok), img.shape[1]), np.float32)
     full_txt = np.zeros((len(ok), txt.shape[1]), np.float32)
     full_img[ok], full_txt[ok] = img, txt
-    return full_img, full_txt
+    return full_img, full_txt, read_caption_words(side, len(ok))
 
 
 def _judge_columns(table: pa.Table, calibration: Calibration, adjusted: np.ndarray | None) -> dict[str, Any]:

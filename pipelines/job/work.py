@@ -483,7 +483,7 @@ class ShardWork:
         extra_meta: dict[str, Any] = {"shard": result.uri, "recipe": _recipe(self.spec), "job": self.digest}
         second_stage = extra_scores = None
         adjusted, owner = table_columns(self.contrast_of(calibration), result.similarity, result.image_emb, result.text_emb,
-                                        result.ok_mask)
+                                        result.ok_mask, result.caption_words)
         if result.judge_llr is not None and "judge" in calibration.extra:
             second_stage, extra_scores = judged_columns(result, calibration, adjusted)
             extra_meta["judge"] = calibration.extra["judge"]
@@ -503,7 +503,8 @@ class ShardWork:
             emb_meta = {schema.META_KEY: json.dumps(
                 {"pairclean_version": __version__, "model": self.model_info, "job": self.digest}, sort_keys=True
             ).encode()}
-            table = embeddings_table(result.keys, result.image_emb, result.text_emb, result.ok_mask, emb_meta)
+            table = embeddings_table(result.keys, result.image_emb, result.text_emb, result.ok_mask, emb_meta,
+                                     result.caption_words)
             emb_name = self.out.emb_name(stem)
             emb_bytes = self.out.write_table(emb_name, table, job=self.digest).bytes
         # The score table last: once it exists, its sidecar does too.

@@ -22,7 +22,6 @@ caption (with and without the photo), all content words at once.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -30,15 +29,13 @@ import torch
 from numpy.typing import NDArray
 from torch import nn
 
-__all__ = ["WordConfig", "WordModel", "WordVocab", "WordGrounding", "FUNCTION_WORDS", "word_scores"]
+from pairclean.read.words import FUNCTION_WORDS, split_words
 
-_WORD = re.compile(r"[a-z]+|[0-9]+")
+__all__ = ["WordConfig", "WordModel", "WordVocab", "WordGrounding", "FUNCTION_WORDS", "split_words", "word_scores"]
+
 PAD, UNK, MASK = 0, 1, 2
 MAX_LAYERS = 12  # a bound on what a judge file may ask to build
 _SPECIAL = ("<pad>", "<unk>", "<mask>")
-#: Words never scored (nor hidden): grammar, not content. Numbers and colours are content.
-FUNCTION_WORDS = frozenset(
-    "a an the is are was were be of in on at with and to its his her their it this that by for from as into while".split())
 
 
 @dataclass(frozen=True)
@@ -110,11 +107,6 @@ class WordVocab:
         """Where ``ids`` hold a known content word (what the check hides and scores)."""
         function = np.array([self.index[w] for w in FUNCTION_WORDS if w in self.index], np.int64)
         return (ids > MASK) & ~np.isin(ids, function)
-
-
-def split_words(caption: str) -> list[str]:
-    """The caption's words, lowercase (letters or digits; everything else splits)."""
-    return _WORD.findall(caption.lower())
 
 
 class WordModel(nn.Module):

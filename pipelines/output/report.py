@@ -287,6 +287,13 @@ def _contrast_line(doc: dict[str, Any]) -> str:
     owner = (f"; a caption with a better owner (another image, in the bank or the pair's shard, whose caption is at cosine "
              f">= {doc['owner_cosine']:g} and which fits it better; owner_margin > 0) keeps x{doc['owner_odds']:g} of its odds"
              if "owner_odds" in doc else "")
+    if (owner and isinstance(doc.get("repeat_carriers"), int) and isinstance(doc.get("repeat_max_words"), int)
+            and isinstance(doc.get("shared_p_clean"), (int, float))):
+        least = doc.get("repeat_min_fit")
+        fit = f"at least {least:.3f}" if isinstance(least, (int, float)) else "plausibly"
+        owner += (f", unless it has at most {doc['repeat_max_words']} content words and {doc['repeat_carriers']} or more other "
+                  f"photos carry it and fit it {fit} (a shared caption: no owner, p_clean at most {doc['shared_p_clean']:g}, "
+                  "owner_margin -inf)")
     gate = (f"; a caption rival more than {abs(float(doc['caption_floor'])):.3f} (an image rival more than "
             f"{abs(float(doc['image_floor'])):.3f}) below its mean lifts a pair only as far as the pair beats it"
             if isinstance(doc.get("caption_floor"), (int, float)) and isinstance(doc.get("image_floor"), (int, float)) else "")

@@ -13,9 +13,9 @@ import pyarrow as pa
 from numpy.typing import NDArray
 from pairclean import __version__, osa, schema
 from pairclean.calibrate.calibration import Calibration
-from pairclean.calibrate.contrast import has_owner, owner_p_clean
+from pairclean.calibrate.contrast import has_owner, is_shared, owner_p_clean
 
-__all__ = ["scores_table", "embeddings_table", "read_embeddings", "output_metadata", "float_column"]
+__all__ = ["scores_table", "embeddings_table", "read_embeddings", "read_caption_words", "output_metadata", "float_column"]
 
 
 def _p_clean_doc(calibration: Calibration) -> dict[str, Any]:
@@ -109,7 +109,9 @@ def scores_table(
     ``owner_margin``: (N,) ``Contrast.owner_margin`` (a version-3 contrast): written after
     ``adjusted_similarity``; where it is positive, ``p_clean`` (the judge's included) keeps
     ``owner_odds`` of its odds (``contrast.owner_p_clean``), ``noisy`` also holds where that
-    ``p_clean`` is at most 0.5, and under the ``p-clean`` weighting ``weight = p_clean``.
+    ``p_clean`` is at most 0.5, and under the ``p-clean`` weighting ``weight = p_clean``; where
+    it is -inf (a shared caption, ``contrast.is_shared``), ``p_clean`` is at most the contrast's
+    ``shared_p_clean`` (``noisy`` unchanged) and under ``p-clean`` ``weight = p_clean``.
 
     Rows that are not ``ok`` get weight 0, ``p_clean`` 0 and ``noisy = True`` (a trainer
     must not use them as clean pairs). ``p_clean`` is the calibration's ``p_clean`` curve
@@ -137,10 +139,12 @@ def scores_table(
             weight[judged] = p_clean[judged]
     if owner_margin is not None:
         owned = ok & has_owner(owner_margin)
-        p_clean[owned] = owner_p_clean(p_clean[owned], owner_margin[owned], calibration.extra["contrast"].get("owner_odds"))
+        moved = owned | (ok & is_shared(owner_margin))
+        doc = calibration.extra["contrast"]
+        p_clean[moved] = owner_p_clean(p_clean[moved], owner_margin[moved], doc.get("owner_odds"), doc.get("shared_p_clean"))
         noisy = np.where(owned, noisy | (p_clean <= 0.5), noisy)
         if calibration.weighting == "p-clean":
-            weight[owned] = p_clean[owned]
+            weight[moved] = p_clean[moved]
     columns: dict[str, Any] = {
         schema.COL_KEY: keys,
         schema.COL_SHARD: [shard] * len(keys),
@@ -172,8 +176,11 @@ def scores_table(
     return pa.table(columns, schema=table_schema)
 
 
-def embeddings_table(keys: list[str], image_emb: NDArray[np.float32], text_emb: NDArray[np.float32], ok: NDArray[np.bool_], metadata: dict[bytes, bytes]) -> pa.Table:
+def embeddings_table(keys: list[str], image_emb: NDArray[np.float32], text_emb: NDArray[np.float32], ok: NDArray[np.bool_],
+                     metadata: dict[bytes, bytes], caption_words: NDArray[np.int16] | None = None) -> pa.Table:
     """The float16 embedding sidecar; rows that are not ok hold zero vectors.
+    ``caption_words`` (N,): each caption's content-word count (``ShardResult.caption_words``),
+    stored with -1 where not ok; None: no such column.
 
     Zeros, not nulls: pyarrow 18-24 refuses to write a fixed-size list with a null entry
     ("Lists with non-zero length null components are not supported": the sidecar of a
@@ -188,10 +195,21 @@ def embeddings_table(keys: list[str], image_emb: NDArray[np.float32], text_emb: 
         values = np.where(keep, emb, 0.0).astype(np.float16)
         return pa.FixedSizeListArray.from_arrays(pa.array(values.ravel(), type=pa.float16()), dim)
 
-    return pa.table(
-        {schema.COL_KEY: keys, schema.COL_IMAGE_EMB: column(image_emb), schema.COL_TEXT_EMB: column(text_emb)},
-        schema=schema.embeddings_schema(dim).with_metadata(metadata),
-    )
+    columns = {schema.COL_KEY: keys, schema.COL_IMAGE_EMB: column(image_emb), schema.COL_TEXT_EMB: column(text_emb)}
+    if caption_words is not None:
+        columns[schema.COL_CAPTION_WORDS] = pa.array(np.where(keep[:, 0], caption_words, -1).astype(np.int16))
+    return pa.table(columns, schema=schema.embeddings_schema(dim, caption_words is not None).with_metadata(metadata))
+
+
+def read_caption_words(table: pa.Table, rows: int) -> NDArray[np.int16] | None:
+    """(``rows``,) the sidecar ``table``'s content-word counts (-1 where not ok), or None where
+    it has none (written before them) or holds another number of rows (not this table's)."""
+    if schema.COL_CAPTION_WORDS not in table.column_names or table.num_rows != rows:
+        return None
+    column = table.column(schema.COL_CAPTION_WORDS)
+    if not pa.types.is_integer(column.type) or column.null_count:
+        return None
+    return np.asarray(column.to_numpy(zero_copy_only=False), dtype=np.int16)
 
 
 def read_embeddings(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:

@@ -396,7 +396,8 @@ def refined_p_clean(raw: np.ndarray, scores: np.ndarray, llr: np.ndarray | None,
         judged = judged_p_clean(np.asarray(llr, np.float32), p, judge)
         p = np.where(np.isfinite(judged), judged, p).astype(np.float32)
     if owner_margin is not None:
-        p = owner_p_clean(p, owner_margin, (calibration.extra.get("contrast") or {}).get("owner_odds"))
+        doc = calibration.extra.get("contrast") or {}
+        p = owner_p_clean(p, owner_margin, doc.get("owner_odds"), doc.get("shared_p_clean"))
     return p
 
 

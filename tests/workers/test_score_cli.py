@@ -425,13 +425,15 @@ def test_the_corpus_contrast_is_on_by_default_recorded_and_rescored_alike(make_s
     # 24 calibration pairs: fewer than MIN_GATE_PAIRS, so version 3's contrast (no bounds)
     assert ("corpus contrast: on (bank-contrast v3: caption rival x1, image rival x0.75; a caption with a better owner "
             "(another image, in the bank or the pair's shard, whose caption is at cosine >= 0.98 and which fits it better; "
-            "owner_margin > 0) keeps x0.1 of its odds; bank of 24") in text
+            "owner_margin > 0) keeps x0.1 of its odds, unless it has at most 2 content words and 10 or more other photos "
+            "carry it and fit it plausibly (a shared caption: no owner, p_clean at most 0.6, owner_margin -inf); bank of 24") in text
     # a version-4 record's line says where the gate acts (a floor of 0 reads 0.000, never -0.000)
     from pairclean.output.report import _contrast_line
 
     v4 = {**cal.extra["contrast"], "version": 4, "caption_floor": -0.15, "image_floor": 0.0, "owner_min_fit": 0.12}
     assert ("a caption rival more than 0.150 (an image rival more than 0.000) below its mean lifts a pair only as far as "
             "the pair beats it; bank of 24") in _contrast_line(v4)
+    assert "10 or more other photos carry it and fit it at least 0.105 (a shared caption" in _contrast_line({**v4, "repeat_min_fit": 0.105})
     assert "flagged noisy (adjusted_similarity <= beta, or p_clean <= 0.5 where owner_margin > 0)" in text
     assert "noise share by the p_clean mixture (calibration sample): " in text and "near-miss" in text
     # rerunning resumes (auto keeps the folder's setting); --contrast off is another job
@@ -449,6 +451,29 @@ def test_the_corpus_contrast_is_on_by_default_recorded_and_rescored_alike(make_s
         for col in (schema.COL_ADJUSTED, schema.COL_OWNER_MARGIN, "weight", "p_clean"):
             np.testing.assert_allclose([r[col] for r in a], [r[col] for r in b], atol=1e-6)
         assert [r["noisy"] for r in a] == [r["noisy"] for r in b]
+
+
+def test_the_sidecar_keeps_each_captions_content_word_count(make_shards, tmp_path: Path) -> None:
+    """The corpus contrast's shared-caption rule reads how many content words a caption has;
+    the sidecar keeps the count (-1 where the row is not ok) so that a rescore sees what the
+    score saw."""
+    from pairclean.output.tables import read_caption_words
+    from pairclean.read.words import content_word_count
+
+    shards = make_shards(n_shards=1, per_shard=10, extra={2: {"txt": "a dog"}, 4: {"jpg": b"not a jpeg"}})
+    out = tmp_path / "out"
+    assert _score([str(s) for s in shards], out) == 0
+    folder = OutputDir(str(out))
+    record = next(iter(folder.iter_committed()))
+    side = folder.read_embeddings_table(record)
+    words = read_caption_words(side, side.num_rows)
+    assert words is not None and words.dtype == np.int16
+    rows = _rows(out, record.stem)
+    expected = [content_word_count(_caption(shards[0], i)) if r["status"] == "ok" else -1 for i, r in enumerate(rows)]
+    assert words.tolist() == expected
+    assert words[2] == 1 and words[4] == -1 and rows[4]["status"] != "ok" and min(words[[0, 1, 3]]) >= 3
+    assert read_caption_words(side.drop_columns([schema.COL_CAPTION_WORDS]), side.num_rows) is None  # an older sidecar
+    assert read_caption_words(side, side.num_rows + 1) is None  # another table's rows
 
 
 def _caption(shard: Path, index: int) -> str:

@@ -238,7 +238,8 @@ def test_a_version_2_contrast_has_no_owner_and_reads_back_unchanged() -> None:
     img, txt, _ = _corpus()
     c = cm.fit_contrast(img, txt)
     assert c is not None
-    v2 = {k: v for k, v in c.to_json().items() if k not in ("owner_cosine", "owner_odds", "caption_floor", "image_floor", "owner_min_fit")} | {"version": 2}
+    v2 = {k: v for k, v in c.to_json().items() if k not in ("owner_cosine", "owner_odds", "caption_floor", "image_floor", "owner_min_fit", "repeat_carriers",
+                                                          "repeat_max_words", "shared_p_clean", "repeat_min_fit")} | {"version": 2}
     old = cm.from_json(v2, c.bank)
     assert old.owner_cosine is None and old.owner_odds is None and old.to_json() == v2
     sims = (img * txt).sum(1)
@@ -434,3 +435,119 @@ def test_a_junk_heavy_corpus_is_calibrated_again_with_every_random_level_pair_ga
     # p_clean fell from 0.76 to 0.10 on average: docs/hard_noise.md)
     assert float(p[:400].mean()) <= float(p_first[:400].mean()) + 1e-6 and float(p[:400].mean()) < 0.3
     assert float(p[400:].mean()) > 0.5
+
+
+def _with_generic_caption(carriers: int, seed: int = 7) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A clean corpus whose first ``carriers`` photos (alike: one kind of scene) all carry one
+    caption that fits each of them ("a dog" on dog photos). Returns img, txt, sims."""
+    img, txt, _ = _corpus(n=400, near=0.0)
+    rng = np.random.default_rng(seed)
+    base = rng.normal(size=32)
+    img[:carriers] = _unit(base + 0.6 * rng.normal(size=(carriers, 32)))
+    txt[:carriers] = _unit(base)[None, :]
+    return img, txt, (img * txt).sum(1)
+
+
+def _words(n: int, shared: int, count: int) -> np.ndarray:
+    """Content-word counts of ``n`` captions: ``count`` for the first ``shared``, 8 (a full
+    caption) for the rest."""
+    words = np.full(n, 8, np.int16)
+    words[:shared] = count
+    return words
+
+
+def test_a_short_caption_many_photos_carry_is_shared_no_owner_and_p_clean_in_the_middle() -> None:
+    """A short caption on a dozen alike photos (more than ``REPEAT_CARRIERS``): whether it is right
+    for each (generic alt-text) or wrong on most (a short caption pasted over look-alikes), the
+    corpus cannot say. No owner (the owner rule called right ones noisy with confidence), and
+    ``p_clean`` at most ``SHARED_P_CLEAN`` (exempted alone, wrong ones were called clean with
+    confidence); its copies still count towards the near-miss share."""
+    carriers = cm.REPEAT_CARRIERS + 2
+    img, txt, sims = _with_generic_caption(carriers)
+    words = _words(400, carriers, 1)
+    c = cm.fit_contrast(img, txt)
+    assert c is not None and c.repeat_carriers == cm.REPEAT_CARRIERS and c.repeat_max_words == cm.SHARED_CAPTION_WORDS
+    assert c.shared_p_clean == cm.SHARED_P_CLEAN
+    assert sims[:carriers].min() > c.owner_min_fit  # it fits each photo plausibly: only the repeat rule spares them
+    margin = c.owner_margin(sims, img, txt, words=words)
+    assert cm.is_shared(margin)[:carriers].all() and not cm.is_shared(margin)[carriers:].any()
+    assert not cm.has_owner(margin)[:carriers].any()
+    assert cm.has_owner(replace(c, repeat_carriers=None).owner_margin(sims, img, txt, words=words))[:carriers].sum() >= cm.REPEAT_CARRIERS
+    # p_clean: a shared caption's at most SHARED_P_CLEAN, never raised; an owned one's odds lowered
+    p = np.full(400, 0.95, np.float32)
+    p[0] = 0.2
+    out = cm.owner_p_clean(p, margin, c.owner_odds, c.shared_p_clean)
+    assert out[0] == pytest.approx(0.2) and np.allclose(out[1:carriers], cm.SHARED_P_CLEAN)
+    assert np.allclose(out[carriers:], 0.95)
+    assert np.allclose(cm.owner_p_clean(p, margin, c.owner_odds), p)  # a contrast recorded without the rule caps nothing
+    assert cm.copied_caption_share(sims, img, txt, min_fit=c.owner_min_fit) >= cm.REPEAT_CARRIERS / 400
+    # counts unknown (a sidecar written before them): no caption is short, every owner stays
+    assert cm.has_owner(c.owner_margin(sims, img, txt))[:carriers].sum() >= cm.REPEAT_CARRIERS
+    # carriers must fit it better than most mismatched pairs fit theirs (repeat_min_fit): boilerplate
+    # ("untitled", "photo") repeated over photos it fits at random level keeps its owners
+    assert c.repeat_min_fit == max(c.owner_min_fit, cm.random_fit(img, txt))
+    above = replace(c, repeat_min_fit=float(sims[:carriers].max()) + 0.01)
+    assert not cm.is_shared(above.owner_margin(sims, img, txt, words=words)).any()
+    assert cm.has_owner(above.owner_margin(sims, img, txt, words=words))[:carriers].sum() >= cm.REPEAT_CARRIERS
+    # recorded with the contrast; a contrast recorded before the rule reads back without it
+    back = cm.from_json(c.to_json(), c.bank)
+    assert (back.repeat_carriers, back.repeat_max_words, back.shared_p_clean, back.repeat_min_fit) == (
+        cm.REPEAT_CARRIERS, cm.SHARED_CAPTION_WORDS, cm.SHARED_P_CLEAN, c.repeat_min_fit)
+    old = {k: v for k, v in c.to_json().items() if k not in ("repeat_carriers", "repeat_max_words", "shared_p_clean", "repeat_min_fit")}
+    assert cm.from_json(old, c.bank).repeat_carriers is None and cm.from_json(old, c.bank).short(words, 400) is None
+    for name in ("repeat_carriers", "repeat_max_words"):
+        for bad in (0, -1, 2.5, "4", True):
+            with pytest.raises(ValueError, match=name):
+                cm.from_json({**c.to_json(), name: bad}, c.bank)
+    for bad in (-0.1, 1.5, "0.5", True):
+        with pytest.raises(ValueError, match="shared_p_clean"):
+            cm.from_json({**c.to_json(), "shared_p_clean": bad}, c.bank)
+
+
+def test_a_long_caption_pasted_onto_many_look_alikes_keeps_its_owner() -> None:
+    """One photo's full caption pasted onto a dozen look-alike photos it fits plausibly (the
+    hard-noise kind ``pasted``) is wrong on all but its own: however many photos carry it, a
+    caption of more than ``SHARED_CAPTION_WORDS`` content words keeps its owner."""
+    carriers = cm.REPEAT_CARRIERS + 2
+    img, txt, sims = _with_generic_caption(carriers)
+    c = cm.fit_contrast(img, txt)
+    assert c is not None
+    for count in (cm.SHARED_CAPTION_WORDS + 1, 8):
+        margin = c.owner_margin(sims, img, txt, words=_words(400, carriers, count))
+        assert cm.has_owner(margin)[:carriers].sum() == carriers - 1  # all but the best-fitting photo
+        assert not cm.is_shared(margin).any()
+    # -1 (a row that is not ok) is never short
+    assert c.short(np.full(400, -1, np.int16), 400) is not None and not c.short(np.full(400, -1, np.int16), 400).any()
+
+
+def test_a_short_caption_borrowed_by_fewer_photos_than_a_repeat_keeps_its_owner() -> None:
+    """A caption written for one photo and carried by a few look-alikes (a near-miss from a
+    hub photo) is no repeat: the photo that fits it best still owns it, in the bank and in
+    the shard alike."""
+    img, txt, sims = _with_generic_caption(cm.REPEAT_CARRIERS)  # the photo itself and 9 others: below the rule
+    words = _words(400, cm.REPEAT_CARRIERS + 1, 1)
+    c = cm.fit_contrast(img, txt)
+    assert c is not None
+    margin = c.owner_margin(sims, img, txt, words=words)
+    assert cm.has_owner(margin)[: cm.REPEAT_CARRIERS].sum() == cm.REPEAT_CARRIERS - 1  # all but the best-fitting photo
+    assert not cm.is_shared(margin).any()
+    img, txt, sims = _with_generic_caption(cm.REPEAT_CARRIERS + 1)  # one more carrier: a repeat
+    c = cm.fit_contrast(img, txt)
+    assert c is not None and cm.is_shared(c.owner_margin(sims, img, txt, words=words))[: cm.REPEAT_CARRIERS + 1].all()
+
+
+def test_a_short_caption_copied_onto_many_photos_it_does_not_fit_keeps_its_owner() -> None:
+    """Only carriers that fit the caption plausibly make it a shared caption: one photo's
+    caption pasted onto a dozen unrelated photos (spam, a scraper's off-by-one) is still
+    owned by that photo."""
+    img, txt, _ = _corpus(n=400, near=0.0)
+    pasted = np.arange(2, 2 * cm.REPEAT_CARRIERS + 6, 2)  # not photo 0's look-alike (photo 1)
+    txt[pasted] = txt[0]  # photo 0's own caption on unrelated photos
+    sims = (img * txt).sum(1)
+    words = np.full(400, 8, np.int16)
+    words[pasted], words[0] = 1, 1
+    c = cm.fit_contrast(img, txt)
+    assert c is not None and c.owner_min_fit is not None and sims[pasted].max() < c.owner_min_fit < sims[0]
+    margin = c.owner_margin(sims, img, txt, words=words)
+    assert len(pasted) > cm.REPEAT_CARRIERS and cm.has_owner(margin)[pasted].all() and not cm.has_owner(margin)[0]
+    assert not cm.is_shared(margin).any()

@@ -241,6 +241,15 @@ def test_refined_p_clean_maps_by_quantiles_and_keeps_osa_where_a_method_failed()
     np.testing.assert_allclose(p[:3], [0.2, 0.5, 0.8], atol=1e-6)
     assert p[3] == pytest.approx(osa_p[3]) and np.isfinite(p).all()
     np.testing.assert_allclose(refined_p_clean(raw, scores, None, {"kind": "osa"}, cal), osa_p)
+    # the contrast's marks as scores_table reads them: a shared caption (-inf) at most shared_p_clean
+    from dataclasses import replace
+
+    owned = replace(cal, extra={**cal.extra, "contrast": {"owner_odds": 0.1, "shared_p_clean": 0.6}})
+    margin = np.array([-np.inf, -np.inf, np.nan, np.nan], np.float32)
+    capped = refined_p_clean(raw, scores, None, p_map, owned, margin)
+    np.testing.assert_allclose(capped[:3], [0.2, 0.5, 0.8], atol=1e-6)  # below the cap: as they were
+    high = refined_p_clean(raw, scores, None, {"kind": "quantile", "raw": [0.0, 2.0], "p": [0.9, 0.99]}, owned, margin)
+    assert high[0] == pytest.approx(0.6) and high[1] == pytest.approx(0.6) and high[2] == pytest.approx(0.99)
 
 
 def test_the_heads_file_is_named_where_it_lies_in_either_layout() -> None:
