@@ -382,6 +382,11 @@ class Contrast:
         out[shared] = -np.inf
         return out
 
+    def without_shared_rule(self) -> Contrast:
+        """This contrast without the shared-caption rule (a rescore of sidecars written
+        before the caption counts: the record must not claim a rule that cannot act)."""
+        return replace(self, repeat_carriers=None, repeat_max_words=None, shared_p_clean=None, repeat_min_fit=None)
+
     @property
     def carrier_fit(self) -> float | None:
         """The least fit a carrier of a shared caption must have (``repeat_min_fit``, else

@@ -137,6 +137,10 @@ def _rescore_locked(out: OutputDir, old_spec: JobSpec, lock: RunLock, *, beta_re
     fitted = (fit_contrast(img, txt, owner_cosine_for(spec.model, spec.checkpoint),
                          image_copy_cosine_for(spec.model, spec.checkpoint))
               if spec.contrast and img is not None and txt is not None else None)
+    if fitted is not None and fitted.repeat_carriers is not None and not _sidecars_count_words(out, [r for r, _ in tables]):
+        # sidecars written before the count: no caption is known to be short, and the record says so
+        fitted = fitted.without_shared_rule()
+
     def fit(word_check: bool) -> Calibration:
         return calibrate(
             beta_recipe=beta_recipe, k=spec.beta_k, seed=spec.seed, weighting=weighting,
@@ -216,6 +220,19 @@ def _judge_scores(table: pa.Table) -> np.ndarray:
     if llr is None:
         raise InputError(f"a table of this judged job has no {schema.COL_JUDGE_SCORE} column; score it again")
     return llr
+
+
+def _sidecars_count_words(out: OutputDir, records: list[ShardRecord]) -> bool:
+    """Whether every record's sidecar has the ``caption_words`` column (footers only)."""
+    import pyarrow.parquet as pq
+
+    for record in records:
+        if record.emb_output is None:
+            return False
+        with out.store.open_read(record.emb_output) as fh:
+            if schema.COL_CAPTION_WORDS not in pq.ParquetFile(fh).schema_arrow.names:
+                return False
+    return True
 
 
 def _shard_embeddings(out: OutputDir, record: ShardRecord, table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

@@ -476,6 +476,29 @@ def test_the_sidecar_keeps_each_captions_content_word_count(make_shards, tmp_pat
     assert read_caption_words(side, side.num_rows + 1) is None  # another table's rows
 
 
+def test_a_rescore_of_sidecars_written_before_the_word_counts_records_no_shared_caption_rule(make_shards, tmp_path: Path) -> None:
+    """Sidecars without ``caption_words`` (written before the count) say no caption is short: a
+    rescore fits its contrast without the shared-caption rule, so the record (and ``inspect``)
+    does not claim a rule that cannot act; with the counts it keeps it."""
+    import pyarrow.parquet as pq
+
+    shards = [str(s) for s in make_shards(n_shards=2, per_shard=12)]
+    out = tmp_path / "out"
+    assert _score(shards, out) == 0
+    rescore = ["rescore", str(out), "--beta-recipe", "random-inputs", "--weighting", "p-clean", "--device", "cpu"]
+    assert main(rescore) == 0
+    doc = OutputDir(str(out)).read_calibration().extra["contrast"]  # type: ignore[union-attr]
+    assert doc["repeat_carriers"] == 10 and doc["shared_p_clean"] == 0.6
+    folder = OutputDir(str(out))
+    for record in folder.iter_committed():
+        path = schema.local_side_path(out, record.emb_output)
+        side = pq.read_table(path)
+        pq.write_table(side.drop_columns([schema.COL_CAPTION_WORDS]), path)  # as an earlier release wrote it
+    assert main(rescore) == 0
+    doc = OutputDir(str(out)).read_calibration().extra["contrast"]  # type: ignore[union-attr]
+    assert "repeat_carriers" not in doc and "shared_p_clean" not in doc
+
+
 def _caption(shard: Path, index: int) -> str:
     """The ``txt`` member of the shard's ``index``-th sample."""
     import tarfile
