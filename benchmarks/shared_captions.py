@@ -218,6 +218,16 @@ def src_with(c: Corpus, ok, density_ok, rng, skip: int = 0) -> int:
     return sorted(cands, key=lambda i: (-score[i], i))[min(skip, len(cands) - 1)]
 
 
+def _pasted_groups(c: Corpus, groups: list[tuple[str, Any, Any]], rng: np.random.Generator, copies: int) -> Corpus:
+    """Each (caption, right-for, wrong-for) of ``groups`` on a source it is right for and its
+    ``copies`` most alike photos it is wrong for; then the random swaps."""
+    for cap, ok_src, ok_copy in groups:
+        src = src_with(c, ok_src, ok_copy, rng)
+        c.paste(cap, cap, src, ok_copy, copies)
+    c.swaps(rng)
+    return c
+
+
 def build_count(images, emb) -> Corpus:
     c = Corpus(images, emb, "c1-count")
     rng = np.random.default_rng([SEED, 1])
@@ -230,11 +240,7 @@ def build_count(images, emb) -> Corpus:
         # debatable: "a dog" on a photo of two dogs (a dog is there; the count is wrong)
         ("A dog", lambda im: single(im, "dog"), lambda im: mentions(im, {"two"}, 3) and plural(im, "dog", 3)),
     ]
-    for cap, ok_src, ok_copy in groups:
-        src = src_with(c, ok_src, ok_copy, rng)
-        c.paste(cap, cap, src, ok_copy, 12)
-    c.swaps(rng)
-    return c
+    return _pasted_groups(c, groups, rng, 12)
 
 
 def build_colour(images, emb) -> Corpus:
@@ -252,11 +258,7 @@ def build_colour(images, emb) -> Corpus:
         ("A girl in pink", lambda im: mentions(im, {"girl"}, 3) and mentions(im, {"pink"}, 3),
          lambda im: mentions(im, {"girl"}, 3) and never(im, {"pink"}) and mentions(im, COLOURS - {"pink"}, 2)),
     ]
-    for cap, ok_src, ok_copy in groups:
-        src = src_with(c, ok_src, ok_copy, rng)
-        c.paste(cap, cap, src, ok_copy, 12)
-    c.swaps(rng)
-    return c
+    return _pasted_groups(c, groups, rng, 12)
 
 
 def build_short(images, emb) -> Corpus:
@@ -320,11 +322,7 @@ def build_many_src(images, emb) -> Corpus:
         ("A woman", lambda im: mentions(im, NOUNS["woman"][0], 3) and never(im, NOUNS["man"][0] | NOUNS["man"][1]), man_only),
         ("A dog swimming", lambda im: dog(im) and mentions(im, {"swims", "swimming", "swim"}, 3), lambda im: dog(im) and never(im, WATER)),
     ]
-    for cap, ok_src, ok_copy in groups:
-        src = src_with(c, ok_src, ok_copy, rng)
-        c.paste(cap, cap, src, ok_copy, 30)
-    c.swaps(rng)
-    return c
+    return _pasted_groups(c, groups, rng, 30)
 
 
 def build_count2(images, emb) -> Corpus:
