@@ -68,7 +68,8 @@ and Brier score of ``p_clean``; mean ``p_clean`` of clean and of noisy pairs; th
 noisy pairs that ``p_clean`` calls clean with confidence (above ``CONFIDENT``); the largest
 share of pairs tied on one ``p_clean`` value; the job's noise-rate estimate (1 - mean ``p_clean``)
 and the calibration's random-mismatch share; the shares of clean and of noisy pairs whose
-caption has a better owner (contrast version 3); the near-miss mixture's gain and whether it
+caption has a better owner (contrast version 3); for a corpus of several noise kinds, its ECE
+with each kind's pairs left out (``ece_without``); the near-miss mixture's gain and whether it
 was used (a judge that carries one); pairs/s of
 the whole command (start-up and model load included).
 
