@@ -58,6 +58,9 @@ class Summary:
     #: Share of ok pairs whose caption has a better owner (``owner_margin > 0``, contrast
     #: version 3); None for tables without the column.
     owned: float | None = None
+    #: Share of ok pairs whose caption is a shared one (``owner_margin`` -inf: no owner,
+    #: ``p_clean`` capped; ``contrast.is_shared``); None for tables without the column.
+    shared: float | None = None
     #: The verb whose rewrite of the tables was interrupted (their weights are mixed until
     #: it is run again); None when the tables are whole.
     interrupted_rewrite: str | None = None
@@ -112,6 +115,7 @@ def summarize(out: OutputDir, rows: int = 10, bins: int = 10, seed: int = 0) -> 
         expected_noise=expected_noise(status, table.column(schema.COL_P_CLEAN).to_numpy())
         if schema.COL_P_CLEAN in table.column_names else None,
         owned=_owned_share(table, ok),
+        shared=_owned_share(table, ok, shared=True),
         interrupted_rewrite=out.interrupted_rewrite(),
         exports_stale=out.store.exists(schema.EXPORTS_STALE_FILE),
         retried={stem: r.attempts for stem, r in sorted(committed.items()) if r.attempts > 1},
@@ -157,13 +161,15 @@ def noisy_rule_of(meta: dict[str, Any]) -> str:
     return rule
 
 
-def _owned_share(table: Any, ok: np.ndarray) -> float | None:
-    """Share of the ok rows whose ``owner_margin`` is positive (None without the column or ok rows)."""
+def _owned_share(table: Any, ok: np.ndarray, shared: bool = False) -> float | None:
+    """Share of the ok rows whose ``owner_margin`` is positive (``shared``: -inf, a shared
+    caption); None without the column or ok rows."""
     if schema.COL_OWNER_MARGIN not in table.column_names or not ok.any():
         return None
-    from pairclean.calibrate.contrast import has_owner
+    from pairclean.calibrate.contrast import has_owner, is_shared
 
-    return float(has_owner(table.column(schema.COL_OWNER_MARGIN).to_numpy(zero_copy_only=False)[ok]).mean())
+    margin = table.column(schema.COL_OWNER_MARGIN).to_numpy(zero_copy_only=False)[ok]
+    return float((is_shared(margin) if shared else has_owner(margin)).mean())
 
 
 def expected_noise(status: Any, p_clean: Any) -> float | None:
@@ -315,6 +321,14 @@ def _few(items: dict[str, Any], shown: int = 3) -> str:
     return text + (f" and {len(items) - shown} more" if len(items) > shown else "")
 
 
+def _shared_phrase(s: Summary) -> str:
+    """How many ok pairs carry a shared caption, where the contrast has the rule ('' else)."""
+    if s.shared is None or not isinstance((s.contrast or {}).get("shared_p_clean"), (int, float)):
+        return ""
+    after = " (before the audit's recalibration, which maps every p_clean)" if s.audit else ""
+    return f"; {100 * s.shared:.1f}% carry a shared caption, p_clean capped{after}"
+
+
 def format_summary(s: Summary) -> str:
     """Human-readable text of a summary."""
     warning = ([f"WARNING: a `pairclean {s.interrupted_rewrite}` was interrupted while rewriting the tables: some hold "
@@ -332,7 +346,8 @@ def format_summary(s: Summary) -> str:
         "status: " + ", ".join(f"{k}={v}" for k, v in s.statuses.items()),
         f"flagged noisy ({s.noisy_rule}): {100 * s.flagged_noisy:.1f}% of ok pairs",
         "corpus contrast: " + (_contrast_line(s.contrast) if s.contrast else "off (weights read the similarity)")
-        + (f"; {100 * s.owned:.1f}% of ok pairs have a better owner" if s.owned is not None else ""),
+        + (f"; {100 * s.owned:.1f}% of ok pairs have a better owner" if s.owned is not None else "")
+        + _shared_phrase(s),
         "judge: " + _judge_line(s.judge),
         "refined: " + _refine_line(s.refine),
         "audited: " + (f"p_clean recalibrated on {s.audit['labels']} human labels (`pairclean audit --labels`; the model's "

@@ -11,8 +11,9 @@ import pytest
 
 jinja2 = pytest.importorskip("jinja2")
 
-OFF = {"contrast_rows": None, "owner_odds": None, "caption_floor": None, "random_fit": None}
-V2 = {"contrast_rows": 4096, "owner_odds": None, "caption_floor": None, "random_fit": None}
+OFF = {"contrast_rows": None, "owner_odds": None, "caption_floor": None, "random_fit": None, "shared_p_clean": None,
+       "repeat_max_words": None, "repeat_carriers": None}
+V2 = {**OFF, "contrast_rows": 4096}
 V3 = {**V2, "owner_odds": 0.1}
 V4 = {**V3, "caption_floor": -0.153}
 
@@ -30,6 +31,9 @@ def _render(why: dict) -> str:
     (V4, "a caption that fits no photo well (its best fit elsewhere more than 0.153 below the sample's)", True, True),
     ({**V4, "caption_floor": 0.0}, "more than 0.000 below", True, True),  # never "-0.000"
     ({**V4, "random_fit": 0.0999}, "a <b>junk-heavy</b> corpus", True, True),
+    ({**V4, "shared_p_clean": 0.6, "repeat_max_words": 2, "repeat_carriers": 10},
+     "unless its caption is a <i>shared</i> one (at most 2 content words, carried by 10 or more other photos that fit it: "
+     "\"a dog\"), whose <code>p_clean</code> is at most 0.6", True, True),
 ])
 def test_the_contrast_sentence_reads_every_record_shape(why: dict, says: str, owner: bool, gate: bool) -> None:
     text = _render(why)

@@ -543,6 +543,15 @@ def test_a_caption_copied_onto_another_photo_has_a_better_owner(make_shards, tmp
     summary = summarize(OutputDir(str(out)))
     assert summary.owned == pytest.approx(owned.mean()) and summary.owned > 0
     assert f"; {100 * owned.mean():.1f}% of ok pairs have a better owner" in format_summary(summary)
+    # and how many carry a shared caption (owner_margin -inf), where the contrast has the rule
+    from dataclasses import replace
+
+    assert summary.shared == 0.0 and "carry a shared caption" in format_summary(summary)
+    shared = replace(summary, shared=0.25)
+    assert "; 25.0% carry a shared caption, p_clean capped" in format_summary(shared)
+    assert "before the audit's recalibration" in format_summary(replace(shared, audit={"labels": 200}))
+    assert "shared caption" not in format_summary(replace(shared, contrast={k: v for k, v in summary.contrast.items()
+                                                                           if k != "shared_p_clean"}))
 
 
 def test_a_contrast_job_without_sidecars_cannot_be_rescored_with_it(make_shards, tmp_path: Path,
