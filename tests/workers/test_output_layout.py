@@ -119,7 +119,7 @@ def test_out_reads_as_exactly_the_score_tables_in_every_reader(make_shards, tmp_
         ray.shutdown()
     # the sidecars read as their own dataset
     emb = ds.dataset(schema.local_side_path(out, schema.EMB_DIR))
-    assert emb.schema.names == ["key", "image_emb", "text_emb"] and emb.count_rows() == 15
+    assert emb.schema.names == ["key", "image_emb", "text_emb", "caption_words"] and emb.count_rows() == 15
 
 
 # -- other people's files ------------------------------------------------------------------------
