@@ -240,7 +240,8 @@ def make_pairing(kind: str, rate: float, images: list[Any], emb: dict[str, np.nd
     if kind == "pasted":
         return _pasted(images, emb, int(round(rate * n)), rng)
     if kind == "generic-random":
-        rest = [i for i in range(n) if i not in set(chosen.tolist()) and _head_noun(captions[i]) is not None]
+        swapped = set(chosen.tolist())
+        rest = [i for i in range(n) if i not in swapped and _head_noun(captions[i]) is not None]
         reduced = rng.choice(rest, size=min(len(rest), int(round(GENERIC_SHARE * (n - len(chosen))))), replace=False)
         for i in reduced:
             captions[i], labels[i] = _said_less(captions[i], "generic"), "generic"

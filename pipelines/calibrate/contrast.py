@@ -144,7 +144,7 @@ __all__ = ["RECIPE", "VERSION", "K", "CAPTION_GAMMA", "IMAGE_GAMMA", "BANK_SIZE"
            "table_columns", "owner_cosine_for", "OWNER_MODEL", "OWNER_SHARD_ROWS", "has_owner", "FLOOR_Z", "deviation_floor",
            "OWNER_FIT_QUANTILE", "plausible_fit", "IMAGE_COPY_COSINE_LITE", "image_copy_cosine_for",
            "RANDOM_FIT_QUANTILE", "random_fit", "REPEAT_CARRIERS", "SHARED_CAPTION_WORDS",
-           "short_captions", "SHARED_P_CLEAN", "is_shared"]
+           "SHARED_P_CLEAN", "is_shared"]
 
 RECIPE: Final = "bank-contrast"
 VERSION: Final = 4
@@ -394,11 +394,17 @@ class Contrast:
         return self.repeat_min_fit if self.repeat_min_fit is not None else self.owner_min_fit
 
     def short(self, words: NDArray[Any] | None, n: int) -> NDArray[np.bool_] | None:
-        """(n,) which pairs' captions are short enough to be shared ones (``short_captions``),
-        or None where the rule is off (no ``repeat_carriers``) or no count is known."""
+        """(n,) which pairs' captions are short enough to be shared ones: ``words`` (n,)
+        content-word counts (-1 where unknown or not ok) at most ``repeat_max_words``; None
+        where the rule is off (no ``repeat_carriers``), no count is known, or ``words`` holds
+        another number of pairs."""
         if self.repeat_carriers is None or self.repeat_max_words is None or self.shared_p_clean is None or words is None:
             return None
-        return short_captions(words, self.repeat_max_words, n)
+        counts = np.asarray(words)
+        if counts.shape != (n,):
+            return None
+        out: NDArray[np.bool_] = (counts >= 0) & (counts <= self.repeat_max_words)
+        return out
 
     def to_json(self) -> dict[str, Any]:
         """The parameters and the bank's checksum (the bank itself is a file of its own)."""
@@ -708,11 +714,3 @@ def _fraction(doc: dict[str, Any], name: str) -> float | None:
         raise ValueError(f"the contrast's {name} must be a number in [0, 1], not {value!r}")
     return float(value)
 
-
-def short_captions(words: NDArray[Any], max_words: int, n: int) -> NDArray[np.bool_] | None:
-    """(n,) which of ``words`` (content-word counts, -1 where unknown or not ok) are at most
-    ``max_words`` (and not negative); None where ``words`` holds another number of pairs."""
-    counts = np.asarray(words)
-    if counts.shape != (n,):
-        return None
-    return (counts >= 0) & (counts <= max_words)

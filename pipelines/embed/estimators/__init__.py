@@ -7,11 +7,13 @@ fails fast with a ``ModelLoadError`` that says how to point at a local checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
 from dataclasses import dataclass, replace
 from importlib import resources
+from collections.abc import Iterator
 from typing import Any
 
 from pairclean.errors import InputError, ModelLoadError, first_line
@@ -222,24 +224,19 @@ def _hub_reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
         return False
 
 
-class _hub_offline:  # noqa: N801 - used as a context manager
+@contextlib.contextmanager
+def _hub_offline(on: bool) -> Iterator[None]:
     """Within the block (when ``on``), the hub client reads only its local cache: a tag
     downloaded before still loads, any other fails at once instead of retrying."""
+    from huggingface_hub import constants
 
-    def __init__(self, on: bool) -> None:
-        self.on = on
-
-    def __enter__(self) -> None:
-        from huggingface_hub import constants
-
-        self._before = constants.HF_HUB_OFFLINE
-        if self.on:
-            constants.HF_HUB_OFFLINE = True  # read at call time (constants.is_offline_mode)
-
-    def __exit__(self, *exc: object) -> None:
-        from huggingface_hub import constants
-
-        constants.HF_HUB_OFFLINE = self._before
+    before = constants.HF_HUB_OFFLINE
+    if on:
+        constants.HF_HUB_OFFLINE = True  # read at call time (constants.is_offline_mode)
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = before
 
 
 def _load_error(spec: EstimatorSpec, exc: Exception, offline: bool = False) -> ModelLoadError:
